@@ -1,0 +1,23 @@
+# `make test` sets up .venv on a fresh machine and runs the suite with the Triton interpreter.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch (a plain `pip install torch` would fetch a multi-GB CUDA build).
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: setup test clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_CPU)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,28 @@
+"""The small value types of the public API."""
+from __future__ import annotations
+
+from typing import Dict, NamedTuple
+
+import torch
+
+
+class LossOutput(NamedTuple):
+    """What every loss returns: the scalar ``loss`` (0-dim fp32, differentiable) and detached
+    0-dim ``metrics``."""
+
+    loss: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+
+
+class Logits(NamedTuple):
+    """A policy given as logits rather than log-probs.
+
+    ``logits[b, t]`` (``[B, T, V]``, any batch/time strides, ``stride(-1) == 1``) predicts
+    ``targets[b, t]`` (``[B, T]`` integer ids); log-probs are ``log_softmax(logits / temperature)``.
+    A loss that receives a ``Logits`` computes the log-probs itself and, in the fused path, writes
+    the gradient w.r.t. the logits without materialising a ``[B, T, V]`` fp32 temporary.
+    """
+
+    logits: torch.Tensor
+    targets: torch.Tensor
+    temperature: float = 1.0

@@ -1,0 +1,232 @@
+"""Per-token log-probs (and entropy) from logits: the row kernels every loss builds on.
+
+One program handles one (b, t) row of ``[B, T, V]`` logits and streams the vocabulary in blocks
+of ``BLOCK_V``. The forward reads the row once (online logsumexp) and saves only the fp32 ``lse``;
+the backward reads it once more and writes ``dlogits`` once.
+
+The row helpers ``row_logsumexp`` and ``row_write_dlogits`` are shared with the fused losses that
+work straight from logits.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import compute_dtype, empty, vocab_launch_config
+
+# A finite stand-in for -inf as the running max: keeps `m_old - m_new` finite when a whole block
+# of logits is -inf.
+_NEG_BIG = tl.constexpr(-3.0e38)
+# Below this, exp() is 0 in fp32 and fp64 alike.
+_LOG_TINY = tl.constexpr(-1.0e4)
+
+
+@triton.jit
+def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                  ACC: tl.constexpr):
+    """(lse, entropy) of ``z = row * inv_temp``; entropy is 0 unless ``WITH_ENTROPY``.
+
+    Online over vocab blocks with running max ``m``, ``s = sum exp(z - m)`` and
+    ``w = sum exp(z - m) (z - m)``; moving the max from m to m' rescales
+    ``s' = a s`` and ``w' = a (w + (m - m') s)`` with ``a = exp(m - m')``. At the end
+    ``lse = m + log s`` and ``entropy = lse - sum p z = log s - w / s`` (no cancellation of two
+    large numbers when the logits are large).
+    """
+    m = tl.full((), _NEG_BIG, ACC)
+    s = tl.zeros((), ACC)
+    w = tl.zeros((), ACC)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(ACC) * inv_temp
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(z - m_new)
+        if WITH_ENTROPY:
+            # e == 0 wherever z - m_new is below _LOG_TINY, so the clamp changes nothing but
+            # keeps 0 * -inf (a -inf logit or a padding lane) out of the sum.
+            w = alpha * (w + (m - m_new) * s) + tl.sum(e * tl.maximum(z - m_new, _LOG_TINY), axis=0)
+        s = alpha * s + tl.sum(e, axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    entropy = tl.zeros((), ACC)
+    if WITH_ENTROPY:
+        entropy = tl.log(s) - w / s
+    return lse, entropy
+
+
+@triton.jit
+def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, lse, entropy, g, h,
+                      BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
+    """Writes dL/dlogits of one row, given g = dL/dlogp and h = dL/dentropy.
+
+    With z = x / tau, p = softmax(z), logp = z[y] - lse, H = lse - sum_u p_u z_u:
+      dlogp/dz_v = 1[v = y] - p_v
+      dH/dz_v    = -p_v (z_v - zbar),   zbar = sum_u p_u z_u = lse - H,
+                   so z_v - zbar = (z_v - lse) + H = log p_v + H
+      dL/dx_v    = ( g (1[v = y] - p_v) - h p_v (log p_v + H) ) / tau
+    """
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        in_vocab = cols < V
+        z = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(ACC) * inv_temp
+        logp = z - lse
+        p = tl.exp(logp)
+        d = tl.where(cols == target, g, 0.0) - g * p
+        if WITH_ENTROPY:
+            d -= h * p * (tl.maximum(logp, _LOG_TINY) + entropy)
+        tl.store(drow_ptr + cols, (d * inv_temp).to(drow_ptr.dtype.element_ty), mask=in_vocab)
+
+
+@triton.jit
+def row_write_zeros(drow_ptr, V, BLOCK_V: tl.constexpr):
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        tl.store(drow_ptr + cols, tl.zeros([BLOCK_V], drow_ptr.dtype.element_ty), mask=cols < V)
+
+
+@triton.jit
+def load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt, stride_mb, stride_mt, V,
+                    HAS_MASK: tl.constexpr):
+    """(target id, is_actor) of row (b, t); rows without a mask are all actors."""
+    y = tl.load(targets_ptr + b * stride_yb + t * stride_yt).to(tl.int64)
+    is_actor = (y == y)  # a scalar True
+    if HAS_MASK:
+        is_actor = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
+    return y, is_actor
+
+
+@triton.jit
+def _token_logprobs_fwd_kernel(
+    # pointers
+    logits_ptr, targets_ptr, mask_ptr,  # [B, T, V], [B, T], [B, T] (uint8) or None
+    logp_ptr, lse_ptr, entropy_ptr,     # [B*T] outputs; entropy only if WITH_ENTROPY
+    # strides
+    stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
+    # sizes
+    T, V,
+    # scalars
+    inv_temp,
+    BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    y, is_actor = load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt,
+                                  stride_mb, stride_mt, V, HAS_MASK)
+    logp = tl.zeros((), ACC)
+    lse = tl.zeros((), ACC)
+    entropy = tl.zeros((), ACC)
+    if is_actor:
+        row_ptr = logits_ptr + b * stride_lb + t * stride_lt
+        lse, entropy = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, WITH_ENTROPY, ACC)
+        # An out-of-range target (possible only with validation off) is never read: NaN.
+        in_range = (y >= 0) & (y < V)
+        z_y = tl.load(row_ptr + tl.where(in_range, y, 0)).to(ACC) * inv_temp
+        logp = tl.where(in_range, z_y - lse, float("nan"))
+    tl.store(logp_ptr + row, logp)
+    tl.store(lse_ptr + row, lse)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, entropy)
+
+
+@triton.jit
+def _token_logprobs_bwd_kernel(
+    # pointers
+    logits_ptr, targets_ptr, mask_ptr,  # [B, T, V], [B, T], [B, T] (uint8) or None
+    lse_ptr, entropy_ptr,               # [B*T] saved by the forward; entropy only if WITH_ENTROPY
+    dlogp_ptr, dentropy_ptr,            # [B*T] upstream gradients; dentropy only if WITH_ENTROPY
+    dlogits_ptr,                        # [B, T, V] output (may alias logits)
+    # strides
+    stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_db, stride_dt,
+    # sizes
+    T, V,
+    # scalars
+    inv_temp,
+    BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    y, is_actor = load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt,
+                                  stride_mb, stride_mt, V, HAS_MASK)
+    drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
+    if is_actor:
+        g = tl.load(dlogp_ptr + row).to(ACC)
+        h = tl.zeros((), ACC)
+        entropy = tl.zeros((), ACC)
+        if WITH_ENTROPY:
+            h = tl.load(dentropy_ptr + row).to(ACC)
+            entropy = tl.load(entropy_ptr + row).to(ACC)
+        lse = tl.load(lse_ptr + row).to(ACC)
+        row_write_dlogits(logits_ptr + b * stride_lb + t * stride_lt, drow_ptr, V, y, inv_temp,
+                          lse, entropy, g, h, BLOCK_V, WITH_ENTROPY, ACC)
+    else:
+        row_write_zeros(drow_ptr, V, BLOCK_V)
+
+
+def _mask_args(mask: Optional[torch.Tensor]):
+    """(pointer tensor, stride_b, stride_t) of an optional bool mask, as uint8 without a copy."""
+    if mask is None:
+        return None, 0, 0
+    mask = mask.view(torch.uint8)
+    return mask, mask.stride(0), mask.stride(1)
+
+
+def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
+                       temperature: float, with_entropy: bool):
+    """Launches the forward on ``logits [B, T, V]`` (``stride(-1) == 1``), ``targets [B, T]``,
+    ``mask [B, T]`` bool or None. Returns ``(logp [B, T], lse [B*T], entropy [B, T] or None)``
+    in the compute dtype (fp32, or fp64 for fp64 logits)."""
+    B, T, V = logits.shape
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp = empty((B, T), dtype=acc, device=logits.device)
+    lse = empty((B * T,), dtype=acc, device=logits.device)
+    entropy = empty((B, T), dtype=acc, device=logits.device) if with_entropy else None
+    if B * T == 0:
+        return logp, lse, entropy
+    block_v, num_warps = vocab_launch_config(V, logits.element_size())
+    mask_u8, stride_mb, stride_mt = _mask_args(mask)
+    _token_logprobs_fwd_kernel[(B * T,)](
+        logits, targets, mask_u8,
+        logp, lse, entropy,
+        logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
+        stride_mb, stride_mt,
+        T, V,
+        1.0 / temperature,
+        BLOCK_V=block_v, HAS_MASK=mask is not None, WITH_ENTROPY=with_entropy,
+        ACC=compute_dtype(logits.dtype), num_warps=num_warps,
+    )
+    return logp, lse, entropy
+
+
+def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
+                       temperature: float, lse: torch.Tensor, entropy: Optional[torch.Tensor],
+                       dlogp: torch.Tensor, dentropy: Optional[torch.Tensor],
+                       dlogits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Launches the backward; ``dlogp``/``dentropy`` are ``[B, T]`` (``dentropy`` None when the
+    entropy gets no gradient). Writes into ``dlogits`` when given (it may be ``logits`` itself),
+    else into a new tensor of the logits' dtype and shape."""
+    B, T, V = logits.shape
+    if dlogits is None:
+        dlogits = empty((B, T, V), dtype=logits.dtype, device=logits.device)
+    if B * T == 0:
+        return dlogits
+    with_entropy = dentropy is not None
+    block_v, num_warps = vocab_launch_config(V, logits.element_size())
+    mask_u8, stride_mb, stride_mt = _mask_args(mask)
+    _token_logprobs_bwd_kernel[(B * T,)](
+        logits, targets, mask_u8,
+        lse, entropy if with_entropy else None,
+        dlogp.contiguous(), dentropy.contiguous() if with_entropy else None,
+        dlogits,
+        logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
+        stride_mb, stride_mt, dlogits.stride(0), dlogits.stride(1),
+        T, V,
+        1.0 / temperature,
+        BLOCK_V=block_v, HAS_MASK=mask is not None, WITH_ENTROPY=with_entropy,
+        ACC=compute_dtype(logits.dtype), num_warps=num_warps,
+    )
+    return dlogits

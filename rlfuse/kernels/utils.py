@@ -1,0 +1,45 @@
+"""Launch helpers shared by every kernel module: interpreter detection, block-size table,
+output allocation."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# `@triton.jit` picks the interpreter when the kernels are decorated, i.e. when this package is
+# imported; record the same decision for dispatch.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Tests set this to fill every freshly allocated kernel output with NaN (or -1 for integers), so an
+# element a kernel forgets to write fails the comparison instead of passing by luck.
+POISON_OUTPUTS = False
+
+# Vocabulary block per loop iteration, by logits element size: large enough to keep many loads in
+# flight, small enough that the fp32 working set of a block stays in registers.
+_MAX_BLOCK_V = {2: 8192, 4: 4096, 8: 2048}
+
+
+def vocab_launch_config(vocab_size: int, element_size: int):
+    """(BLOCK_V, num_warps) for a kernel that streams one row of ``vocab_size`` logits."""
+    block = min(triton.next_power_of_2(vocab_size), _MAX_BLOCK_V[element_size])
+    num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    return block, num_warps
+
+
+def compute_dtype(dtype: torch.dtype):
+    """The accumulation dtype inside kernels: fp64 for fp64 inputs, fp32 otherwise."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def torch_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs, poisoned when ``POISON_OUTPUTS`` is set."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    return out

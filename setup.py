@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rlfuse",
+    version="0.1.0",
+    description="Fused Triton kernels for GGPO, GPPO and GR-OPD reinforcement-learning losses",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    packages=find_packages(include=["rlfuse", "rlfuse.*"]),
+    install_requires=["torch>=2.3", "triton>=3.2"],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "numpy"],
+        "bench": ["matplotlib", "numpy"],
+        "train": ["transformers", "peft"],
+    },
+)
