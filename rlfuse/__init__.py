@@ -1,7 +1,7 @@
 """rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD losses."""
 from . import reference
 from ._types import Logits, LossOutput
-from .fused_losses import token_logprobs
+from .fused_losses import GGPOLoss, ggpo_loss, token_logprobs
 
-__all__ = ["Logits", "LossOutput", "reference", "token_logprobs"]
+__all__ = ["GGPOLoss", "Logits", "LossOutput", "ggpo_loss", "reference", "token_logprobs"]
 __version__ = "0.1.0"

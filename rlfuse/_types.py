@@ -20,9 +20,12 @@ class Logits(NamedTuple):
     ``logits[b, t]`` (``[B, T, V]``, any batch/time strides, ``stride(-1) == 1``) predicts
     ``targets[b, t]`` (``[B, T]`` integer ids); log-probs are ``log_softmax(logits / temperature)``.
     A loss that receives a ``Logits`` computes the log-probs itself and, in the fused path, writes
-    the gradient w.r.t. the logits without materialising a ``[B, T, V]`` fp32 temporary.
+    the gradient w.r.t. the logits without materialising a ``[B, T, V]`` fp32 temporary; with
+    ``inplace_backward=True`` it writes it into the logits' own buffer (only safe when nothing
+    else needs the logits after the backward; the reference ignores it).
     """
 
     logits: torch.Tensor
     targets: torch.Tensor
     temperature: float = 1.0
+    inplace_backward: bool = False

@@ -6,9 +6,11 @@ Every check reads only ``[B, T]``-sized data (never the logits' values) and rais
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+
+from ._types import Logits
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -95,3 +97,126 @@ def check_logprob_args(logits, targets, temperature, mask) -> Optional[torch.Ten
         mask = check_mask(mask, shape, logits.device)
     check_targets(targets, shape, logits.shape[-1], logits.device, mask)
     return mask
+
+
+# --------------------------------------------------------------------------------------------
+# Checks shared by the losses (GGPO, GPPO, GR-OPD)
+# --------------------------------------------------------------------------------------------
+
+def check_number(name: str, value) -> float:
+    """A real number (finite or not); returns it as a Python float."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected a number, got bool")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+    if math.isnan(value):
+        raise ValueError(f"{name}: expected a number, got nan")
+    return value
+
+
+def check_nonnegative(name: str, value, *, allow_inf: bool = True) -> float:
+    value = check_number(name, value)
+    if value < 0 or (math.isinf(value) and not allow_inf):
+        bound = ">= 0" if allow_inf else "finite and >= 0"
+        raise ValueError(f"{name}: expected a value {bound}, got {value}")
+    return value
+
+
+def check_unit_interval(name: str, value) -> float:
+    """A number in ``(0, 1]``."""
+    value = check_number(name, value)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name}: expected a value in (0, 1], got {value}")
+    return value
+
+
+def check_finite(name: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
+    """``x`` is finite wherever ``mask`` is True (everywhere when ``mask`` is None)."""
+    bad = ~torch.isfinite(x)
+    if mask is not None:
+        bad &= mask
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        scope = "at actor (mask=True) positions" if mask is not None else "everywhere"
+        raise ValueError(f"{name}: expected finite values {scope}; found {x[where].item()} "
+                         f"at index {list(where)}")
+
+
+def check_actor_tokens(mask: torch.Tensor, group_size: int, *, what: str) -> None:
+    """Every block of ``group_size`` consecutive rows of ``mask`` holds at least one actor token.
+
+    ``what`` names the block in the message: ``"group"`` or ``"sequence"`` (``group_size=1``).
+    """
+    batch = mask.shape[0]
+    has_token = mask.reshape(batch // group_size, -1).any(-1)
+    if not bool(has_token.all()):
+        k = int((~has_token).nonzero()[0])
+        rows = (f"row {k}" if group_size == 1
+                else f"rows {k * group_size}..{(k + 1) * group_size - 1}")
+        raise ValueError(f"mask: {what} {k} ({rows}) has no actor token; the loss divides by its "
+                         f"token count, so every {what} needs at least one mask=True position")
+
+
+class PolicyInfo(NamedTuple):
+    """What the losses need to know about ``policy`` before computing its log-probs."""
+
+    shape: Tuple[int, int]       # (B, T)
+    device: torch.device
+    compute_dtype: torch.dtype   # fp64 for fp64 inputs, fp32 otherwise
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Losses reduce in fp32, or in fp64 when given fp64 (for gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_policy(policy) -> PolicyInfo:
+    """A policy is learner log-probs ``[B, T]`` (floating tensor) or :class:`rlfuse.Logits` with
+    ``[B, T, V]`` logits. Only metadata is read here; the targets are checked by the log-prob op."""
+    if isinstance(policy, Logits):
+        check_logits(policy.logits)
+        if policy.logits.dim() != 3:
+            raise ValueError(f"policy.logits: expected shape [B, T, V], got "
+                             f"{tuple(policy.logits.shape)}")
+        shape, device, dtype = policy.logits.shape[:2], policy.logits.device, policy.logits.dtype
+    elif isinstance(policy, torch.Tensor):
+        check_tensor("policy", policy, floating=True)
+        if policy.dim() != 2:
+            raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or rlfuse.Logits), "
+                             f"got shape {tuple(policy.shape)}")
+        shape, device, dtype = policy.shape, policy.device, policy.dtype
+    else:
+        raise TypeError(f"policy: expected a [B, T] tensor of log-probs or rlfuse.Logits, "
+                        f"got {type(policy).__name__}")
+    return PolicyInfo(tuple(shape), device, compute_dtype(dtype))
+
+
+def check_token_tensors(mask, tensors: Mapping[str, torch.Tensor], *, shape: Sequence[int],
+                        device: torch.device, validate: bool = True) -> torch.Tensor:
+    """Checks ``mask`` and the ``[B, T]`` float ``tensors`` (name -> tensor) that go with it;
+    returns the mask as bool.
+
+    Shapes, devices and dtypes are always checked (metadata only). With ``validate`` the values
+    are checked too: the mask holds only 0/1 and every tensor is finite at the actor positions
+    (masked positions may hold anything: NaN, -inf, padding).
+    """
+    if validate:
+        mask = check_mask(mask, shape, device)
+    else:
+        check_tensor("mask", mask, shape=shape, device=device)
+        mask = mask if mask.dtype == torch.bool else mask != 0
+    for name, x in tensors.items():
+        check_tensor(name, x, shape=shape, device=device, floating=True)
+        if validate:
+            check_finite(name, x, mask)
+    return mask
+
+
+def check_sequence_tensor(name: str, x, *, batch: int, device: torch.device,
+                          validate: bool = True) -> None:
+    """A per-sequence float tensor of shape ``(B,)``, finite when ``validate``."""
+    check_tensor(name, x, shape=(batch,), device=device, floating=True)
+    if validate:
+        check_finite(name, x)

@@ -7,6 +7,7 @@ import torch
 
 from .. import reference
 from .._dispatch import use_kernels
+from .._types import Logits
 from .._validation import check_logprob_args
 
 
@@ -85,3 +86,12 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
                                         return_entropy=return_entropy, mask=mask)
     return TokenLogprobsFunction.apply(logits, targets, mask, float(temperature),
                                        bool(return_entropy), bool(inplace_backward))
+
+
+def policy_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
+    """The learner log-probs ``[B, T]`` of a policy given as log-probs or as ``Logits`` (fused:
+    the loss's gradient reaches the logits through one backward pass over them)."""
+    if isinstance(policy, Logits):
+        return token_logprobs(policy.logits, policy.targets, temperature=policy.temperature,
+                              mask=mask, inplace_backward=policy.inplace_backward)
+    return policy

@@ -167,7 +167,7 @@ def _token_logprobs_bwd_kernel(
         row_write_zeros(drow_ptr, V, BLOCK_V)
 
 
-def _mask_args(mask: Optional[torch.Tensor]):
+def mask_args(mask: Optional[torch.Tensor]):
     """(pointer tensor, stride_b, stride_t) of an optional bool mask, as uint8 without a copy."""
     if mask is None:
         return None, 0, 0
@@ -188,7 +188,7 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
     if B * T == 0:
         return logp, lse, entropy
     block_v, num_warps = vocab_launch_config(V, logits.element_size())
-    mask_u8, stride_mb, stride_mt = _mask_args(mask)
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
     _token_logprobs_fwd_kernel[(B * T,)](
         logits, targets, mask_u8,
         logp, lse, entropy,
@@ -216,7 +216,7 @@ def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
         return dlogits
     with_entropy = dentropy is not None
     block_v, num_warps = vocab_launch_config(V, logits.element_size())
-    mask_u8, stride_mb, stride_mt = _mask_args(mask)
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
     _token_logprobs_bwd_kernel[(B * T,)](
         logits, targets, mask_u8,
         lse, entropy if with_entropy else None,

@@ -3,6 +3,10 @@
 Same signatures as the public API; autograd computes the gradients.
 """
 from .._types import Logits, LossOutput
+from .ggpo import ggpo_loss
+from .gppo import group_advantages, gppo_bounds, gppo_loss
+from .gr_opd import gr_opd_advantages, gr_opd_loss
 from .logprobs import token_logprobs
 
-__all__ = ["Logits", "LossOutput", "token_logprobs"]
+__all__ = ["Logits", "LossOutput", "ggpo_loss", "gppo_bounds", "gppo_loss", "gr_opd_advantages",
+           "gr_opd_loss", "group_advantages", "token_logprobs"]

@@ -1,0 +1,178 @@
+"""GGPO group kernel (forward) and its token-gradient kernel (backward), on [B, T] log-probs.
+
+Forward: one program per group of ``m`` sequences. It sums the masked learner and reference
+log-probs of each sequence (and, with a clip radius, the clamped per-token log-ratios), then
+forms the centred, max-subtracted log-mean-exp of the group in registers:
+
+    z_i = (r_i - mean_g r) / beta - (X_i - mean_g X),   X_i = s_i - s_i^ref   (or sum_t M d_it)
+    J_g / beta = logsumexp_i z_i - log m,   q = softmax(z),   c_i = (m q_i - 1) / sqrt(m - 1)
+
+(z_i = (R_i - mean R) / beta written without multiplying by beta and dividing again, so a small
+beta cannot overflow). It writes c_i per sequence and one row of partial sums per group; the
+launcher adds the rows up.
+
+Backward: dL/dlp_it = -c_i M_it g / T_tok for the upstream gradient g.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .logprobs import mask_args
+from .utils import compute_dtype, empty
+
+# Columns of the per-group partial sums written by the forward kernel.
+GROUP_GAP, GROUP_LOSS, GROUP_QMAX, GROUP_TOKENS, GROUP_CLIPPED, GROUP_LOGRATIO = range(6)
+N_GROUP_COLS = 6
+
+
+@triton.jit
+def _centred_lme(r, x, row_valid, m, beta):
+    """(logsumexp(z) - log m, softmax(z)) of z = (r - mean r) / beta - (x - mean x) over the
+    m valid rows of a group (m given as a float of the compute dtype)."""
+    r_mean = tl.sum(tl.where(row_valid, r, 0.0), axis=0) / m
+    x_mean = tl.sum(tl.where(row_valid, x, 0.0), axis=0) / m
+    z = tl.where(row_valid, (r - r_mean) / beta - (x - x_mean), float("-inf"))
+    z_max = tl.max(z, axis=0)
+    e = tl.exp(z - z_max)
+    total = tl.sum(e, axis=0)
+    return z_max + tl.log(total) - tl.log(m), e / total
+
+
+@triton.jit
+def _ggpo_fwd_kernel(
+    # pointers
+    lp_ptr, ref_ptr, mask_ptr, rewards_ptr,  # [B, T], [B, T], [B, T] uint8, [B]
+    coef_ptr,                                # [B] out: c_i of the update (c~_i when clipping)
+    group_ptr,                               # [G, N_GROUP_COLS] out: partial sums per group
+    # strides
+    stride_lb, stride_lt, stride_rb, stride_rt, stride_mb, stride_mt, stride_rw,
+    # sizes
+    T, m,
+    # scalars
+    beta, clip_radius,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, HAS_CLIP: tl.constexpr, ACC: tl.constexpr,
+):
+    group = tl.program_id(0).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_valid = offs_m < m
+    rows = group * m + offs_m
+    s = tl.zeros([BLOCK_M], ACC)        # sum_t M lp
+    s_ref = tl.zeros([BLOCK_M], ACC)    # sum_t M ref_lp
+    s_clip = tl.zeros([BLOCK_M], ACC)   # sum_t M clamp(lp - ref_lp, -rho, rho)
+    tokens = tl.zeros([BLOCK_M], tl.int32)
+    clipped = tl.zeros([BLOCK_M], tl.int32)
+    for start in range(0, T, BLOCK_T):
+        cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
+        inside = row_valid[:, None] & (cols < T)[None, :]
+        actor = tl.load(mask_ptr + rows[:, None] * stride_mb + cols[None, :] * stride_mt,
+                        mask=inside, other=0) != 0
+        # masked positions are never read: garbage (NaN, -inf) there cannot leak
+        lp = tl.load(lp_ptr + rows[:, None] * stride_lb + cols[None, :] * stride_lt,
+                     mask=actor, other=0.0).to(ACC)
+        ref = tl.load(ref_ptr + rows[:, None] * stride_rb + cols[None, :] * stride_rt,
+                      mask=actor, other=0.0).to(ACC)
+        s += tl.sum(lp, axis=1)
+        s_ref += tl.sum(ref, axis=1)
+        tokens += tl.sum(actor.to(tl.int32), axis=1)
+        if HAS_CLIP:
+            diff = lp - ref
+            s_clip += tl.sum(tl.minimum(tl.maximum(diff, -clip_radius), clip_radius), axis=1)
+            clipped += tl.sum((actor & (tl.abs(diff) > clip_radius)).to(tl.int32), axis=1)
+
+    r = tl.load(rewards_ptr + rows * stride_rw, mask=row_valid, other=0.0).to(ACC)
+    m_f = tl.sum(row_valid.to(ACC), axis=0)  # m in the compute dtype
+    log_ratio = s - s_ref
+    gap, q = _centred_lme(r, log_ratio, row_valid, m_f, beta)
+    if HAS_CLIP:
+        _, q = _centred_lme(r, s_clip, row_valid, m_f, beta)
+    coef = (m_f * q - 1.0) / tl.sqrt(m_f - 1.0)
+    tl.store(coef_ptr + rows, coef, mask=row_valid)
+    if HAS_CLIP:
+        # L_clip = -(1/T_tok) sum_i c~_i s_i, with c~ detached
+        loss_part = -tl.sum(tl.where(row_valid, coef * s, 0.0), axis=0)
+    else:
+        # L = m sum_g J_g / (beta sqrt(m - 1) T_tok)
+        loss_part = gap * m_f / tl.sqrt(m_f - 1.0)
+    out = group_ptr + group * 6  # the GROUP_* columns, in order
+    tl.store(out + 0, gap)
+    tl.store(out + 1, loss_part)
+    tl.store(out + 2, tl.max(tl.where(row_valid, q, 0.0), axis=0))
+    tl.store(out + 3, tl.sum(tokens, axis=0).to(ACC))
+    tl.store(out + 4, tl.sum(clipped, axis=0).to(ACC))
+    tl.store(out + 5, tl.sum(tl.where(row_valid, log_ratio, 0.0), axis=0))
+
+
+@triton.jit
+def _ggpo_bwd_kernel(
+    # pointers
+    coef_ptr, mask_ptr, grad_ptr, num_tokens_ptr,  # [B], [B, T] uint8, 0-dim, 0-dim
+    dlp_ptr,                                       # [B, T] out, contiguous
+    # strides
+    stride_mb, stride_mt,
+    # sizes
+    T, n_t_blocks,
+    BLOCK_T: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // n_t_blocks
+    cols = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    inside = cols < T
+    actor = tl.load(mask_ptr + b * stride_mb + cols * stride_mt, mask=inside, other=0) != 0
+    scale = -tl.load(coef_ptr + b).to(ACC) * tl.load(grad_ptr).to(ACC) \
+        / tl.load(num_tokens_ptr).to(ACC)
+    dlp = tl.where(actor, scale, 0.0)
+    tl.store(dlp_ptr + b * T + cols, dlp.to(dlp_ptr.dtype.element_ty), mask=inside)
+
+
+def _block_t(T: int, block_m: int) -> int:
+    """Time block of a [BLOCK_M, BLOCK_T] tile of about 4096 elements."""
+    return max(16, min(triton.next_power_of_2(max(T, 1)), 4096 // block_m))
+
+
+def ggpo_fwd(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
+             group_size: int, beta: float, clip_radius: Optional[float]):
+    """Returns ``(coef [B], group_sums [G, N_GROUP_COLS])`` in the compute dtype."""
+    B, T = lp.shape
+    acc = torch.float64 if lp.dtype == torch.float64 else torch.float32
+    G = B // group_size
+    coef = empty((B,), dtype=acc, device=lp.device)
+    group_sums = empty((G, N_GROUP_COLS), dtype=acc, device=lp.device)
+    block_m = triton.next_power_of_2(group_size)
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
+    _ggpo_fwd_kernel[(G,)](
+        lp, ref_lp, mask_u8, rewards,
+        coef, group_sums,
+        lp.stride(0), lp.stride(1), ref_lp.stride(0), ref_lp.stride(1), stride_mb, stride_mt,
+        rewards.stride(0),
+        T, group_size,
+        float(beta), math.inf if clip_radius is None else float(clip_radius),
+        BLOCK_M=block_m, BLOCK_T=_block_t(T, block_m), HAS_CLIP=clip_radius is not None,
+        ACC=compute_dtype(lp.dtype),
+    )
+    return coef, group_sums
+
+
+def ggpo_bwd(coef: torch.Tensor, mask: torch.Tensor, grad: torch.Tensor, num_tokens: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
+    """``dlp [B, T]`` of ``dtype`` from the forward's ``coef``, the upstream gradient ``grad``
+    and the token normaliser (both 0-dim tensors, read on the device: no host sync)."""
+    B, T = mask.shape
+    dlp = empty((B, T), dtype=dtype, device=mask.device)
+    if B * T == 0:
+        return dlp
+    block_t = min(1024, triton.next_power_of_2(T))
+    n_t_blocks = triton.cdiv(T, block_t)
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
+    _ggpo_bwd_kernel[(B * n_t_blocks,)](
+        coef, mask_u8, grad, num_tokens,
+        dlp,
+        stride_mb, stride_mt,
+        T, n_t_blocks,
+        BLOCK_T=block_t, ACC=compute_dtype(coef.dtype),
+    )
+    return dlp

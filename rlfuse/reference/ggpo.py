@@ -1,0 +1,102 @@
+"""Reference GGPO: the stable Gibbs (log-mean-exp) gap of KL-adjusted rewards."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .._types import LossOutput
+from .._validation import (check_actor_tokens, check_group_size, check_policy, check_positive,
+                           check_sequence_tensor, check_token_tensors)
+from .gppo import masked_mean
+from .logprobs import policy_logprobs
+
+
+def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, *,
+              group_size: int, beta: float, clip_radius: Optional[float] = None,
+              num_tokens: Optional[float] = None, validate: bool = True) -> LossOutput:
+    """GGPO loss over groups of ``group_size = m >= 2`` consecutive rows.
+
+    ``policy``: learner log-probs ``lp`` [B, T] (with grad) or ``rlfuse.Logits``;
+    ``ref_logprobs`` [B, T]: reference policy (detached); ``rewards`` [B]; ``beta > 0``.
+    No behavior log-probs and no importance ratio enter the loss::
+
+        s_i = Σ_t M_it lp_it        s_i^ref = Σ_t M_it ref_lp_it
+        R_i = r_i − β (s_i − s_i^ref)
+        J_g = β log( (1/m) Σ_{i∈g} exp(R_i/β) ) − (1/m) Σ_{i∈g} R_i       (≥ 0; 0 iff all R_i equal)
+            = β ( logsumexp_i z_i − log m ),  z_i = (R_i − mean_g R)/β
+        T_tok = Σ M (argument num_tokens),  ℓ̄ = T_tok / B
+        L = (1/G) Σ_g J_g / (β ℓ̄ √(m−1))  =  m Σ_g J_g / (β √(m−1) T_tok)
+        q_i = softmax_{i∈g}(R_i/β),  c_i = (m q_i − 1)/√(m−1)
+        ∂L/∂lp_it = − c_i M_it / T_tok
+
+    ``z`` is formed as ``(r_i − mean_g r)/β − (Δ_i − mean_g Δ)`` with ``Δ = s − s^ref`` (the
+    same value, without scaling the log-probs by β and back), and ``J_g/β`` is never multiplied
+    out, so β from 1e-2 to 1e1 with large rewards stays finite. The gradient is autograd's.
+
+    ``clip_radius = ρ`` (may be ``inf``) selects the clipped branch::
+
+        d_it = clamp(lp_it − ref_lp_it, −ρ, ρ)   (detached)
+        R̃_i = r_i − β Σ_t M_it d_it,  q̃ = softmax_g(R̃/β),  c̃_i = (m q̃_i − 1)/√(m−1)  (detached)
+        L_clip = −(1/T_tok) Σ_i c̃_i s_i,   ∂L_clip/∂lp_it = −c̃_i M_it / T_tok
+
+    (the clamped LME is never differentiated; with ρ = ∞ both branches have the same gradient).
+    With a global ``num_tokens`` the losses of micro-batches of whole groups add up to the
+    full-batch loss.
+
+    Metrics (detached): ``gap`` mean over groups of J_g/β (unclipped J, both branches);
+    ``q_max`` max over the batch of the weights of the update (q, or q̃ in the clipped branch);
+    ``clip_frac`` share of actor tokens with |lp − ref_lp| > ρ (0 without ``clip_radius``);
+    ``seq_logratio_mean`` mean over sequences of s_i − s_i^ref.
+    """
+    info = check_policy(policy)
+    (batch, _), device = info.shape, info.device
+    mask = check_token_tensors(mask, {"ref_logprobs": ref_logprobs}, shape=info.shape,
+                               device=device, validate=validate)
+    check_sequence_tensor("rewards", rewards, batch=batch, device=device, validate=validate)
+    m = check_group_size(group_size, batch, minimum=2)
+    beta = check_positive("beta", beta)
+    rho = None if clip_radius is None else check_positive("clip_radius", clip_radius,
+                                                          allow_inf=True)
+    if num_tokens is not None:
+        num_tokens = check_positive("num_tokens", num_tokens)
+    if validate:
+        check_actor_tokens(mask, m, what="group")
+
+    cdt = info.compute_dtype
+    lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)
+    ref = torch.where(mask, ref_logprobs.detach().to(cdt), 0.0)
+    t_tok = num_tokens if num_tokens is not None else mask.sum().clamp_min(1).to(cdt)
+
+    def centred(x: torch.Tensor) -> torch.Tensor:        # [B] -> [G, m], minus the group mean
+        x = x.reshape(-1, m)
+        return x - x.mean(-1, keepdim=True)
+
+    s, s_ref = lp.sum(-1), ref.sum(-1)
+    reward_z = centred(rewards.detach().to(cdt)) / beta
+    z = reward_z - centred(s - s_ref)                    # (R_i − mean_g R) / β
+    gap = torch.logsumexp(z, -1) - math.log(m)           # J_g / β
+    norm = math.sqrt(m - 1)
+
+    if rho is None:
+        loss = m * gap.sum() / (norm * t_tok)
+        q = torch.softmax(z.detach(), -1)
+        clip_frac = torch.zeros((), dtype=cdt, device=device)
+    else:
+        with torch.no_grad():
+            log_ratio = lp - ref
+            d = torch.where(mask, log_ratio.clamp(-rho, rho), 0.0)
+            q = torch.softmax(reward_z - centred(d.sum(-1)), -1)
+            c = ((m * q - 1.0) / norm).reshape(-1)
+            clip_frac = masked_mean((log_ratio.abs() > rho).to(cdt), mask)
+        loss = -(c * s).sum() / t_tok
+
+    with torch.no_grad():
+        metrics = {
+            "gap": gap.mean() if gap.numel() else gap.new_zeros(()),
+            "q_max": q.max() if q.numel() else q.new_zeros(()),
+            "clip_frac": clip_frac,
+            "seq_logratio_mean": (s - s_ref).mean() if batch else s.new_zeros(()),
+        }
+    return LossOutput(loss, metrics)

@@ -1,0 +1,315 @@
+"""Reference GPPO: the clipped surrogate over the proximal region of an f-divergence.
+
+Also home of the two pieces GR-OPD shares with GPPO: the PPO-style clipped surrogate decided in
+log-ratio space (:func:`clipped_surrogate`) and verl's loss aggregations (:func:`aggregate`).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from .._types import LossOutput
+from .._validation import (check_actor_tokens, check_choice, check_finite, check_group_size,
+                           check_policy, check_positive, check_tensor, check_token_tensors,
+                           compute_dtype)
+from .logprobs import policy_logprobs
+
+GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
+TOPOLOGIES = ("mc", "atomic", "binary")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+MU_MIN = 1e-6                # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
+BISECTION_STEPS = 100        # see _binary_root_bounds
+
+
+# --------------------------------------------------------------------------------------------
+# Trust-region bounds
+# --------------------------------------------------------------------------------------------
+
+def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str,
+                delta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token trust region ``[lo, hi] = {r : D(r) <= delta}`` of GPPO.
+
+    ``mu = exp(old_logprobs)`` clamped to ``[1e-6, 1 - 1e-6]``; ``r = pi_new / pi_old``.
+    Integrands ``f``: ``tv`` ½|r−1| · ``chi2`` (r−1)² · ``hellinger`` (√r−1)² · ``kl`` −log r ·
+    ``two_sided_log`` |log r|. Topologies: ``mc`` D = f(r) · ``atomic`` D = μ f(r) ·
+    ``binary`` D = μ f(r) + (1−μ) f((1−μr)/(1−μ)) (Bernoulli(μ) vs Bernoulli(μr), r ≤ 1/μ).
+    Closed forms (``w = delta`` for mc, ``delta/mu`` for atomic)::
+
+        tv         mc/atomic [1 − 2w, 1 + 2w]          binary [1 − δ/μ, min(1/μ, 1 + δ/μ)]
+        chi2       mc/atomic 1 ± √w                    binary 1 ± √(δ(1−μ)/μ), hi ≤ 1/μ
+        hellinger  mc/atomic [(1−√w)₊², (1+√w)²]       binary π ∈ [sin²(max(0, α−θ)),
+                                                               sin²(min(π/2, α+θ))] / μ,
+                                                       α = asin √μ, θ = acos(max(−1, 1−δ/2))
+        kl         mc/atomic [e^{−w}, +inf)            binary roots of μ log(μ/π) +
+                                                               (1−μ) log((1−μ)/(1−π)) = δ
+        two_sided_log  [e^{−w}, e^{w}]                 binary roots of μ|log r| +
+                                                               (1−μ)|log((1−μr)/(1−μ))| = δ
+
+    Lower bounds clamp at 0; an upper bound that does not fit the dtype is ``+inf``. The binary
+    upper bound never exceeds the domain edge ``1/μ`` (π = 1): that is the ``min`` of the tv cell,
+    applied to chi2 as well (its quadratic root passes 1/μ once δ > (1−μ)/μ). Hellinger/binary
+    uses the trig-free form of the SPEC (``c = max(−1, 1−δ/2)``, ``s = √(1−c²)``, ``a = √μ``,
+    ``b = √(1−μ)``: ``π_lo = (ac − bs)²`` if ``ac − bs > 0`` else 0, ``π_hi = (ac + bs)²`` if
+    ``bc − as > 0`` else 1). kl/binary and two_sided_log/binary are found by a vectorised fp64
+    bisection on each side of r = 1 (see :func:`_binary_root_bounds`).
+
+    All bounds are computed in fp64; they come back in fp64 for fp64 input, fp32 otherwise.
+    Elementwise: a NaN ``old_logprobs`` gives NaN bounds.
+    Check value: chi2/atomic, μ = 0.1, δ = 0.04 → [0.3675445, 1.6324555].
+    """
+    check_tensor("old_logprobs", old_logprobs, floating=True)
+    check_choice("geometry", geometry, GEOMETRIES)
+    check_choice("topology", topology, TOPOLOGIES)
+    delta = check_positive("delta", delta)
+    mu = old_logprobs.detach().double().exp().clamp(MU_MIN, 1.0 - MU_MIN)
+    lo, hi = _bounds_fp64(mu, geometry, topology, delta)
+    out = compute_dtype(old_logprobs.dtype)
+    return lo.clamp_min(0.0).to(out), hi.to(out)
+
+
+def _bounds_fp64(mu: torch.Tensor, geometry: str, topology: str,
+                 delta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    if topology != "binary":
+        w = torch.full_like(mu, delta) if topology == "mc" else delta / mu
+        if geometry == "tv":
+            return 1.0 - 2.0 * w, 1.0 + 2.0 * w
+        if geometry == "chi2":
+            return 1.0 - w.sqrt(), 1.0 + w.sqrt()
+        if geometry == "hellinger":
+            return (1.0 - w.sqrt()).clamp_min(0.0).square(), (1.0 + w.sqrt()).square()
+        if geometry == "kl":
+            return torch.exp(-w), torch.full_like(mu, math.inf)
+        return torch.exp(-w), torch.exp(w)                                   # two_sided_log
+    if geometry == "tv":
+        return 1.0 - delta / mu, torch.minimum(1.0 / mu, 1.0 + delta / mu)
+    if geometry == "chi2":
+        half = (delta * (1.0 - mu) / mu).sqrt()
+        return 1.0 - half, torch.minimum(1.0 / mu, 1.0 + half)
+    if geometry == "hellinger":
+        # D = 2 − 2 cos(φ − α) with √π = sin φ, √μ = sin α; D ≤ δ  ⇔  |φ − α| ≤ θ = acos(1 − δ/2).
+        c = max(-1.0, 1.0 - delta / 2.0)
+        s = math.sqrt(max(0.0, 1.0 - c * c))
+        a, b = mu.sqrt(), (1.0 - mu).sqrt()
+        sin_lo = a * c - b * s                                # sin(α − θ)
+        sin_hi = a * c + b * s                                # sin(α + θ)
+        pi_lo = torch.where(sin_lo > 0, sin_lo.square(), torch.zeros_like(mu))
+        pi_hi = torch.where(b * c - a * s > 0, sin_hi.square(), torch.ones_like(mu))  # cos(α+θ) > 0
+        return pi_lo / mu, pi_hi / mu
+    return _binary_root_bounds(mu, geometry, delta)
+
+
+def _binary_root_bounds(mu: torch.Tensor, geometry: str,
+                        delta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """kl / two_sided_log on the binary topology: solve D = δ on each side of π = μ (r = 1).
+
+    With ``g(x) = −log x`` (kl) or ``|log x|`` (two_sided_log),
+    ``D(π) = μ g(π/μ) + (1−μ) g((1−π)/(1−μ))`` is 0 at π = μ, decreasing on (0, μ] and
+    increasing on [μ, 1), with D → ∞ at both ends, so each side has exactly one root.
+
+    Lower side: bisection in ``log π`` (roots can be as small as ~e^{−δ/μ}, far below what a
+    linear bracket resolves) on ``[log μ − (δ+1)/μ, log μ]``; the left end is outside the region
+    because the second term is ≥ (1−μ) log(1−μ) ≥ −1/e there, so D ≥ δ + 1 − 1/e.
+    Upper side: bisection in ``π`` on ``[μ, 1]``. 100 halvings shrink a bracket of at most
+    3·10⁶ (log space) or 1 (π space) below fp64 resolution.
+    """
+    log_mu, log1m_mu = mu.log(), torch.log1p(-mu)
+
+    def excess(log_pi: torch.Tensor, log1m_pi: torch.Tensor) -> torch.Tensor:  # D − δ
+        x, y = log_pi - log_mu, log1m_pi - log1m_mu          # log r, log((1−π)/(1−μ))
+        if geometry == "kl":
+            return -mu * x - (1.0 - mu) * y - delta
+        return mu * x.abs() + (1.0 - mu) * y.abs() - delta
+
+    inside, outside = log_mu.clone(), log_mu - (delta + 1.0) / mu   # lower side, in log π
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (inside + outside)
+        out = excess(mid, torch.log1p(-mid.exp())) > 0
+        outside, inside = torch.where(out, mid, outside), torch.where(out, inside, mid)
+    lo = torch.exp(inside - log_mu)
+
+    inside, outside = mu.clone(), torch.ones_like(mu)                # upper side, in π
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (inside + outside)
+        out = excess(mid.log(), torch.log1p(-mid)) > 0
+        outside, inside = torch.where(out, mid, outside), torch.where(out, inside, mid)
+    hi = inside / mu
+    return lo, hi
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces shared with GR-OPD
+# --------------------------------------------------------------------------------------------
+
+class Surrogate(NamedTuple):
+    """Per-token result of :func:`clipped_surrogate` (all [B, T])."""
+
+    value: torch.Tensor          # J, differentiable, 0 off the mask
+    ratio_used: torch.Tensor     # bool: J = r A (the unclipped branch, A != 0)
+    clipped_low: torch.Tensor    # bool: A < 0 and r < lo
+    clipped_high: torch.Tensor   # bool: A > 0 and r > hi
+
+
+def clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tensor,
+                      hi: torch.Tensor, mask: torch.Tensor) -> Surrogate:
+    """Per-token ``J = min(r A, clip(r, lo, hi) A)`` with ``r = exp(log_ratio)``, zero off the mask.
+
+    The branch is decided in log space — ``clipped_high = A > 0 ∧ log r > log hi``,
+    ``clipped_low = A < 0 ∧ log r < log lo`` (log 0 = −inf, log inf = +inf) — and only the
+    selected branch is evaluated: a clipped token is the constant ``bound · A`` (zero gradient)
+    and never exponentiates its log-ratio, so any log-ratio is safe there. Elsewhere
+    ``J = r A`` and ``∂J/∂log r = r A``; a token with ``A = 0`` is 0 without evaluating r.
+    If the selected ``r A`` overflows the dtype (only possible for the unclipped branch of a
+    negative advantage, or a positive one under an infinite upper bound) this raises
+    ``ValueError`` instead of returning inf/NaN.
+    """
+    with torch.no_grad():
+        clipped_high = mask & (adv > 0) & (log_ratio > hi.log())
+        clipped_low = mask & (adv < 0) & (log_ratio < lo.log())
+        ratio_used = mask & ~clipped_high & ~clipped_low & (adv != 0)
+        bound = torch.where(clipped_high, hi, torch.where(clipped_low, lo, torch.zeros_like(lo)))
+    ratio = torch.exp(torch.where(ratio_used, log_ratio, torch.zeros_like(log_ratio)))
+    value = torch.where(ratio_used, ratio * adv, bound * adv)
+    overflow = ratio_used & ~torch.isfinite(value.detach())
+    if bool(overflow.any()):
+        worst = float(log_ratio.detach()[overflow].max())
+        raise ValueError(
+            f"policy: the unclipped surrogate r*A overflows {log_ratio.dtype} at "
+            f"{int(overflow.sum())} actor token(s) (largest log-ratio lp - old_lp = {worst:.4g}); "
+            f"the importance ratio is not representable, refusing to return inf/NaN")
+    return Surrogate(value, ratio_used, clipped_low, clipped_high)
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
+              num_tokens: Optional[float] = None,
+              num_sequences: Optional[float] = None) -> torch.Tensor:
+    """verl's ``agg_loss`` (``verl.trainer.ppo.core_algos``) of per-token ``values`` [B, T].
+
+    With ``N_tok = num_tokens`` (default: local ``Σ M``), ``N_seq = num_sequences`` (default:
+    local ``B``, every row, as verl's ``loss_mat.shape[0]``), ``T_i = Σ_t M_it``, padded length T::
+
+        token-mean               Σ_it M_it x_it / N_tok
+        seq-mean-token-mean      Σ_i (Σ_t M_it x_it / T_i) / N_seq
+        seq-mean-token-sum       Σ_i (Σ_t M_it x_it) / N_seq
+        seq-mean-token-sum-norm  Σ_i (Σ_t M_it x_it / T) / N_seq      (Dr. GRPO; T = mask.shape[-1])
+
+    ``values`` must already be 0 off the mask. A zero local count is replaced by 1 (the sum it
+    divides is then 0); callers that validate reject such inputs before getting here.
+    """
+    seq_sums = values.sum(-1)
+    if agg == "token-mean":
+        n_tok = num_tokens if num_tokens is not None else mask.sum().clamp_min(1)
+        return seq_sums.sum() / n_tok
+    n_seq = num_sequences if num_sequences is not None else max(mask.shape[0], 1)
+    if agg == "seq-mean-token-mean":
+        seq_sums = seq_sums / mask.sum(-1).clamp_min(1)
+    elif agg == "seq-mean-token-sum-norm":
+        seq_sums = seq_sums / mask.shape[-1]
+    return seq_sums.sum() / n_seq
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the actor positions (0 when there are none); ``x`` may be garbage off
+    the mask."""
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
+
+
+# --------------------------------------------------------------------------------------------
+# Loss and advantages
+# --------------------------------------------------------------------------------------------
+
+def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+              geometry: str = "chi2", topology: str = "atomic", delta: float = 0.04,
+              agg: str = "token-mean", num_tokens: Optional[float] = None,
+              num_sequences: Optional[float] = None, validate: bool = True) -> LossOutput:
+    """GPPO loss: the PPO surrogate clipped to the f-divergence trust region of each token.
+
+    ``policy``: learner log-probs ``lp`` [B, T] (with grad) or ``rlfuse.Logits``.
+    ``old_logprobs``: behavior policy log-probs [B, T] (detached). ``advantages``: [B] (one per
+    sequence, broadcast over its tokens) or [B, T]. Per actor token::
+
+        r = exp(lp − old_lp),   [l, u] = gppo_bounds(old_lp, geometry, topology, delta)
+        J_t = min(r A, clip(r, l, u) A)
+        ∂J_t/∂lp_t = A r · 1[active],  active = ¬((A > 0 ∧ r > u) ∨ (A < 0 ∧ r < l))
+        loss = −agg(J)
+
+    ``active`` is decided in log space and only the selected branch is exponentiated, so a
+    clipped token with any log-ratio is finite; an unclipped ``r A`` that overflows raises
+    ``ValueError`` (see :func:`clipped_surrogate`). ``agg`` is one of verl's aggregations (see
+    :func:`aggregate` for the divisor of each): ``token-mean`` divides by ``num_tokens``
+    (default: local actor-token count), the ``seq-mean-*`` ones by ``num_sequences`` (default:
+    local ``B``); ``seq-mean-token-mean`` also by each sequence's token count and
+    ``seq-mean-token-sum-norm`` by the padded length T. The count an ``agg`` does not use is ignored.
+
+    Metrics (detached, over the local actor tokens, 0 when there are none):
+    ``clip_frac_low`` share of tokens with A < 0 and r < l (clipped from below);
+    ``clip_frac_high`` share with A > 0 and r > u; ``ratio_mean`` mean of r (inf if some
+    r overflows the dtype); ``approx_kl`` mean of ``old_lp − lp`` (verl's ``ppo_kl``).
+    """
+    info = check_policy(policy)
+    (batch, _), device = info.shape, info.device
+    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs}, shape=info.shape,
+                               device=device, validate=validate)
+    check_tensor("advantages", advantages, device=device, floating=True)
+    if tuple(advantages.shape) not in ((batch,), info.shape):
+        raise ValueError(f"advantages: expected shape ({batch},) or {info.shape}, "
+                         f"got {tuple(advantages.shape)}")
+    check_choice("agg", agg, AGGREGATIONS)
+    if num_tokens is not None:
+        num_tokens = check_positive("num_tokens", num_tokens)
+    if num_sequences is not None:
+        num_sequences = check_positive("num_sequences", num_sequences)
+    adv = advantages.unsqueeze(-1).expand(info.shape) if advantages.dim() == 1 else advantages
+    if validate:
+        check_finite("advantages", adv, mask)
+        if agg == "seq-mean-token-mean":
+            check_actor_tokens(mask, 1, what="sequence")
+    lo, hi = gppo_bounds(torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs)),
+                         geometry=geometry, topology=topology, delta=delta)
+
+    cdt = info.compute_dtype
+    lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)
+    old = torch.where(mask, old_logprobs.detach().to(cdt), 0.0)
+    adv = torch.where(mask, adv.detach().to(cdt), 0.0)
+    log_ratio = lp - old
+    sur = clipped_surrogate(log_ratio, adv, lo.to(cdt), hi.to(cdt), mask)
+    loss = -aggregate(sur.value, mask, agg, num_tokens=num_tokens, num_sequences=num_sequences)
+
+    with torch.no_grad():
+        metrics = {
+            "clip_frac_low": masked_mean(sur.clipped_low.to(cdt), mask),
+            "clip_frac_high": masked_mean(sur.clipped_high.to(cdt), mask),
+            "ratio_mean": masked_mean(log_ratio.exp(), mask),
+            "approx_kl": masked_mean(-log_ratio, mask),
+        }
+    return LossOutput(loss, metrics)
+
+
+def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-6,
+                     normalize_std: bool = True) -> torch.Tensor:
+    """GRPO advantages: rewards centred (and scaled) within each group of ``group_size`` rows.
+
+    ``A_i = (r_i − mean_g r) / (std_g r + eps)``, or ``r_i − mean_g r`` with
+    ``normalize_std=False`` (Dr. GRPO). ``std`` is the sample standard deviation (ddof = 1,
+    ``torch.std``'s default), as verl's ``compute_grpo_outcome_advantage`` and TRL's
+    ``GRPOTrainer`` use. A group of one row follows verl: mean 0 and std 1, so ``A = r/(1+eps)``.
+    ``eps`` must be > 0 when ``normalize_std`` (a group of equal rewards has std 0). Returns [B]
+    in fp32 (fp64 for fp64 rewards), detached.
+    """
+    check_tensor("rewards", rewards, floating=True)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected shape (B,), got {tuple(rewards.shape)}")
+    m = check_group_size(group_size, rewards.shape[0])
+    if normalize_std:
+        eps = check_positive("eps", eps)
+    check_finite("rewards", rewards)
+    with torch.no_grad():
+        r = rewards.to(compute_dtype(rewards.dtype)).reshape(-1, m)
+        if m == 1:
+            centred, std = r, torch.ones_like(r)
+        else:
+            centred, std = r - r.mean(-1, keepdim=True), r.std(-1, keepdim=True)
+        adv = centred / (std + eps) if normalize_std else centred
+    return adv.reshape(-1)

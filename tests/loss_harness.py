@@ -1,0 +1,69 @@
+"""Builders and runners shared by the loss parity tests."""
+import torch
+
+import rlfuse
+from rlfuse import reference
+
+from conftest import assert_three_way
+
+
+def token_inputs(B, T, *, seed, masked_share=0.3, pad_time=1, lp_scale=1.0):
+    """Learner log-probs as a ``[:, :-1]`` view of a float64 buffer, a mask with ~30% masked
+    positions (at least one actor token per row), and a generator for the rest."""
+    gen = torch.Generator().manual_seed(seed)
+    lp_buffer = -torch.rand(B, T + pad_time, generator=gen, dtype=torch.float64) * 3 * lp_scale
+    mask = torch.rand(B, T, generator=gen) >= masked_share
+    mask[:, 0] = True
+    return gen, lp_buffer, mask
+
+
+def with_garbage(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with NaN at masked positions: a loss that reads them fails."""
+    return torch.where(mask, x, torch.full_like(x, float("nan")))
+
+
+def run_loss(fn, policy_buffer, *, dtype, logits_targets=None, device="cpu", pad_time=1,
+             temperature=1.0, args=(), **kw):
+    """Runs ``fn`` on the learner log-probs (``policy_buffer[:, :-pad_time]`` cast to ``dtype``)
+    or, with ``logits_targets``, on ``rlfuse.Logits`` built from the logits buffer; returns the
+    loss, the metrics and the gradient w.r.t. the buffer."""
+    leaf = policy_buffer.detach().clone().to(dtype=dtype, device=device).requires_grad_(True)
+    view = leaf[:, : leaf.shape[1] - pad_time]
+    if logits_targets is not None:
+        policy = rlfuse.Logits(view, logits_targets.to(device), temperature)
+    else:
+        policy = view
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    out = fn(policy, *args, **kw)
+    out.loss.backward()
+    return out.loss.detach(), {k: v.detach() for k, v in out.metrics.items()}, leaf.grad
+
+
+def check_three_way(fused_fn, ref_fn, policy_buffer, *, dtype, args64, args, device,
+                    logits_targets=None, metric_names=(), **kw):
+    """Fused and same-dtype reference against the float64 reference: loss, gradient, metrics."""
+    fused = run_loss(fused_fn, policy_buffer, dtype=dtype, args=args, device=device,
+                     logits_targets=logits_targets, **kw)
+    ref = run_loss(ref_fn, policy_buffer, dtype=dtype, args=args, logits_targets=logits_targets,
+                   **kw)
+    ref64 = run_loss(ref_fn, policy_buffer, dtype=torch.float64, args=args64,
+                     logits_targets=logits_targets, **kw)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert fused[0].dtype == acc and fused[0].dim() == 0
+    assert_three_way(fused[0].cpu(), ref[0], ref64[0], "loss")
+    assert fused[2].dtype == dtype
+    assert_three_way(fused[2].cpu(), ref[2], ref64[2], "gradient")
+    assert set(fused[1]) == set(ref64[1]) and set(metric_names) <= set(fused[1])
+    for name in fused[1]:
+        assert fused[1][name].dim() == 0 and not fused[1][name].requires_grad
+        assert_three_way(fused[1][name].cpu(), ref[1][name], ref64[1][name], name,
+                         atol_dtype=acc)
+    return fused, ref64
+
+
+def constexpr_params(kernel) -> set:
+    """Names of a kernel's ``tl.constexpr`` parameters (compiled or interpreted)."""
+    import inspect
+
+    params = inspect.signature(kernel.fn).parameters.values()
+    return {p.name for p in params if "constexpr" in str(p.annotation)}
