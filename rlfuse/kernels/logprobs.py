@@ -99,6 +99,15 @@ def load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt, stride_mb
 
 
 @triton.jit
+def load_target_logit(row_ptr, y, V, inv_temp, ACC: tl.constexpr):
+    """z[y] of a row; NaN for a target outside [0, V) (possible only with validation off), which
+    is never read."""
+    in_range = (y >= 0) & (y < V)
+    z_y = tl.load(row_ptr + tl.where(in_range, y, 0)).to(ACC) * inv_temp
+    return tl.where(in_range, z_y, float("nan"))
+
+
+@triton.jit
 def _token_logprobs_fwd_kernel(
     # pointers
     logits_ptr, targets_ptr, mask_ptr,  # [B, T, V], [B, T], [B, T] (uint8) or None
@@ -122,10 +131,7 @@ def _token_logprobs_fwd_kernel(
     if is_actor:
         row_ptr = logits_ptr + b * stride_lb + t * stride_lt
         lse, entropy = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, WITH_ENTROPY, ACC)
-        # An out-of-range target (possible only with validation off) is never read: NaN.
-        in_range = (y >= 0) & (y < V)
-        z_y = tl.load(row_ptr + tl.where(in_range, y, 0)).to(ACC) * inv_temp
-        logp = tl.where(in_range, z_y - lse, float("nan"))
+        logp = load_target_logit(row_ptr, y, V, inv_temp, ACC) - lse
     tl.store(logp_ptr + row, logp)
     tl.store(lse_ptr + row, lse)
     if WITH_ENTROPY:

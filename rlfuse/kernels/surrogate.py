@@ -1,0 +1,250 @@
+"""The clipped policy-gradient surrogate shared by GPPO and GR-OPD.
+
+Per actor token, with r = exp(lp - old_lp), advantage A and trust region [l, u]
+(``gppo.region_bounds``: a GPPO geometry/topology cell, or PPO's [1 - eps, 1 + eps]):
+
+    J = min(r A, clip(r, l, u) A),   dJ/dlp = A r 1[active],
+    active = not ((A > 0 and r > u) or (A < 0 and r < l))
+
+decided in log space; only the selected branch is exponentiated. Each token's loss weight
+``row_scale[b]`` (the aggregation: 1/N_tok, 1/(T_b N_seq), ...) is computed once on the host and
+used by the forward and the backward alike: loss = -sum_bt M J row_scale[b].
+
+Three kernels: forward and backward from log-probs ``[B, T]``, and the single pass from logits
+that computes each row's logsumexp, its log-prob, the surrogate and writes ``dlogits`` at once
+(one read and one write of the logits).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gppo import region_bounds
+from .logprobs import (load_row_target, load_target_logit, mask_args, row_logsumexp,
+                       row_write_dlogits, row_write_zeros)
+from .utils import compute_dtype, empty, vocab_launch_config
+
+# Columns of the per-row (from log-probs) and per-token (from logits) partial sums.
+SUM_LOSS, SUM_CLIP_LOW, SUM_CLIP_HIGH, SUM_RATIO, SUM_NEG_LOG_RATIO, SUM_OVERFLOW = range(6)
+N_SUM_COLS = 6
+
+
+@triton.jit
+def clipped_surrogate(log_ratio, adv, lo, hi):
+    """(J, dJ/dlp, clipped_low, clipped_high, overflow) of tokens with the given log-ratios,
+    advantages and fp64 bounds. ``overflow``: the selected r A is not representable."""
+    clipped_high = (adv > 0) & (log_ratio > tl.log(hi))
+    clipped_low = (adv < 0) & (log_ratio < tl.log(lo))
+    active = (adv != 0) & ~(clipped_high | clipped_low)
+    dj = tl.where(active, tl.exp(tl.where(active, log_ratio, 0.0)) * adv, 0.0)
+    bound = tl.where(clipped_high, hi, tl.where(clipped_low, lo, 0.0)).to(dj.dtype)
+    j = tl.where(active, dj, bound * adv)
+    overflow = active & (tl.abs(dj) == float("inf"))
+    return j, dj, clipped_low, clipped_high, overflow
+
+
+@triton.jit
+def _surrogate_fwd_kernel(
+    # pointers
+    lp_ptr, old_ptr, adv_ptr, mask_ptr,  # [B, T] (adv: [B, T] or [B] with stride_at = 0)
+    row_scale_ptr,                       # [B] loss weight of each row's tokens
+    sums_ptr,                            # [B, N_SUM_COLS] out
+    # strides
+    stride_lb, stride_lt, stride_ob, stride_ot, stride_ab, stride_at, stride_mb, stride_mt,
+    # sizes
+    T,
+    # scalars
+    delta,
+    BLOCK_T: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    loss = tl.zeros([BLOCK_T], ACC)
+    clip_low = tl.zeros([BLOCK_T], ACC)
+    clip_high = tl.zeros([BLOCK_T], ACC)
+    ratio = tl.zeros([BLOCK_T], ACC)
+    neg_log_ratio = tl.zeros([BLOCK_T], ACC)
+    overflow = tl.zeros([BLOCK_T], ACC)
+    for start in range(0, T, BLOCK_T):
+        cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
+        actor = tl.load(mask_ptr + b * stride_mb + cols * stride_mt, mask=cols < T, other=0) != 0
+        lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0).to(ACC)
+        old = tl.load(old_ptr + b * stride_ob + cols * stride_ot, mask=actor, other=0.0).to(ACC)
+        adv = tl.load(adv_ptr + b * stride_ab + cols * stride_at, mask=actor, other=0.0).to(ACC)
+        lo, hi = region_bounds(old, delta, GEOMETRY, TOPOLOGY)
+        log_ratio = lp - old
+        j, _, low, high, bad = clipped_surrogate(log_ratio, adv, lo, hi)
+        loss += tl.where(actor, j, 0.0)
+        clip_low += (actor & low).to(ACC)
+        clip_high += (actor & high).to(ACC)
+        ratio += tl.where(actor, tl.exp(log_ratio), 0.0)
+        neg_log_ratio -= log_ratio
+        overflow += (actor & bad).to(ACC)
+    out = sums_ptr + b * 6  # the SUM_* columns, in order
+    tl.store(out + 0, tl.sum(loss, axis=0) * tl.load(row_scale_ptr + b).to(ACC))
+    tl.store(out + 1, tl.sum(clip_low, axis=0))
+    tl.store(out + 2, tl.sum(clip_high, axis=0))
+    tl.store(out + 3, tl.sum(ratio, axis=0))
+    tl.store(out + 4, tl.sum(neg_log_ratio, axis=0))
+    tl.store(out + 5, tl.sum(overflow, axis=0))
+
+
+@triton.jit
+def _surrogate_bwd_kernel(
+    # pointers
+    lp_ptr, old_ptr, adv_ptr, mask_ptr, row_scale_ptr, grad_ptr,  # as the forward; grad 0-dim
+    dlp_ptr,                                                      # [B, T] out, contiguous
+    # strides
+    stride_lb, stride_lt, stride_ob, stride_ot, stride_ab, stride_at, stride_mb, stride_mt,
+    # sizes
+    T, n_t_blocks,
+    # scalars
+    delta,
+    BLOCK_T: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
+):
+    # dL/dlp_bt = -g row_scale[b] M_bt dJ/dlp_bt
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // n_t_blocks
+    cols = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    inside = cols < T
+    actor = tl.load(mask_ptr + b * stride_mb + cols * stride_mt, mask=inside, other=0) != 0
+    lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0).to(ACC)
+    old = tl.load(old_ptr + b * stride_ob + cols * stride_ot, mask=actor, other=0.0).to(ACC)
+    adv = tl.load(adv_ptr + b * stride_ab + cols * stride_at, mask=actor, other=0.0).to(ACC)
+    lo, hi = region_bounds(old, delta, GEOMETRY, TOPOLOGY)
+    _, dj, _, _, _ = clipped_surrogate(lp - old, adv, lo, hi)
+    scale = -tl.load(grad_ptr).to(ACC) * tl.load(row_scale_ptr + b).to(ACC)
+    dlp = tl.where(actor, dj * scale, 0.0)
+    tl.store(dlp_ptr + b * T + cols, dlp.to(dlp_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _surrogate_logits_kernel(
+    # pointers
+    logits_ptr, targets_ptr, mask_ptr,  # [B, T, V], [B, T], [B, T] uint8
+    old_ptr, adv_ptr, row_scale_ptr,    # [B, T], [B, T] or [B] (stride_at = 0), [B]
+    dlogits_ptr,                        # [B, T, V] out (may alias logits)
+    sums_ptr,                           # [B*T, N_SUM_COLS] out
+    # strides
+    stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
+    stride_ob, stride_ot, stride_ab, stride_at, stride_db, stride_dt,
+    # sizes
+    T, V,
+    # scalars
+    inv_temp, delta,
+    BLOCK_V: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
+):
+    # One row: lse by the online pass, lp = z_y - lse, the surrogate, then
+    # dL/dlogits = g (onehot(y) - p) / tau with g = dL/dlp = -row_scale[b] dJ/dlp (for an upstream
+    # gradient of 1; the autograd Function rescales otherwise).
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    y, is_actor = load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt,
+                                  stride_mb, stride_mt, V, True)
+    drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
+    out = sums_ptr + row * 6  # the SUM_* columns, in order
+    if is_actor:
+        row_ptr = logits_ptr + b * stride_lb + t * stride_lt
+        lse, _ = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, False, ACC)
+        lp = load_target_logit(row_ptr, y, V, inv_temp, ACC) - lse
+        old = tl.load(old_ptr + b * stride_ob + t * stride_ot).to(ACC)
+        adv = tl.load(adv_ptr + b * stride_ab + t * stride_at).to(ACC)
+        lo, hi = region_bounds(old, delta, GEOMETRY, TOPOLOGY)
+        log_ratio = lp - old
+        j, dj, low, high, bad = clipped_surrogate(log_ratio, adv, lo, hi)
+        row_scale = tl.load(row_scale_ptr + b).to(ACC)
+        row_write_dlogits(row_ptr, drow_ptr, V, y, inv_temp, lse, 0.0, -row_scale * dj, 0.0,
+                          BLOCK_V, False, ACC)
+        tl.store(out + 0, j * row_scale)
+        tl.store(out + 1, low.to(ACC))
+        tl.store(out + 2, high.to(ACC))
+        tl.store(out + 3, tl.exp(log_ratio))
+        tl.store(out + 4, -log_ratio)
+        tl.store(out + 5, bad.to(ACC))
+    else:
+        row_write_zeros(drow_ptr, V, BLOCK_V)
+        for col in tl.static_range(6):
+            tl.store(out + col, tl.zeros((), ACC))
+
+
+def _adv_strides(adv: torch.Tensor):
+    """(stride_b, stride_t) of advantages given per sequence [B] or per token [B, T]."""
+    return (adv.stride(0), 0) if adv.dim() == 1 else (adv.stride(0), adv.stride(1))
+
+
+def _block_t(T: int) -> int:
+    return max(16, min(1024, triton.next_power_of_2(max(T, 1))))
+
+
+def surrogate_fwd(lp, old_lp, adv, mask, row_scale, *, geometry_code, topology_code, delta):
+    """Per-row sums ``[B, N_SUM_COLS]`` (compute dtype) from learner log-probs ``lp [B, T]``."""
+    B, T = lp.shape
+    acc = torch.float64 if lp.dtype == torch.float64 else torch.float32
+    sums = empty((B, N_SUM_COLS), dtype=acc, device=lp.device)
+    if B == 0:
+        return sums
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
+    _surrogate_fwd_kernel[(B,)](
+        lp, old_lp, adv, mask_u8,
+        row_scale,
+        sums,
+        lp.stride(0), lp.stride(1), old_lp.stride(0), old_lp.stride(1), *_adv_strides(adv),
+        stride_mb, stride_mt,
+        T,
+        float(delta),
+        BLOCK_T=_block_t(T), GEOMETRY=geometry_code, TOPOLOGY=topology_code,
+        ACC=compute_dtype(lp.dtype),
+    )
+    return sums
+
+
+def surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, *, geometry_code, topology_code, delta):
+    """``dlp [B, T]`` (dtype of ``lp``) for the upstream gradient ``grad`` (0-dim)."""
+    B, T = lp.shape
+    dlp = empty((B, T), dtype=lp.dtype, device=lp.device)
+    if B * T == 0:
+        return dlp
+    block_t = _block_t(T)
+    n_t_blocks = triton.cdiv(T, block_t)
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
+    _surrogate_bwd_kernel[(B * n_t_blocks,)](
+        lp, old_lp, adv, mask_u8, row_scale, grad,
+        dlp,
+        lp.stride(0), lp.stride(1), old_lp.stride(0), old_lp.stride(1), *_adv_strides(adv),
+        stride_mb, stride_mt,
+        T, n_t_blocks,
+        float(delta),
+        BLOCK_T=block_t, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
+        ACC=compute_dtype(lp.dtype),
+    )
+    return dlp
+
+
+def surrogate_logits(logits, targets, mask, old_lp, adv, row_scale, *, temperature,
+                     geometry_code, topology_code, delta, dlogits=None):
+    """The single pass from ``logits [B, T, V]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])``
+    with ``dlogits`` for an upstream gradient of 1, written into ``dlogits`` when given."""
+    B, T, V = logits.shape
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    if dlogits is None:
+        dlogits = empty((B, T, V), dtype=logits.dtype, device=logits.device)
+    sums = empty((B * T, N_SUM_COLS), dtype=acc, device=logits.device)
+    if B * T == 0:
+        return dlogits, sums
+    block_v, num_warps = vocab_launch_config(V, logits.element_size())
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
+    _surrogate_logits_kernel[(B * T,)](
+        logits, targets, mask_u8,
+        old_lp, adv, row_scale,
+        dlogits,
+        sums,
+        logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
+        stride_mb, stride_mt, old_lp.stride(0), old_lp.stride(1), *_adv_strides(adv),
+        dlogits.stride(0), dlogits.stride(1),
+        T, V,
+        1.0 / temperature, float(delta),
+        BLOCK_V=block_v, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
+        ACC=compute_dtype(logits.dtype), num_warps=num_warps,
+    )
+    return dlogits, sums
