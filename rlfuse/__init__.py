@@ -1,7 +1,10 @@
 """rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD losses."""
 from . import reference
 from ._types import Logits, LossOutput
-from .fused_losses import GGPOLoss, ggpo_loss, token_logprobs
+from .fused_losses import (GGPOLoss, GPPOLoss, GROPDLoss, ggpo_loss, gppo_bounds, gppo_loss,
+                           gr_opd_advantages, gr_opd_loss, group_advantages, token_logprobs)
 
-__all__ = ["GGPOLoss", "Logits", "LossOutput", "ggpo_loss", "reference", "token_logprobs"]
+__all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "Logits", "LossOutput", "ggpo_loss", "gppo_bounds",
+           "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages", "reference",
+           "token_logprobs"]
 __version__ = "0.1.0"

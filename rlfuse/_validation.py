@@ -105,8 +105,8 @@ def check_logprob_args(logits, targets, temperature, mask) -> Optional[torch.Ten
 
 def check_number(name: str, value) -> float:
     """A real number (finite or not); returns it as a Python float."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: expected a number, got bool")
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     try:
         value = float(value)
     except (TypeError, ValueError):
@@ -149,14 +149,14 @@ def check_actor_tokens(mask: torch.Tensor, group_size: int, *, what: str) -> Non
 
     ``what`` names the block in the message: ``"group"`` or ``"sequence"`` (``group_size=1``).
     """
-    batch = mask.shape[0]
-    has_token = mask.reshape(batch // group_size, -1).any(-1)
+    batch, time = mask.shape
+    has_token = mask.reshape(batch // group_size, group_size * time).any(-1)
     if not bool(has_token.all()):
         k = int((~has_token).nonzero()[0])
         rows = (f"row {k}" if group_size == 1
                 else f"rows {k * group_size}..{(k + 1) * group_size - 1}")
-        raise ValueError(f"mask: {what} {k} ({rows}) has no actor token; the loss divides by its "
-                         f"token count, so every {what} needs at least one mask=True position")
+        raise ValueError(f"mask: {what} {k} ({rows}) has no actor token; every {what} needs "
+                         f"at least one mask=True position")
 
 
 class PolicyInfo(NamedTuple):
@@ -184,8 +184,8 @@ def check_policy(policy) -> PolicyInfo:
     elif isinstance(policy, torch.Tensor):
         check_tensor("policy", policy, floating=True)
         if policy.dim() != 2:
-            raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or rlfuse.Logits), "
-                             f"got shape {tuple(policy.shape)}")
+            raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or "
+                             f"rlfuse.Logits), got shape {tuple(policy.shape)}")
         shape, device, dtype = policy.shape, policy.device, policy.dtype
     else:
         raise TypeError(f"policy: expected a [B, T] tensor of log-probs or rlfuse.Logits, "

@@ -40,8 +40,9 @@ def run_loss(fn, policy_buffer, *, dtype, logits_targets=None, device="cpu", pad
 
 
 def check_three_way(fused_fn, ref_fn, policy_buffer, *, dtype, args64, args, device,
-                    logits_targets=None, metric_names=(), **kw):
-    """Fused and same-dtype reference against the float64 reference: loss, gradient, metrics."""
+                    logits_targets=None, metric_names=(), metric_scales=None, **kw):
+    """Fused and same-dtype reference against the float64 reference: loss, gradient, metrics
+    (``metric_scales``: see ``assert_three_way``'s ``scale``)."""
     fused = run_loss(fused_fn, policy_buffer, dtype=dtype, args=args, device=device,
                      logits_targets=logits_targets, **kw)
     ref = run_loss(ref_fn, policy_buffer, dtype=dtype, args=args, logits_targets=logits_targets,
@@ -57,7 +58,7 @@ def check_three_way(fused_fn, ref_fn, policy_buffer, *, dtype, args64, args, dev
     for name in fused[1]:
         assert fused[1][name].dim() == 0 and not fused[1][name].requires_grad
         assert_three_way(fused[1][name].cpu(), ref[1][name], ref64[1][name], name,
-                         atol_dtype=acc)
+                         atol_dtype=acc, scale=(metric_scales or {}).get(name))
     return fused, ref64
 
 

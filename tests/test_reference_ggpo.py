@@ -231,6 +231,15 @@ def test_masked_garbage_does_not_leak(clip_radius):
         assert a.metrics[k].item() == b.metrics[k].item(), k
 
 
+def test_empty_batch():
+    lp = torch.zeros(0, 5, requires_grad=True)
+    out = ggpo_loss(lp, torch.zeros(0, 5), torch.zeros(0), torch.zeros(0, 5, dtype=torch.bool),
+                    group_size=2, beta=1.0)
+    out.loss.backward()
+    assert out.loss.item() == 0 and lp.grad.shape == (0, 5)
+    assert all(v.item() == 0 for v in out.metrics.values())
+
+
 def test_dtypes_of_outputs():
     lp, ref, rewards, mask = _batch(seed=13)
     for dtype, want in [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
@@ -248,7 +257,8 @@ def _bad_ggpo_cases():
     nan_ref = ref.clone()
     nan_ref[mask] = math.nan
     base = dict(group_size=3, beta=0.5)
-    yield "B%m", ValueError, "group_size.*multiple", (lp, ref, rewards, mask), dict(base, group_size=4)
+    args = (lp, ref, rewards, mask)
+    yield "B%m", ValueError, "group_size.*multiple", args, dict(base, group_size=4)
     yield "m<2", ValueError, "group_size.*>= 2", (lp[:5], ref[:5], rewards[:5], mask[:5]), \
         dict(base, group_size=1)
     yield "m-type", TypeError, "group_size", (lp, ref, rewards, mask), dict(base, group_size=3.0)
@@ -269,8 +279,8 @@ def _bad_ggpo_cases():
     yield "mask-device", ValueError, "mask", (lp, ref, rewards, mask.to("meta")), base
     yield "mask-values", ValueError, "mask", (lp, ref, rewards, mask.long() - 1), base
     yield "empty-group", ValueError, "mask.*group 1", (lp, ref, rewards, empty_group), base
-    yield "num_tokens0", ValueError, "num_tokens", (lp, ref, rewards, mask), dict(base, num_tokens=0)
-    yield "num_tokens-", ValueError, "num_tokens", (lp, ref, rewards, mask), dict(base, num_tokens=-3)
+    yield "num_tokens0", ValueError, "num_tokens", args, dict(base, num_tokens=0)
+    yield "num_tokens-", ValueError, "num_tokens", args, dict(base, num_tokens=-3)
     yield "policy-shape", ValueError, "policy", (lp[0], ref, rewards, mask), base
     yield "policy-type", TypeError, "policy", (None, ref, rewards, mask), base
     yield "logits-shape", ValueError, "policy.logits", \

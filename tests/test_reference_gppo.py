@@ -89,7 +89,7 @@ def test_bounds_match_bisection(geometry, topology):
         assert torch.equal(torch.isinf(hi), torch.isinf(want_hi)), delta
         finite = ~torch.isinf(want_hi)
         # rtol 1e-6 is the contract; atol 1e-12 covers the cancellation in 1 - x near a zero lower
-        # bound (e.g. 1 - sqrt(delta/mu) with delta/mu ~ 1), limited to ~1e-16 in fp64 on both sides.
+        # bound (e.g. 1 - sqrt(delta/mu) with delta/mu ~ 1), ~1e-16 in fp64 on both sides.
         torch.testing.assert_close(lo, want_lo, rtol=1e-6, atol=1e-12)
         torch.testing.assert_close(hi[finite], want_hi[finite], rtol=1e-6, atol=0.0)
         if geometry in ("kl", "two_sided_log"):
@@ -222,6 +222,38 @@ def test_loop_sees_clipping():
     m = gppo_loss(lp, old, adv, mask, geometry="chi2", topology="atomic", delta=0.1).metrics
     assert 0 < m["clip_frac_low"] and 0 < m["clip_frac_high"]
     assert m["clip_frac_low"] + m["clip_frac_high"] < 1
+
+
+def test_branch_decision_at_the_bounds():
+    # log-ratios 1e-9 inside / outside log l and log u (l, u from gppo_bounds): the clipped
+    # branch (zero gradient) is taken exactly outside.
+    old = torch.full((4, 2), math.log(0.1), dtype=torch.float64)
+    lo, hi = gppo_bounds(old, geometry="chi2", topology="atomic", delta=0.04)
+    step = torch.tensor([-1e-9, 1e-9], dtype=torch.float64)
+    log_ratio = torch.stack([lo[0].log() + step, hi[0].log() + step,
+                             lo[0].log() + step, hi[0].log() + step])
+    adv = torch.tensor([-1.0, 1.0, 1.0, -1.0], dtype=torch.float64)
+    lp = (old + log_ratio).requires_grad_(True)
+    out = gppo_loss(lp, old, adv, torch.ones(4, 2, dtype=torch.bool))
+    out.loss.backward()
+    # row 0: A < 0 below l is clipped; row 1: A > 0 above u is clipped; rows 2-3 never clip
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 1] != 0
+    assert lp.grad[1, 0] != 0 and lp.grad[1, 1] == 0
+    assert bool((lp.grad[2:] != 0).all())
+    assert out.metrics["clip_frac_low"].item() == 1 / 8
+    assert out.metrics["clip_frac_high"].item() == 1 / 8
+
+
+def test_empty_batch_and_all_masked():
+    for B, T in [(0, 5), (3, 4)]:
+        lp = torch.zeros(B, T, requires_grad=True)
+        for agg in AGGS:
+            mask = torch.zeros(B, T, dtype=torch.bool)
+            out = gppo_loss(lp, torch.zeros(B, T), torch.zeros(B), mask, agg=agg,
+                            validate=agg != "seq-mean-token-mean")
+            out.loss.backward()
+            assert out.loss.item() == 0 and bool((lp.grad == 0).all())
+            assert all(v.item() == 0 for v in out.metrics.values())
 
 
 def test_metrics():
@@ -406,6 +438,8 @@ def _bad_gppo_cases():
     yield "old-nan", ValueError, "old_logprobs", (lp, nan_old, adv, mask), {}
     yield "mask-shape", ValueError, "mask", (lp, old, adv, mask[:3]), {}
     yield "mask-values", ValueError, "mask", (lp, old, adv, mask.long() * 2), {}
+    yield "mask-device", ValueError, "mask", (lp, old, adv, mask.to("meta")), {}
+    yield "adv-device", ValueError, "advantages", (lp, old, adv.to("meta"), mask), {}
     yield "adv-shape", ValueError, "advantages", (lp, old, adv[:3], mask), {}
     yield "adv-shape-2d", ValueError, "advantages", (lp, old, adv[:, None], mask), {}
     yield "adv-type", TypeError, "advantages", (lp, old, adv.tolist(), mask), {}

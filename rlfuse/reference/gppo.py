@@ -18,7 +18,8 @@ from .logprobs import policy_logprobs
 
 GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
 TOPOLOGIES = ("mc", "atomic", "binary")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                "seq-mean-token-sum-norm")
 
 MU_MIN = 1e-6                # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
 BISECTION_STEPS = 100        # see _binary_root_bounds
@@ -241,7 +242,8 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
     :func:`aggregate` for the divisor of each): ``token-mean`` divides by ``num_tokens``
     (default: local actor-token count), the ``seq-mean-*`` ones by ``num_sequences`` (default:
     local ``B``); ``seq-mean-token-mean`` also by each sequence's token count and
-    ``seq-mean-token-sum-norm`` by the padded length T. The count an ``agg`` does not use is ignored.
+    ``seq-mean-token-sum-norm`` by the padded length T. The count an ``agg`` does not use is
+    ignored.
 
     Metrics (detached, over the local actor tokens, 0 when there are none):
     ``clip_frac_low`` share of tokens with A < 0 and r < l (clipped from below);
@@ -310,6 +312,7 @@ def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-
         if m == 1:
             centred, std = r, torch.ones_like(r)
         else:
-            centred, std = r - r.mean(-1, keepdim=True), r.std(-1, keepdim=True)
+            centred = r - r.mean(-1, keepdim=True)
+            std = (centred.square().sum(-1, keepdim=True) / (m - 1)).sqrt()   # ddof = 1
         adv = centred / (std + eps) if normalize_std else centred
     return adv.reshape(-1)

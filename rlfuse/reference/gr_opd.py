@@ -13,7 +13,7 @@ from .gppo import aggregate, clipped_surrogate, masked_mean
 from .logprobs import policy_logprobs
 
 
-def _check_advantage_args(group_size: int, batch: int, gamma, lam, feedback_clip, adv_clip,
+def check_advantage_args(group_size: int, batch: int, gamma, lam, feedback_clip, adv_clip,
                           std_eps):
     return (check_group_size(group_size, batch), check_unit_interval("gamma", gamma),
             check_number("lam", lam), check_nonnegative("feedback_clip", feedback_clip),
@@ -33,7 +33,7 @@ def _advantages(feedback: torch.Tensor, mask: torch.Tensor, m: int, gamma: float
     score = (weight * feedback).sum(-1) / weight.sum(-1).clamp_min(torch.finfo(weight.dtype).tiny)
     score = score.reshape(-1, m)
     mu = score.mean(-1, keepdim=True)
-    sigma = score.std(-1, correction=0, keepdim=True)             # population std (ddof = 0)
+    sigma = (score - mu).square().mean(-1, keepdim=True).sqrt()   # population std (ddof = 0)
     adv = ((score - mu + lam * mu) / (sigma + std_eps)).clamp(-adv_clip, adv_clip)
     return adv.reshape(-1)
 
@@ -45,7 +45,8 @@ def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
     """Group-relative sequence credit of GR-OPD, one advantage per response ([B], detached)::
 
         r_it = clamp(teacher_lp_it − old_lp_it, −feedback_clip, feedback_clip)
-        S_i  = Σ_k γ^{k−1} r_{i,t_k} / Σ_k γ^{k−1}    (t_k = k-th actor token of response i, k = 1..T_i)
+        S_i  = Σ_k γ^{k−1} r_{i,t_k} / Σ_k γ^{k−1}
+               (t_k = k-th actor token of response i, k = 1..T_i)
         μ_g, σ_g = mean and POPULATION std (ddof=0) of S over the group
         A_i  = clamp( (S_i − μ_g + λ μ_g) / (σ_g + std_eps), −adv_clip, adv_clip )
 
@@ -61,7 +62,7 @@ def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
     mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
                                       "teacher_logprobs": teacher_logprobs},
                                shape=shape, device=old_logprobs.device)
-    m, gamma, lam, feedback_clip, adv_clip, std_eps = _check_advantage_args(
+    m, gamma, lam, feedback_clip, adv_clip, std_eps = check_advantage_args(
         group_size, shape[0], gamma, lam, feedback_clip, adv_clip, std_eps)
     check_actor_tokens(mask, 1, what="sequence")
     cdt = compute_dtype(old_logprobs.dtype)
@@ -102,7 +103,7 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
                                       "teacher_logprobs": teacher_logprobs},
                                shape=info.shape, device=device, validate=validate)
-    m, gamma, lam, feedback_clip, adv_clip, std_eps = _check_advantage_args(
+    m, gamma, lam, feedback_clip, adv_clip, std_eps = check_advantage_args(
         group_size, batch, gamma, lam, feedback_clip, adv_clip, std_eps)
     eps = check_positive("eps", eps)
     if advantages is not None:
