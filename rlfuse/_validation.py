@@ -220,3 +220,14 @@ def check_sequence_tensor(name: str, x, *, batch: int, device: torch.device,
     check_tensor(name, x, shape=(batch,), device=device, floating=True)
     if validate:
         check_finite(name, x)
+
+
+def check_logits_targets(policy, mask: torch.Tensor, validate: bool) -> None:
+    """The targets of a ``Logits`` policy: integer ``[B, T]``; in range where unmasked."""
+    if isinstance(policy, Logits):
+        check_positive("policy.temperature", policy.temperature)
+        if validate:
+            check_targets(policy.targets, mask.shape, policy.logits.shape[-1], mask.device, mask)
+        else:
+            check_tensor("targets", policy.targets, shape=mask.shape, device=mask.device,
+                         floating=False)

@@ -2,7 +2,6 @@
 import torch
 
 import rlfuse
-from rlfuse import reference
 
 from conftest import assert_three_way
 

@@ -8,8 +8,8 @@ import torch
 from .. import reference
 from .._dispatch import use_kernels
 from .._types import LossOutput
-from .._validation import (check_actor_tokens, check_group_size, check_policy, check_positive,
-                           check_sequence_tensor, check_token_tensors)
+from .._validation import check_policy
+from ..reference.ggpo import check_ggpo_args
 from .logprobs import policy_logprobs
 
 
@@ -88,29 +88,18 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
     ``Logits``: the log-prob pass over the logits, the group kernel, and one backward pass that
     writes ``dlogits``: two reads and one write of the logits.
     """
-    info = check_policy(policy)
-    device = info.device
-    if not use_kernels(device):
+    if not use_kernels(check_policy(policy).device):
         return reference.ggpo_loss(policy, ref_logprobs, rewards, mask, group_size=group_size,
                                    beta=beta, clip_radius=clip_radius, num_tokens=num_tokens,
                                    validate=validate)
-    batch = info.shape[0]
-    mask = check_token_tensors(mask, {"ref_logprobs": ref_logprobs}, shape=info.shape,
-                               device=device, validate=validate)
-    check_sequence_tensor("rewards", rewards, batch=batch, device=device, validate=validate)
-    m = check_group_size(group_size, batch, minimum=2)
-    beta = check_positive("beta", beta)
-    if clip_radius is not None:
-        clip_radius = check_positive("clip_radius", clip_radius, allow_inf=True)
-    if num_tokens is not None:
-        num_tokens = check_positive("num_tokens", num_tokens)
-    if validate:
-        check_actor_tokens(mask, m, what="group")
+    info, mask, m, beta, clip_radius, num_tokens = check_ggpo_args(
+        policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
+        clip_radius=clip_radius, num_tokens=num_tokens, validate=validate)
 
     lp = policy_logprobs(policy, mask)
     loss, group_sums = GGPOFunction.apply(lp, ref_logprobs.detach(), rewards.detach(), mask, m,
                                           beta, clip_radius, num_tokens)
-    return LossOutput(loss, _metrics(group_sums, batch))
+    return LossOutput(loss, _metrics(group_sums, info.shape[0]))
 
 
 class GGPOLoss(torch.nn.Module):

@@ -8,17 +8,10 @@ import torch
 
 from .. import reference
 from .._dispatch import use_kernels
-from .._types import Logits, LossOutput
-from .._validation import (check_actor_tokens, check_choice, check_finite, check_policy,
-                           check_positive, check_tensor, check_targets, check_token_tensors)
-from ..reference.gppo import AGGREGATIONS, GEOMETRIES, TOPOLOGIES, group_advantages
+from .._types import LossOutput
+from .._validation import check_policy, check_tensor
+from ..reference.gppo import check_gppo_args, check_region, group_advantages
 from .surrogate import row_scales, surrogate_loss
-
-
-def _check_region(geometry, topology, delta) -> float:
-    check_choice("geometry", geometry, GEOMETRIES)
-    check_choice("topology", topology, TOPOLOGIES)
-    return check_positive("delta", delta)
 
 
 def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str, delta: float):
@@ -29,7 +22,7 @@ def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str, del
     fp64 input); ``hi`` may be ``inf`` (kl mc/atomic).
     """
     check_tensor("old_logprobs", old_logprobs, floating=True)
-    delta = _check_region(geometry, topology, delta)
+    delta = check_region(geometry, topology, delta)
     if not use_kernels(old_logprobs.device):
         return reference.gppo_bounds(old_logprobs, geometry=geometry, topology=topology,
                                      delta=delta)
@@ -48,17 +41,6 @@ def surrogate_metrics(totals: torch.Tensor, tokens: torch.Tensor):
         "ratio_mean": totals[k.SUM_RATIO] / tokens,
         "approx_kl": totals[k.SUM_NEG_LOG_RATIO] / tokens,
     }
-
-
-def check_logits_targets(policy, mask: torch.Tensor, validate: bool) -> None:
-    """The targets of a ``Logits`` policy: integer ``[B, T]``; in range where unmasked."""
-    if isinstance(policy, Logits):
-        check_positive("policy.temperature", policy.temperature)
-        if validate:
-            check_targets(policy.targets, mask.shape, policy.logits.shape[-1], mask.device, mask)
-        else:
-            check_tensor("targets", policy.targets, shape=mask.shape, device=mask.device,
-                         floating=False)
 
 
 def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -90,33 +72,14 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
     From log-probs: one forward and one backward kernel. From ``Logits``: one kernel that
     computes the log-probs, the loss and ``dlogits`` in a single pass over the logits.
     """
-    info = check_policy(policy)
-    device = info.device
-    if not use_kernels(device):
+    if not use_kernels(check_policy(policy).device):
         return reference.gppo_loss(policy, old_logprobs, advantages, mask, geometry=geometry,
                                    topology=topology, delta=delta, agg=agg,
                                    num_tokens=num_tokens, num_sequences=num_sequences,
                                    validate=validate)
-    batch = info.shape[0]
-    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs}, shape=info.shape,
-                               device=device, validate=validate)
-    check_tensor("advantages", advantages, device=device, floating=True)
-    if tuple(advantages.shape) not in ((batch,), info.shape):
-        raise ValueError(f"advantages: expected shape ({batch},) or {info.shape}, "
-                         f"got {tuple(advantages.shape)}")
-    delta = _check_region(geometry, topology, delta)
-    check_choice("agg", agg, AGGREGATIONS)
-    if num_tokens is not None:
-        num_tokens = check_positive("num_tokens", num_tokens)
-    if num_sequences is not None:
-        num_sequences = check_positive("num_sequences", num_sequences)
-    check_logits_targets(policy, mask, validate)
-    if validate:
-        adv_tokens = advantages.unsqueeze(-1).expand(info.shape) if advantages.dim() == 1 \
-            else advantages
-        check_finite("advantages", adv_tokens, mask)
-        if agg == "seq-mean-token-mean":
-            check_actor_tokens(mask, 1, what="sequence")
+    info, mask, delta, num_tokens, num_sequences = check_gppo_args(
+        policy, old_logprobs, advantages, mask, geometry=geometry, topology=topology, delta=delta,
+        agg=agg, num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
 
     from ..kernels.gppo import GEOMETRY_CODE, TOPOLOGY_CODE
 

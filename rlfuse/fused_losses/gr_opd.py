@@ -9,10 +9,8 @@ import torch
 from .. import reference
 from .._dispatch import use_kernels
 from .._types import LossOutput
-from .._validation import (check_actor_tokens, check_policy, check_positive,
-                           check_sequence_tensor, check_tensor, check_token_tensors)
-from ..reference.gr_opd import check_advantage_args
-from .gppo import check_logits_targets
+from .._validation import check_policy, check_tensor
+from ..reference.gr_opd import check_advantage_inputs, check_gr_opd_args
 from .surrogate import row_scales, surrogate_loss
 
 
@@ -36,14 +34,9 @@ def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
         return reference.gr_opd_advantages(
             old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
             feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps)
-    if old_logprobs.dim() != 2:
-        raise ValueError(f"old_logprobs: expected shape [B, T], got {tuple(old_logprobs.shape)}")
-    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
-                                      "teacher_logprobs": teacher_logprobs},
-                               shape=old_logprobs.shape, device=old_logprobs.device)
-    m, gamma, lam, feedback_clip, adv_clip, std_eps = check_advantage_args(
-        group_size, old_logprobs.shape[0], gamma, lam, feedback_clip, adv_clip, std_eps)
-    check_actor_tokens(mask, 1, what="sequence")
+    mask, (m, gamma, lam, feedback_clip, adv_clip, std_eps) = check_advantage_inputs(
+        old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
+        feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps)
     adv, _ = _advantages(old_logprobs, teacher_logprobs, mask, group_size=m, gamma=gamma, lam=lam,
                          feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps)
     return adv
@@ -76,28 +69,17 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     Metrics: ``clip_frac``, ``adv_mean``, ``adv_abs_mean``, ``feedback_mean``. Definition:
     ``rlfuse.reference.gr_opd_loss``.
     """
-    info = check_policy(policy)
-    device = info.device
-    if not use_kernels(device):
+    if not use_kernels(check_policy(policy).device):
         return reference.gr_opd_loss(
             policy, old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma,
             lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
             advantages=advantages, num_sequences=num_sequences, validate=validate)
-    batch = info.shape[0]
-    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
-                                      "teacher_logprobs": teacher_logprobs},
-                               shape=info.shape, device=device, validate=validate)
-    m, gamma, lam, feedback_clip, adv_clip, std_eps = check_advantage_args(
-        group_size, batch, gamma, lam, feedback_clip, adv_clip, std_eps)
-    eps = check_positive("eps", eps)
-    if advantages is not None:
-        check_sequence_tensor("advantages", advantages, batch=batch, device=device,
-                              validate=validate)
-    if num_sequences is not None:
-        num_sequences = check_positive("num_sequences", num_sequences)
-    check_logits_targets(policy, mask, validate)
-    if validate:
-        check_actor_tokens(mask, 1, what="sequence")
+    info, mask, m, gamma, lam, eps, feedback_clip, adv_clip, std_eps, num_sequences = \
+        check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, group_size=group_size,
+                          gamma=gamma, lam=lam, eps=eps, feedback_clip=feedback_clip,
+                          adv_clip=adv_clip, std_eps=std_eps, advantages=advantages,
+                          num_sequences=num_sequences, validate=validate)
+    batch, device = info.shape[0], info.device
 
     cdt = info.compute_dtype
     if advantages is None:

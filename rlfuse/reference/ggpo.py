@@ -2,15 +2,45 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .._types import LossOutput
-from .._validation import (check_actor_tokens, check_group_size, check_policy, check_positive,
-                           check_sequence_tensor, check_token_tensors)
+from .._validation import (PolicyInfo, check_actor_tokens, check_group_size, check_logits_targets,
+                           check_policy, check_positive, check_sequence_tensor,
+                           check_token_tensors)
 from .gppo import masked_mean
 from .logprobs import policy_logprobs
+
+
+class GGPOArgs(NamedTuple):
+    info: PolicyInfo
+    mask: torch.Tensor             # bool
+    group_size: int
+    beta: float
+    clip_radius: Optional[float]
+    num_tokens: Optional[float]
+
+
+def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, clip_radius,
+                    num_tokens, validate) -> GGPOArgs:
+    """The checks of ``ggpo_loss`` (shared by the fused path); returns the normalised args."""
+    info = check_policy(policy)
+    batch, device = info.shape[0], info.device
+    mask = check_token_tensors(mask, {"ref_logprobs": ref_logprobs}, shape=info.shape,
+                               device=device, validate=validate)
+    check_sequence_tensor("rewards", rewards, batch=batch, device=device, validate=validate)
+    m = check_group_size(group_size, batch, minimum=2)
+    beta = check_positive("beta", beta)
+    rho = None if clip_radius is None else check_positive("clip_radius", clip_radius,
+                                                          allow_inf=True)
+    if num_tokens is not None:
+        num_tokens = check_positive("num_tokens", num_tokens)
+    check_logits_targets(policy, mask, validate)
+    if validate:
+        check_actor_tokens(mask, m, what="group")
+    return GGPOArgs(info, mask, m, beta, rho, num_tokens)
 
 
 def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, *,
@@ -50,19 +80,10 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
     ``clip_frac`` share of actor tokens with |lp − ref_lp| > ρ (0 without ``clip_radius``);
     ``seq_logratio_mean`` mean over sequences of s_i − s_i^ref.
     """
-    info = check_policy(policy)
-    (batch, _), device = info.shape, info.device
-    mask = check_token_tensors(mask, {"ref_logprobs": ref_logprobs}, shape=info.shape,
-                               device=device, validate=validate)
-    check_sequence_tensor("rewards", rewards, batch=batch, device=device, validate=validate)
-    m = check_group_size(group_size, batch, minimum=2)
-    beta = check_positive("beta", beta)
-    rho = None if clip_radius is None else check_positive("clip_radius", clip_radius,
-                                                          allow_inf=True)
-    if num_tokens is not None:
-        num_tokens = check_positive("num_tokens", num_tokens)
-    if validate:
-        check_actor_tokens(mask, m, what="group")
+    info, mask, m, beta, rho, num_tokens = check_ggpo_args(
+        policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
+        clip_radius=clip_radius, num_tokens=num_tokens, validate=validate)
+    batch, device = info.shape[0], info.device
 
     cdt = info.compute_dtype
     lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)

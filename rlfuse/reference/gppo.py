@@ -11,9 +11,9 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .._types import LossOutput
-from .._validation import (check_actor_tokens, check_choice, check_finite, check_group_size,
-                           check_policy, check_positive, check_tensor, check_token_tensors,
-                           compute_dtype)
+from .._validation import (PolicyInfo, check_actor_tokens, check_choice, check_finite,
+                           check_group_size, check_logits_targets, check_policy, check_positive,
+                           check_tensor, check_token_tensors, compute_dtype)
 from .logprobs import policy_logprobs
 
 GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
@@ -28,6 +28,13 @@ BISECTION_STEPS = 100        # see _binary_root_bounds
 # --------------------------------------------------------------------------------------------
 # Trust-region bounds
 # --------------------------------------------------------------------------------------------
+
+def check_region(geometry: str, topology: str, delta) -> float:
+    """A known geometry and topology and ``delta > 0``; returns ``delta`` as a float."""
+    check_choice("geometry", geometry, GEOMETRIES)
+    check_choice("topology", topology, TOPOLOGIES)
+    return check_positive("delta", delta)
+
 
 def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str,
                 delta: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +69,7 @@ def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str,
     Check value: chi2/atomic, μ = 0.1, δ = 0.04 → [0.3675445, 1.6324555].
     """
     check_tensor("old_logprobs", old_logprobs, floating=True)
-    check_choice("geometry", geometry, GEOMETRIES)
-    check_choice("topology", topology, TOPOLOGIES)
-    delta = check_positive("delta", delta)
+    delta = check_region(geometry, topology, delta)
     mu = old_logprobs.detach().double().exp().clamp(MU_MIN, 1.0 - MU_MIN)
     lo, hi = _bounds_fp64(mu, geometry, topology, delta)
     out = compute_dtype(old_logprobs.dtype)
@@ -221,6 +226,40 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # Loss and advantages
 # --------------------------------------------------------------------------------------------
 
+class GPPOArgs(NamedTuple):
+    info: PolicyInfo
+    mask: torch.Tensor             # bool
+    delta: float
+    num_tokens: Optional[float]
+    num_sequences: Optional[float]
+
+
+def check_gppo_args(policy, old_logprobs, advantages, mask, *, geometry, topology, delta, agg,
+                    num_tokens, num_sequences, validate) -> GPPOArgs:
+    """The checks of ``gppo_loss`` (shared by the fused path); returns the normalised args."""
+    info = check_policy(policy)
+    batch, device = info.shape[0], info.device
+    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs}, shape=info.shape,
+                               device=device, validate=validate)
+    check_tensor("advantages", advantages, device=device, floating=True)
+    if tuple(advantages.shape) not in ((batch,), info.shape):
+        raise ValueError(f"advantages: expected shape ({batch},) or {info.shape}, "
+                         f"got {tuple(advantages.shape)}")
+    delta = check_region(geometry, topology, delta)
+    check_choice("agg", agg, AGGREGATIONS)
+    if num_tokens is not None:
+        num_tokens = check_positive("num_tokens", num_tokens)
+    if num_sequences is not None:
+        num_sequences = check_positive("num_sequences", num_sequences)
+    check_logits_targets(policy, mask, validate)
+    if validate:
+        adv = advantages.unsqueeze(-1).expand(info.shape) if advantages.dim() == 1 else advantages
+        check_finite("advantages", adv, mask)
+        if agg == "seq-mean-token-mean":
+            check_actor_tokens(mask, 1, what="sequence")
+    return GPPOArgs(info, mask, delta, num_tokens, num_sequences)
+
+
 def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
               geometry: str = "chi2", topology: str = "atomic", delta: float = 0.04,
               agg: str = "token-mean", num_tokens: Optional[float] = None,
@@ -250,24 +289,10 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
     ``clip_frac_high`` share with A > 0 and r > u; ``ratio_mean`` mean of r (inf if some
     r overflows the dtype); ``approx_kl`` mean of ``old_lp − lp`` (verl's ``ppo_kl``).
     """
-    info = check_policy(policy)
-    (batch, _), device = info.shape, info.device
-    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs}, shape=info.shape,
-                               device=device, validate=validate)
-    check_tensor("advantages", advantages, device=device, floating=True)
-    if tuple(advantages.shape) not in ((batch,), info.shape):
-        raise ValueError(f"advantages: expected shape ({batch},) or {info.shape}, "
-                         f"got {tuple(advantages.shape)}")
-    check_choice("agg", agg, AGGREGATIONS)
-    if num_tokens is not None:
-        num_tokens = check_positive("num_tokens", num_tokens)
-    if num_sequences is not None:
-        num_sequences = check_positive("num_sequences", num_sequences)
+    info, mask, delta, num_tokens, num_sequences = check_gppo_args(
+        policy, old_logprobs, advantages, mask, geometry=geometry, topology=topology, delta=delta,
+        agg=agg, num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
     adv = advantages.unsqueeze(-1).expand(info.shape) if advantages.dim() == 1 else advantages
-    if validate:
-        check_finite("advantages", adv, mask)
-        if agg == "seq-mean-token-mean":
-            check_actor_tokens(mask, 1, what="sequence")
     lo, hi = gppo_bounds(torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs)),
                          geometry=geometry, topology=topology, delta=delta)
 

@@ -1,13 +1,14 @@
 """Reference GR-OPD: group-relative on-policy distillation with a per-response PPO mean."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .._types import LossOutput
-from .._validation import (check_actor_tokens, check_group_size, check_nonnegative, check_number,
-                           check_policy, check_positive, check_sequence_tensor, check_tensor,
+from .._validation import (PolicyInfo, check_actor_tokens, check_group_size,
+                           check_logits_targets, check_nonnegative, check_number, check_policy,
+                           check_positive, check_sequence_tensor, check_tensor,
                            check_token_tensors, check_unit_interval, compute_dtype)
 from .gppo import aggregate, clipped_surrogate, masked_mean
 from .logprobs import policy_logprobs
@@ -38,6 +39,23 @@ def _advantages(feedback: torch.Tensor, mask: torch.Tensor, m: int, gamma: float
     return adv.reshape(-1)
 
 
+def check_advantage_inputs(old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
+                           feedback_clip, adv_clip, std_eps):
+    """The checks of ``gr_opd_advantages`` (shared by the fused path); returns the bool mask and
+    the normalised hyper-parameters."""
+    check_tensor("old_logprobs", old_logprobs, floating=True)
+    if old_logprobs.dim() != 2:
+        raise ValueError(f"old_logprobs: expected shape [B, T], got {tuple(old_logprobs.shape)}")
+    shape = tuple(old_logprobs.shape)
+    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
+                                      "teacher_logprobs": teacher_logprobs},
+                               shape=shape, device=old_logprobs.device)
+    m, gamma, lam, feedback_clip, adv_clip, std_eps = check_advantage_args(
+        group_size, shape[0], gamma, lam, feedback_clip, adv_clip, std_eps)
+    check_actor_tokens(mask, 1, what="sequence")
+    return mask, (m, gamma, lam, feedback_clip, adv_clip, std_eps)
+
+
 def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
                       mask: torch.Tensor, *, group_size: int, gamma: float = 0.99,
                       lam: float = 0.25, feedback_clip: float = 5.0, adv_clip: float = 5.0,
@@ -55,20 +73,50 @@ def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
     Computed in fp32 (fp64 for fp64 ``old_logprobs``); every response needs an actor token.
     ``gamma`` in (0, 1], clips >= 0, ``std_eps`` > 0.
     """
-    check_tensor("old_logprobs", old_logprobs, floating=True)
-    if old_logprobs.dim() != 2:
-        raise ValueError(f"old_logprobs: expected shape [B, T], got {tuple(old_logprobs.shape)}")
-    shape = tuple(old_logprobs.shape)
-    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
-                                      "teacher_logprobs": teacher_logprobs},
-                               shape=shape, device=old_logprobs.device)
-    m, gamma, lam, feedback_clip, adv_clip, std_eps = check_advantage_args(
-        group_size, shape[0], gamma, lam, feedback_clip, adv_clip, std_eps)
-    check_actor_tokens(mask, 1, what="sequence")
+    mask, (m, gamma, lam, feedback_clip, adv_clip, std_eps) = check_advantage_inputs(
+        old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
+        feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps)
     cdt = compute_dtype(old_logprobs.dtype)
     with torch.no_grad():
         feedback = _feedback(old_logprobs.to(cdt), teacher_logprobs.to(cdt), mask, feedback_clip)
         return _advantages(feedback, mask, m, gamma, lam, adv_clip, std_eps)
+
+
+class GROPDArgs(NamedTuple):
+    info: PolicyInfo
+    mask: torch.Tensor             # bool
+    group_size: int
+    gamma: float
+    lam: float
+    eps: float
+    feedback_clip: float
+    adv_clip: float
+    std_eps: float
+    num_sequences: Optional[float]
+
+
+def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
+                      eps, feedback_clip, adv_clip, std_eps, advantages, num_sequences,
+                      validate) -> GROPDArgs:
+    """The checks of ``gr_opd_loss`` (shared by the fused path); returns the normalised args."""
+    info = check_policy(policy)
+    batch, device = info.shape[0], info.device
+    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
+                                      "teacher_logprobs": teacher_logprobs},
+                               shape=info.shape, device=device, validate=validate)
+    m, gamma, lam, feedback_clip, adv_clip, std_eps = check_advantage_args(
+        group_size, batch, gamma, lam, feedback_clip, adv_clip, std_eps)
+    eps = check_positive("eps", eps)
+    if advantages is not None:
+        check_sequence_tensor("advantages", advantages, batch=batch, device=device,
+                              validate=validate)
+    if num_sequences is not None:
+        num_sequences = check_positive("num_sequences", num_sequences)
+    check_logits_targets(policy, mask, validate)
+    if validate:
+        check_actor_tokens(mask, 1, what="sequence")
+    return GROPDArgs(info, mask, m, gamma, lam, eps, feedback_clip, adv_clip, std_eps,
+                     num_sequences)
 
 
 def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -98,21 +146,12 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     ``feedback_mean`` mean of the clamped feedback r_it over actor tokens (0 when
     ``advantages`` are given, since the feedback is then not computed).
     """
-    info = check_policy(policy)
-    (batch, _), device = info.shape, info.device
-    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
-                                      "teacher_logprobs": teacher_logprobs},
-                               shape=info.shape, device=device, validate=validate)
-    m, gamma, lam, feedback_clip, adv_clip, std_eps = check_advantage_args(
-        group_size, batch, gamma, lam, feedback_clip, adv_clip, std_eps)
-    eps = check_positive("eps", eps)
-    if advantages is not None:
-        check_sequence_tensor("advantages", advantages, batch=batch, device=device,
-                              validate=validate)
-    if num_sequences is not None:
-        num_sequences = check_positive("num_sequences", num_sequences)
-    if validate:
-        check_actor_tokens(mask, 1, what="sequence")
+    a = check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, group_size=group_size,
+                          gamma=gamma, lam=lam, eps=eps, feedback_clip=feedback_clip,
+                          adv_clip=adv_clip, std_eps=std_eps, advantages=advantages,
+                          num_sequences=num_sequences, validate=validate)
+    info, mask, m, gamma, lam, eps, feedback_clip, adv_clip, std_eps, num_sequences = a
+    batch, device = info.shape[0], info.device
 
     cdt = info.compute_dtype
     lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)
