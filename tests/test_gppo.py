@@ -40,6 +40,17 @@ def test_bounds_match_reference(geometry, topology, device):
         torch.testing.assert_close(hi32.cpu(), rhi32, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("geometry, topology", CELLS)
+def test_bounds_widen_with_delta(geometry, topology, device):
+    old = MU.log().to(device)
+    prev_lo, prev_hi = torch.ones_like(old), torch.ones_like(old)
+    for delta in (1e-4, 1e-3, 0.01, 0.04, 0.2, 1.0, 2.0):
+        lo, hi = rlfuse.gppo_bounds(old, geometry=geometry, topology=topology, delta=delta)
+        assert (lo <= prev_lo).all() and (hi >= prev_hi).all() and (lo <= 1).all()
+        assert ((lo < prev_lo) | (lo == 0)).any() or ((hi > prev_hi) | hi.isinf()).any()
+        prev_lo, prev_hi = lo, hi
+
+
 def test_bounds_check_value(device):
     lo, hi = rlfuse.gppo_bounds(torch.tensor([0.1], dtype=torch.float64).log().to(device),
                                 geometry="chi2", topology="atomic", delta=0.04)

@@ -89,9 +89,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
 
 
 def policy_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
-    """The learner log-probs ``[B, T]`` of a policy given as log-probs or as ``Logits`` (fused:
-    the loss's gradient reaches the logits through one backward pass over them)."""
+    """The learner log-probs ``[B, T]`` of a policy given as log-probs or as ``Logits`` (whose
+    arguments the loss has already checked); the loss's gradient reaches the logits through one
+    backward pass over them."""
     if isinstance(policy, Logits):
-        return token_logprobs(policy.logits, policy.targets, temperature=policy.temperature,
-                              mask=mask, inplace_backward=policy.inplace_backward)
+        return TokenLogprobsFunction.apply(policy.logits, policy.targets, mask,
+                                           float(policy.temperature), False,
+                                           bool(policy.inplace_backward))
     return policy
