@@ -139,6 +139,22 @@ def test_logits_upstream_gradient_and_inplace(device):
     torch.testing.assert_close(grads[1], grads[2], rtol=1e-10, atol=1e-13)
 
 
+def test_logits_without_grad_reads_only(device):
+    """Under no_grad the single pass computes the loss and writes no gradient."""
+    B, T, V = 2, 3, 40
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randn(B, T, V, generator=gen).to(device)
+    targets = torch.randint(0, V, (B, T), generator=gen).to(device)
+    mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    old = (torch.randn(B, T, generator=gen) - 4).to(device)
+    adv = torch.randn(B, generator=gen).to(device)
+    with torch.no_grad():
+        a = rlfuse.gppo_loss(rlfuse.Logits(logits, targets), old, adv, mask)
+    b = reference.gppo_loss(rlfuse.Logits(logits.cpu(), targets.cpu()), old.cpu(), adv.cpu(),
+                            mask.cpu())
+    torch.testing.assert_close(a.loss.cpu(), b.loss, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("log_ratio", [30.0, -30.0])
 @pytest.mark.parametrize("geometry, topology", [("chi2", "atomic"), ("kl", "mc"),
                                                 ("two_sided_log", "binary")])
@@ -188,7 +204,7 @@ def test_runtime_hyperparameters_are_not_constexpr():
     for kernel in (surrogate._surrogate_fwd_kernel, surrogate._surrogate_bwd_kernel,
                    surrogate._surrogate_logits_kernel, gppo._gppo_bounds_kernel):
         assert constexpr_params(kernel) <= {"BLOCK", "BLOCK_T", "BLOCK_V", "GEOMETRY",
-                                            "TOPOLOGY", "ACC"}
+                                            "TOPOLOGY", "ACC", "WRITE_DLOGITS"}
 
 
 BAD = [

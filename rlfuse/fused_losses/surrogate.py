@@ -73,10 +73,11 @@ class SurrogateLogitsFunction(torch.autograd.Function):
         from ..kernels import surrogate as k
 
         logits3, targets3, mask3 = as_rows(logits, targets, mask)
+        write = ctx.needs_input_grad[0]
         dlogits, sums = k.surrogate_logits(
             logits3.detach(), targets3, mask3, old_lp, adv, row_scale, temperature=temperature,
             geometry_code=geometry_code, topology_code=topology_code, delta=delta,
-            dlogits=logits3.detach() if inplace else None)
+            write_dlogits=write, dlogits=logits3.detach() if inplace and write else None)
         _raise_on_overflow(sums, k.SUM_OVERFLOW)
         ctx.save_for_backward(dlogits)
         ctx.logits_shape = logits.shape

@@ -133,6 +133,7 @@ def _surrogate_logits_kernel(
     # scalars
     inv_temp, delta,
     BLOCK_V: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
+    WRITE_DLOGITS: tl.constexpr,
 ):
     # One row: lse by the online pass, lp = z_y - lse, the surrogate, then
     # dL/dlogits = g (onehot(y) - p) / tau with g = dL/dlp = -row_scale[b] dJ/dlp (for an upstream
@@ -142,7 +143,6 @@ def _surrogate_logits_kernel(
     t = row % T
     y, is_actor = load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt,
                                   stride_mb, stride_mt, V, True)
-    drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
     out = sums_ptr + row * 6  # the SUM_* columns, in order
     if is_actor:
         row_ptr = logits_ptr + b * stride_lb + t * stride_lt
@@ -154,8 +154,9 @@ def _surrogate_logits_kernel(
         log_ratio = lp - old
         j, dj, low, high, bad = clipped_surrogate(log_ratio, adv, lo, hi)
         row_scale = tl.load(row_scale_ptr + b).to(ACC)
-        row_write_dlogits(row_ptr, drow_ptr, V, y, inv_temp, lse, 0.0, -row_scale * dj, 0.0,
-                          BLOCK_V, False, ACC)
+        if WRITE_DLOGITS:
+            row_write_dlogits(row_ptr, dlogits_ptr + b * stride_db + t * stride_dt, V, y,
+                              inv_temp, lse, 0.0, -row_scale * dj, 0.0, BLOCK_V, False, ACC)
         tl.store(out + 0, j * row_scale)
         tl.store(out + 1, low.to(ACC))
         tl.store(out + 2, high.to(ACC))
@@ -163,7 +164,8 @@ def _surrogate_logits_kernel(
         tl.store(out + 4, -log_ratio)
         tl.store(out + 5, bad.to(ACC))
     else:
-        row_write_zeros(drow_ptr, V, BLOCK_V)
+        if WRITE_DLOGITS:
+            row_write_zeros(dlogits_ptr + b * stride_db + t * stride_dt, V, BLOCK_V)
         for col in tl.static_range(6):
             tl.store(out + col, tl.zeros((), ACC))
 
@@ -222,12 +224,13 @@ def surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, *, geometry_code, topo
 
 
 def surrogate_logits(logits, targets, mask, old_lp, adv, row_scale, *, temperature,
-                     geometry_code, topology_code, delta, dlogits=None):
+                     geometry_code, topology_code, delta, write_dlogits=True, dlogits=None):
     """The single pass from ``logits [B, T, V]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])``
-    with ``dlogits`` for an upstream gradient of 1, written into ``dlogits`` when given."""
+    with ``dlogits`` for an upstream gradient of 1, written into ``dlogits`` when given (None
+    without ``write_dlogits``: the loss alone, one read of the logits)."""
     B, T, V = logits.shape
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    if dlogits is None:
+    if dlogits is None and write_dlogits:
         dlogits = empty((B, T, V), dtype=logits.dtype, device=logits.device)
     sums = empty((B * T, N_SUM_COLS), dtype=acc, device=logits.device)
     if B * T == 0:
@@ -241,10 +244,10 @@ def surrogate_logits(logits, targets, mask, old_lp, adv, row_scale, *, temperatu
         sums,
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
         stride_mb, stride_mt, old_lp.stride(0), old_lp.stride(1), *_adv_strides(adv),
-        dlogits.stride(0), dlogits.stride(1),
+        *((dlogits.stride(0), dlogits.stride(1)) if write_dlogits else (0, 0)),
         T, V,
         1.0 / temperature, float(delta),
         BLOCK_V=block_v, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
-        ACC=compute_dtype(logits.dtype), num_warps=num_warps,
+        ACC=compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits, num_warps=num_warps,
     )
     return dlogits, sums

@@ -1,0 +1,119 @@
+"""The three methods. Each adds what its loss needs to a rollout (``prepare``) and makes exactly
+one rlfuse loss call per optimizer step (``loss``); the training loop is shared (train.py).
+
+``lib`` is ``rlfuse`` (fused) or ``rlfuse.reference``: the same functions with the same
+signatures. ``policy`` is the learner as ``rlfuse.Logits`` over the response positions.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .model import frozen_copy, load_weights, next_token_logits
+from .rollout import Batch, response_logprobs, sample, verify
+
+
+class Method:
+    name = ""
+    mixed_only = True       # train only on groups whose rewards differ
+
+    def __init__(self, policy, settings, prompts: torch.Tensor, generator: torch.Generator):
+        self.settings = settings
+
+    def prepare(self, lib, batch: Batch) -> None:
+        """Once per rollout: detached per-method inputs, stored in ``batch.extra``."""
+
+    def loss(self, lib, policy, batch: Batch):
+        raise NotImplementedError
+
+    def after_step(self, step: int, policy) -> None:
+        """After optimizer step ``step`` (counted from 1)."""
+
+
+class GGPO(Method):
+    """Stable Gibbs gap of KL-adjusted rewards against a reference policy. No behavior
+    log-probs and no importance ratio enter the loss."""
+
+    name = "ggpo"
+
+    def __init__(self, policy, settings, prompts, generator):
+        super().__init__(policy, settings, prompts, generator)
+        self.reference = frozen_copy(policy)
+
+    def loss(self, lib, policy, batch):
+        # The reference may have been refreshed since the rollout: score the batch now.
+        ref = response_logprobs(self.reference, batch.sequences, batch.prompt_len, batch.mask)
+        return lib.ggpo_loss(policy, ref, batch.rewards, batch.mask,
+                             group_size=self.settings.group_size, beta=self.settings.beta)
+
+    def after_step(self, step, policy):
+        # GGPO moves its target by refreshing the REFERENCE from the learner every K optimizer
+        # steps; this never touches the behavior copy, which keeps the collection it sampled.
+        if step % self.settings.ref_refresh_every == 0:
+            load_weights(self.reference, policy)
+
+
+class GPPO(Method):
+    """PPO-style clipped surrogate over the chi2 / atomic trust region (the seed default),
+    with GRPO group advantages; the behavior copy is the old policy."""
+
+    name = "gppo"
+
+    def prepare(self, lib, batch):
+        batch.extra["advantages"] = lib.group_advantages(batch.rewards,
+                                                         group_size=self.settings.group_size)
+
+    def loss(self, lib, policy, batch):
+        return lib.gppo_loss(policy, batch.old_logprobs, batch.extra["advantages"], batch.mask,
+                             geometry="chi2", topology="atomic", delta=0.04)
+
+
+class GROPD(Method):
+    """On-policy distillation: a frozen teacher replayed on the student's own samples gives a
+    group-relative credit per response; the verifier's reward is only reported, never trained on."""
+
+    name = "gr_opd"
+    mixed_only = False
+
+    def __init__(self, policy, settings, prompts, generator):
+        super().__init__(policy, settings, prompts, generator)
+        self.teacher = train_teacher(policy, settings, prompts, generator)
+
+    def prepare(self, lib, batch):
+        teacher = response_logprobs(self.teacher, batch.sequences, batch.prompt_len, batch.mask)
+        batch.extra["teacher_logprobs"] = teacher
+        batch.extra["advantages"] = lib.gr_opd_advantages(
+            batch.old_logprobs, teacher, batch.mask, group_size=self.settings.group_size)
+
+    def loss(self, lib, policy, batch):
+        return lib.gr_opd_loss(policy, batch.old_logprobs, batch.extra["teacher_logprobs"],
+                               batch.mask, group_size=self.settings.group_size,
+                               advantages=batch.extra["advantages"])
+
+
+def train_teacher(policy, settings, prompts: torch.Tensor, generator: torch.Generator):
+    """A teacher that prefers the rewarded behavior: a copy of the initial policy fine-tuned for
+    a few supervised steps on its own responses that the verifier accepts (rejection-sampling
+    fine-tuning), then frozen."""
+    teacher = copy.deepcopy(policy)
+    params = [p for p in teacher.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=settings.teacher_lr)
+    prompt_len = prompts.shape[1]
+    for _ in range(settings.teacher_steps):
+        rows = torch.randint(len(prompts), (4 * settings.prompts_per_step,), generator=generator,
+                             device=generator.device)
+        sequences, mask = sample(teacher, prompts[rows], settings.max_new_tokens, generator)
+        accepted = verify(sequences[:, prompt_len:]) > 0
+        if not accepted.any():
+            continue
+        sequences, mask = sequences[accepted], mask[accepted]
+        logits = next_token_logits(teacher, sequences)[:, prompt_len - 1:-1]
+        nll = torch.nn.functional.cross_entropy(logits[mask], sequences[:, prompt_len:][mask])
+        optimizer.zero_grad()
+        nll.backward()
+        optimizer.step()
+    return frozen_copy(teacher)
+
+
+METHODS = {cls.name: cls for cls in (GGPO, GPPO, GROPD)}

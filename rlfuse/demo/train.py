@@ -1,0 +1,131 @@
+"""The training loop shared by the three methods, and the evaluation."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import rlfuse
+from rlfuse._dispatch import use_kernels
+
+from .methods import METHODS
+from .model import build_policy, frozen_copy, load_weights, next_token_logits
+from .rollout import collect, sample, verify
+from .text import prompt_windows
+
+
+@dataclasses.dataclass
+class Settings:
+    steps: int = 30                 # optimizer steps per method
+    group_size: int = 4             # responses per prompt
+    prompts_per_step: int = 4       # prompts (groups) per rollout
+    max_new_tokens: int = 4
+    prompt_len: int = 12            # bytes
+    lr: float = 2e-2                # Adam on the LoRA parameters
+    lora_rank: int = 8
+    updates_per_rollout: int = 2    # optimizer steps on each rollout; the behavior is refreshed
+                                    # from the learner before the next one (the PPO old policy)
+    max_resamples: int = 4          # mixed-reward filtering: resamples per prompt
+    beta: float = 0.5               # GGPO: KL weight
+    ref_refresh_every: int = 10     # GGPO: optimizer steps between reference refreshes
+    teacher_steps: int = 20         # GR-OPD: supervised steps that make the teacher
+    teacher_lr: float = 2e-2
+    eval_samples: int = 16          # sampled responses per evaluation prompt
+
+
+@dataclasses.dataclass
+class RunResult:
+    method: str
+    impl: str
+    path: str                       # which implementation ran the losses
+    reward_before: float
+    reward_after: float
+    seconds: float
+    history: List[Dict]             # one dict per optimizer step
+
+
+def resolve_device(device: Optional[str] = None) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def active_path(impl: str, device: torch.device) -> str:
+    if impl == "reference":
+        return "rlfuse.reference (plain torch, autograd)"
+    if use_kernels(device):
+        if device.type == "cuda":
+            return "fused Triton kernels on CUDA"
+        return "fused Triton kernels through the Triton interpreter (TRITON_INTERPRET=1)"
+    return ("rlfuse.reference: the fused API falls back to it on CPU unless TRITON_INTERPRET=1 "
+            "is set before Python starts")
+
+
+@torch.no_grad()
+def evaluate(model, prompts: torch.Tensor, settings: Settings, seed: int) -> float:
+    """Mean verifier reward of sampled responses on fixed prompts, from a fixed random stream
+    (the same draws before and after training)."""
+    generator = torch.Generator(prompts.device).manual_seed(seed + 1)
+    sequences, _ = sample(model, prompts.repeat_interleave(settings.eval_samples, 0),
+                          settings.max_new_tokens, generator)
+    return verify(sequences[:, prompts.shape[1]:]).mean().item()
+
+
+def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed: int = 0,
+        on_step: Optional[Callable[[Dict], None]] = None, **settings) -> RunResult:
+    """Train a fresh tiny LoRA policy with one method; ``settings`` override :class:`Settings`.
+
+    ``impl="fused"`` calls ``rlfuse.*``, ``impl="reference"`` the same functions of
+    ``rlfuse.reference``; from the same seed both sample the same tokens. ``on_step`` receives
+    each step's record as it is made.
+    """
+    if impl not in ("fused", "reference"):
+        raise ValueError(f"impl: expected 'fused' or 'reference', got {impl!r}")
+    lib = rlfuse if impl == "fused" else rlfuse.reference
+    settings = Settings(**settings)
+    device = resolve_device(device)
+    start = time.perf_counter()
+
+    policy = build_policy(seed, device, lora_rank=settings.lora_rank)
+    generator = torch.Generator(device).manual_seed(seed)
+    train_prompts = prompt_windows(settings.prompt_len, split="train").to(device)
+    eval_prompts = prompt_windows(settings.prompt_len, split="eval").to(device)
+    algo = METHODS[method](policy, settings, train_prompts, generator)
+    behavior = frozen_copy(policy)
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad],
+                                 lr=settings.lr)
+    reward_before = evaluate(policy, eval_prompts, settings, seed)
+
+    history = []
+    for step in range(1, settings.steps + 1):
+        tic = time.perf_counter()
+        if (step - 1) % settings.updates_per_rollout == 0:
+            load_weights(behavior, policy)
+            rows = torch.randint(len(train_prompts), (settings.prompts_per_step,),
+                                 generator=generator, device=device)
+            batch, stats = collect(behavior, train_prompts[rows], group_size=settings.group_size,
+                                   max_new_tokens=settings.max_new_tokens, generator=generator,
+                                   mixed_only=algo.mixed_only,
+                                   max_resamples=settings.max_resamples)
+            if batch is not None:
+                algo.prepare(lib, batch)
+        record = {"step": step, **stats, "loss": None, "metrics": {}, "tokens": 0}
+        if batch is not None:           # else: no mixed group in this rollout, nothing to learn
+            logits = next_token_logits(policy, batch.sequences)
+            # logits[:, t] predicts token t + 1: the response window is a strided view, no copy.
+            response_logits = logits[:, batch.prompt_len - 1:-1]
+            out = algo.loss(lib, lib.Logits(response_logits, batch.responses), batch)
+            optimizer.zero_grad()
+            out.loss.backward()
+            optimizer.step()
+            record.update(loss=out.loss.item(), tokens=int(batch.mask.sum()),
+                          metrics={k: v.item() for k, v in out.metrics.items()})
+        algo.after_step(step, policy)
+        record["seconds"] = time.perf_counter() - tic
+        history.append(record)
+        if on_step is not None:
+            on_step(record)
+
+    reward_after = evaluate(policy, eval_prompts, settings, seed)
+    return RunResult(method, impl, active_path(impl, device), reward_before, reward_after,
+                     time.perf_counter() - start, history)
