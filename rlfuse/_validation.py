@@ -88,14 +88,23 @@ def check_choice(name: str, value, choices: Sequence[str]) -> str:
     return value
 
 
-def check_logprob_args(logits, targets, temperature, mask) -> Optional[torch.Tensor]:
-    """Checks the arguments of ``token_logprobs``; returns the mask as bool (or None)."""
+def check_logprob_args(logits, targets, temperature, mask,
+                       validate: bool = True) -> Optional[torch.Tensor]:
+    """Checks the arguments of ``token_logprobs``; returns the mask as bool (or None). Without
+    ``validate`` the values (0/1 mask, target range: one host sync) are not checked."""
     check_logits(logits)
     check_positive("temperature", temperature)
     shape = tuple(logits.shape[:-1])
     if mask is not None:
-        mask = check_mask(mask, shape, logits.device)
-    check_targets(targets, shape, logits.shape[-1], logits.device, mask)
+        if validate:
+            mask = check_mask(mask, shape, logits.device)
+        else:
+            check_tensor("mask", mask, shape=shape, device=logits.device)
+            mask = mask if mask.dtype == torch.bool else mask != 0
+    if validate:
+        check_targets(targets, shape, logits.shape[-1], logits.device, mask)
+    else:
+        check_tensor("targets", targets, shape=shape, device=logits.device, floating=False)
     return mask
 
 

@@ -223,6 +223,16 @@ def test_out_of_range_target_allowed_when_masked(device):
     assert torch.isfinite(lp).all() and (lp[~mask] == 0).all()
 
 
+@pytest.mark.parametrize("fn", [rlfuse.token_logprobs, reference.token_logprobs])
+def test_without_validation_out_of_range_target_is_nan(fn, device):
+    """validate=False skips the host sync; a bad unmasked target gives NaN, not a wild read."""
+    logits = torch.randn(2, 3, 5, device=device)
+    targets = torch.tensor([[0, 5, 1], [-3, 2, 4]], device=device)
+    lp = fn(logits, targets, validate=False)
+    bad = torch.tensor([[False, True, False], [True, False, False]], device=device)
+    assert lp[bad].isnan().all() and torch.isfinite(lp[~bad]).all()
+
+
 def test_dispatch_without_interpreter_uses_reference():
     """On the CPU without TRITON_INTERPRET, calls fall back to the reference."""
     code = ("import torch, rlfuse; from rlfuse._dispatch import use_kernels; "

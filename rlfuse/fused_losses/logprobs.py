@@ -60,7 +60,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                    return_entropy: bool = False, inplace_backward: bool = False,
-                   mask: Optional[torch.Tensor] = None):
+                   mask: Optional[torch.Tensor] = None, validate: bool = True):
     """Per-token log-probs of ``targets`` under ``softmax(logits / temperature)``, fused.
 
     Args:
@@ -73,6 +73,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
             a logits-sized allocation; only safe when nothing else needs the logits afterwards).
         mask: optional ``[B, T]`` / ``[N]`` bool (or 0/1); masked positions get log-prob 0,
             entropy 0 and zero gradient, and their targets are never read.
+        validate: check the mask holds 0/1 and the unmasked targets lie in ``[0, V)`` (reads
+            ``[B, T]`` data, one host sync); without it an out-of-range target gives NaN, never
+            an out-of-bounds read.
 
     Returns:
         ``logp`` (fp32; fp64 for fp64 logits), or ``(logp, entropy)``.
@@ -80,10 +83,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     The forward reads the logits once and saves one fp32 ``lse`` per position; the backward reads
     them once more and writes the gradient once.
     """
-    mask = check_logprob_args(logits, targets, temperature, mask)
     if not use_kernels(logits.device):
         return reference.token_logprobs(logits, targets, temperature=temperature,
-                                        return_entropy=return_entropy, mask=mask)
+                                        return_entropy=return_entropy, mask=mask,
+                                        validate=validate)
+    mask = check_logprob_args(logits, targets, temperature, mask, validate)
     return TokenLogprobsFunction.apply(logits, targets, mask, float(temperature),
                                        bool(return_entropy), bool(inplace_backward))
 

@@ -11,7 +11,7 @@ from .._validation import check_logprob_args
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                    return_entropy: bool = False, inplace_backward: bool = False,
-                   mask: Optional[torch.Tensor] = None):
+                   mask: Optional[torch.Tensor] = None, validate: bool = True):
     """Per-token log-probs of ``targets`` under ``softmax(logits / temperature)``.
 
     For each position (``logits`` ``[B, T, V]`` or ``[N, V]``, ``targets`` ``[B, T]`` or ``[N]``)::
@@ -21,15 +21,20 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
 
     Positions where ``mask`` is False get log-prob 0, entropy 0 and zero gradient; their targets
     may be anything. Results are fp32 (fp64 for fp64 logits). ``inplace_backward`` is accepted for
-    signature parity with the fused path and has no effect here.
+    signature parity with the fused path and has no effect here. ``validate=False`` skips the
+    value checks (0/1 mask, unmasked targets in ``[0, V)``); an out-of-range target then gives
+    NaN.
     """
-    mask = check_logprob_args(logits, targets, temperature, mask)
+    mask = check_logprob_args(logits, targets, temperature, mask, validate)
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logp_all = torch.log_softmax(logits.to(compute) / temperature, dim=-1)
     safe_targets = targets.long().clamp(0, logits.shape[-1] - 1)
     if mask is not None:
         safe_targets = torch.where(mask, safe_targets, torch.zeros_like(safe_targets))
     logp = logp_all.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
+    if not validate:
+        in_range = (targets >= 0) & (targets < logits.shape[-1])
+        logp = torch.where(in_range, logp, torch.full_like(logp, float("nan")))
     if mask is not None:
         logp = torch.where(mask, logp, torch.zeros_like(logp))
     if not return_entropy:

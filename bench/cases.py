@@ -1,0 +1,302 @@
+"""What the benchmark runs: the shapes, ONE input factory (used for speed and for memory alike),
+the ops, the implementations that run them, and each op's minimal HBM byte count (its floor).
+
+An op is a function of the inputs made by :func:`make_inputs`; every implementation of it goes
+through the same call (``Op.run(lib, x)`` with ``lib`` = ``rlfuse``, ``rlfuse.reference`` or the
+compiled reference), so the rows of one op differ only in the implementation. Liger-Kernel, where
+it does the same work, has its own adapter (``Op.liger``): it wants ``[B, T+1, V]`` contiguous
+logits, which is why the factory allocates those and hands the other implementations the
+``logits[:, :-1]`` view (the layout a trainer passes; it must not be copied).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from types import SimpleNamespace
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+import rlfuse
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+IMPLS = ("fused", "reference", "compiled", "liger")
+
+# Every shape is B sequences of T = N / B positions, in groups of GROUP_SIZE rows (4 groups).
+BATCH, GROUP_SIZE = 16, 4
+DEFAULT_N = (16384, 4096)
+DEFAULT_V = (151936, 128256, 32000)     # Qwen2/2.5, Llama 3, Llama 2 vocabularies
+FP32_SHAPE = (16384, 151936)            # the one fp32 shape of the default grid
+# --quick: small enough for the Triton interpreter on 2 CPU cores, whose cost is per program
+# (row), not per element: 16 rows, two groups of 4 sequences of 2 positions.
+QUICK_BATCH, QUICK_N, QUICK_V = 8, (16,), (1000,)
+
+BETA = 0.1            # GGPO's KL weight (a runtime kernel argument; any value costs the same)
+LIGER_MODULE = "liger_kernel.ops.grpo_loss"   # selective log-softmax and the GRPO loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    N: int                     # tokens, B * T
+    V: Optional[int]           # vocabulary; None for the ops that take [B, T] log-probs
+    dtype: torch.dtype         # of the logits (float32 for the log-prob ops)
+    batch: int
+    group_size: int
+
+    @property
+    def T(self) -> int:
+        return self.N // self.batch
+
+    @property
+    def element_size(self) -> int:
+        return torch.finfo(self.dtype).bits // 8
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"N={self.N} V={self.V} {dtype}" if self.V else f"N={self.N} [B,T] log-probs"
+
+
+def make_shapes(Ns: Sequence[int] = (), Vs: Sequence[int] = (),
+                dtypes: Sequence[torch.dtype] = (), *, quick: bool = False):
+    """The grid, headline shape first (largest N and V): logits shapes for every (N, V, dtype)
+    and one log-prob shape per N. With no ``dtypes`` given: bf16, plus fp32 at ``FP32_SHAPE``."""
+    batch = QUICK_BATCH if quick else BATCH
+    Ns = sorted(Ns or (QUICK_N if quick else DEFAULT_N), reverse=True)
+    Vs = sorted(Vs or (QUICK_V if quick else DEFAULT_V), reverse=True)
+    for n in Ns:
+        if n % batch:
+            raise ValueError(f"--N: expected a multiple of B = {batch}, got {n}")
+    shape = lambda n, v, dt: Shape(n, v, dt, batch, GROUP_SIZE)  # noqa: E731
+    logits = [shape(n, v, dt) for dt in (dtypes or (torch.bfloat16,)) for n in Ns for v in Vs]
+    if not dtypes:
+        n, v = FP32_SHAPE if not quick else (Ns[0], Vs[0])
+        logits.append(shape(n, v, torch.float32))
+    logprobs = [shape(n, None, torch.float32) for n in Ns]
+    return logits[:1] + logprobs + logits[1:]
+
+
+# --------------------------------------------------------------------------------------------
+# The one input factory
+# --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def _own_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The policy's own log-probs, one sequence at a time (no [B, T, V] fp32 temporary)."""
+    rows = [torch.log_softmax(logits[b].float(), -1).gather(-1, targets[b, :, None])[:, 0]
+            for b in range(logits.shape[0])]
+    return torch.stack(rows)
+
+
+def make_inputs(shape: Shape, device, *, seed: int = 0, validate: bool = True) -> SimpleNamespace:
+    """Realistic inputs: logits ``randn * 2`` in the dtype, random targets, padded responses with
+    ~85% actor tokens, old/ref log-probs = the policy's own + small noise (ratios near 1), a
+    teacher further off, rewards 0/1. Leaves that require grad: ``logits`` (the ``[:, :-1]``
+    view; its gradient is what the fused kernels write), ``logits_full`` (for Liger) and ``lp``.
+    """
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, T, m = shape.batch, shape.T, shape.group_size
+
+    def randn(*size, dtype=torch.float32):
+        return torch.randn(*size, generator=g, device=device, dtype=dtype)
+
+    lengths = torch.randint((7 * T) // 10, T + 1, (B,), generator=g, device=device)
+    mask = torch.arange(T, device=device) < lengths[:, None]   # response, then right padding
+    rewards = torch.randint(0, 2, (B,), generator=g, device=device).float()
+    x = SimpleNamespace(shape=shape, group_size=m, mask=mask, mask_i32=mask.to(torch.int32),
+                        rewards=rewards, validate=validate, logits=None, logits_full=None,
+                        targets=None)
+    if shape.V is None:
+        own = -4.0 * torch.rand(B, T, generator=g, device=device)
+    else:
+        logits_full = randn(B, T + 1, shape.V, dtype=shape.dtype).mul_(2.0)
+        x.targets = torch.randint(0, shape.V, (B, T), generator=g, device=device)
+        own = _own_logprobs(logits_full[:, :-1], x.targets)
+        x.logits_full = logits_full.requires_grad_()
+        x.logits = logits_full.detach()[:, :-1].requires_grad_()   # same storage, own leaf
+    x.lp = own.clone().requires_grad_()
+    x.old_lp = (own + 0.05 * randn(B, T)).clamp_max(0.0)
+    x.ref_lp = (own + 0.05 * randn(B, T)).clamp_max(0.0)
+    x.teacher_lp = (own + 0.5 * randn(B, T)).clamp_max(0.0)
+    x.advantages = rlfuse.reference.group_advantages(rewards, group_size=m)
+    x.opd_advantages = rlfuse.reference.gr_opd_advantages(x.old_lp, x.teacher_lp, mask,
+                                                          group_size=m)
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# The ops and their floors
+# --------------------------------------------------------------------------------------------
+
+# Bytes per token of the [B, T] side data (negligible beside the logits, kept for honesty).
+TGT, MSK, F32 = 8, 1, 4      # int64 target id, bool mask, fp32 log-prob / lse / gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    name: str
+    from_logits: bool                     # the policy is [B, T, V] logits (else [B, T] log-probs)
+    run: Callable                         # (lib, x) -> output(s), differentiable
+    # mode -> (reads of the logits, writes of dlogits, bytes per token of [B, T] data): the
+    # least HBM traffic any implementation needs for that mode.
+    floor: Dict[str, Tuple[int, int, int]]
+    liger: Optional[Callable] = None      # (liger module, x) -> output(s), grads to logits_full
+    liger_modes: Tuple[str, ...] = MODES
+
+    def bytes(self, shape: Shape, mode: str) -> int:
+        reads, writes, per_token = self.floor[mode]
+        return (reads + writes) * shape.N * (shape.V or 0) * shape.element_size \
+            + per_token * shape.N
+
+
+def _run_loss(call, from_logits: bool, lib, x):
+    """A loss on the policy in either form: ``Logits`` (the [:, :-1] view) or [B, T] log-probs."""
+    return call(lib, lib.Logits(x.logits, x.targets) if from_logits else x.lp, x)
+
+
+# One call per loss, shared by both policy forms and by every implementation.
+_LOSSES = {
+    "ggpo": lambda lib, pol, x: lib.ggpo_loss(
+        pol, x.ref_lp, x.rewards, x.mask, group_size=x.group_size, beta=BETA,
+        validate=x.validate).loss,
+    "gppo": lambda lib, pol, x: lib.gppo_loss(
+        pol, x.old_lp, x.advantages, x.mask, validate=x.validate).loss,   # chi2 / atomic
+    "gr_opd": lambda lib, pol, x: lib.gr_opd_loss(
+        pol, x.old_lp, x.teacher_lp, x.mask, group_size=x.group_size, validate=x.validate).loss,
+}
+
+# The floors. "bwd" is a backward that starts from the forward's per-token saves (lse);
+# "fwd+bwd" is the whole step, which for a token-local loss (GPPO, GR-OPD) is ONE pass, so it is
+# less than fwd + bwd: a single-pass implementation does all its work in the forward (its "fwd"
+# row costs one read + one write, its "bwd" row almost nothing); read its fwd+bwd row.
+_FLOORS = {
+    # fwd: read logits once (N*V*elt) + targets, mask; write logp and lse.
+    # bwd: read logits once, write dlogits once (2*N*V*elt) + targets, mask, lse, dlogp.
+    # fwd+bwd: two reads + one write (the loss's dlogp is known only after the forward).
+    "token_logprobs": {"fwd": (1, 0, TGT + MSK + 2 * F32),
+                       "bwd": (1, 1, TGT + MSK + 2 * F32),
+                       "fwd+bwd": (2, 1, 2 * (TGT + MSK) + 4 * F32)},
+    # as token_logprobs, plus the entropy written (fwd) and entropy, dentropy read (bwd).
+    "token_logprobs_entropy": {"fwd": (1, 0, TGT + MSK + 3 * F32),
+                               "bwd": (1, 1, TGT + MSK + 4 * F32),
+                               "fwd+bwd": (2, 1, 2 * (TGT + MSK) + 7 * F32)},
+    # [B, T] only: fwd reads lp, ref_lp, mask; bwd reads mask, writes dlp.
+    "ggpo": {"fwd": (0, 0, MSK + 2 * F32), "bwd": (0, 0, MSK + F32),
+             "fwd+bwd": (0, 0, 2 * MSK + 3 * F32)},
+    # [B, T] only: fwd reads lp, old_lp, mask; bwd also writes dlp; token-local: one pass.
+    "gppo": {"fwd": (0, 0, MSK + 2 * F32), "bwd": (0, 0, MSK + 3 * F32),
+             "fwd+bwd": (0, 0, MSK + 3 * F32)},
+    # [B, T] only: the advantage pass reads old_lp, teacher_lp, mask; the loss pass reads lp,
+    # old_lp, mask (and writes dlp in bwd / fwd+bwd).
+    "gr_opd": {"fwd": (0, 0, 2 * MSK + 4 * F32), "bwd": (0, 0, MSK + 3 * F32),
+               "fwd+bwd": (0, 0, 2 * MSK + 5 * F32)},
+    # GGPO from logits: every log-prob of a group is needed before any gradient, so
+    # fwd: one read (log-prob pass) + targets, mask, ref_lp, lse written;
+    # bwd: one read + one write (dlogits) + targets, mask, lse;
+    # fwd+bwd: two reads + one write.
+    "ggpo_logits": {"fwd": (1, 0, TGT + MSK + 2 * F32), "bwd": (1, 1, TGT + MSK + F32),
+                    "fwd+bwd": (2, 1, 2 * (TGT + MSK) + 3 * F32)},
+    # GPPO from logits: fwd (loss only) one read + targets, mask, old_lp; bwd from saved lse one
+    # read + one write; fwd+bwd ONE read + ONE write (token-local gradient, single pass).
+    "gppo_logits": {"fwd": (1, 0, TGT + MSK + F32), "bwd": (1, 1, TGT + MSK + 2 * F32),
+                    "fwd+bwd": (1, 1, TGT + MSK + F32)},
+    # GR-OPD from logits: as GPPO, plus the [B, T] advantage pass (old_lp, teacher_lp, mask).
+    "gr_opd_logits": {"fwd": (1, 0, TGT + 2 * MSK + 3 * F32), "bwd": (1, 1, TGT + MSK + 2 * F32),
+                      "fwd+bwd": (1, 1, TGT + 2 * MSK + 3 * F32)},
+}
+
+
+def _liger_logprobs(lk, x):
+    # Liger's selective log-softmax: forward only (no autograd), over [B, T+1, V] logits.
+    return lk.fused_selective_log_softmax(x.logits_full, x.targets, 1.0, x.mask_i32)
+
+
+def _liger_grpo(advantages: str):
+    """Liger's triton GRPO loss (PPO clip 0.2, beta = 0): the peer of the single-pass GPPO /
+    GR-OPD from logits (one read in its forward, one read + one write in its backward)."""
+    def run(lk, x):
+        # Positional: the first 11 arguments are the same in every Liger release so far.
+        out = lk.GrpoLossFunction.apply(x.logits_full, x.old_lp, None, x.targets,
+                                        getattr(x, advantages), x.mask_i32, 1.0, 0.0, 0.2, 0.2,
+                                        False)
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        if loss.dim():   # releases that return per-token losses
+            loss = (loss * x.mask).sum() / x.mask.sum()
+        return loss
+    return run
+
+
+def _ops():
+    ops = [Op("token_logprobs", True,
+              lambda lib, x: lib.token_logprobs(x.logits, x.targets, mask=x.mask),
+              _FLOORS["token_logprobs"], liger=_liger_logprobs, liger_modes=("fwd",)),
+           Op("token_logprobs_entropy", True,
+              lambda lib, x: lib.token_logprobs(x.logits, x.targets, mask=x.mask,
+                                                return_entropy=True),
+              _FLOORS["token_logprobs_entropy"])]
+    liger = {"gppo": _liger_grpo("advantages"), "gr_opd": _liger_grpo("opd_advantages")}
+    for from_logits in (False, True):
+        for loss, call in _LOSSES.items():
+            name = loss + ("_logits" if from_logits else "")
+            ops.append(Op(name, from_logits, functools.partial(_run_loss, call, from_logits),
+                          _FLOORS[name],
+                          liger=liger.get(loss) if from_logits else None))
+    return {op.name: op for op in ops}
+
+
+OPS = _ops()
+
+
+# --------------------------------------------------------------------------------------------
+# Implementations
+# --------------------------------------------------------------------------------------------
+
+class CompiledReference:
+    """``rlfuse.reference`` with each function wrapped once in ``torch.compile`` (a new shape
+    recompiles it: ``dynamic=False``, the fastest code per shape)."""
+
+    Logits = rlfuse.Logits
+
+    def __init__(self):
+        self._fns = {}
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._fns:
+            self._fns[name] = torch.compile(getattr(rlfuse.reference, name), dynamic=False)
+        return self._fns[name]
+
+
+def load_impl(name: str):
+    """The library object of an implementation; ``ImportError`` for a missing optional peer."""
+    if name == "fused":
+        return rlfuse
+    if name == "reference":
+        return rlfuse.reference
+    if name == "compiled":
+        return CompiledReference()
+    if name == "liger":
+        return importlib.import_module(LIGER_MODULE)
+    raise ValueError(f"--impls: expected some of {', '.join(IMPLS)}, got {name!r}")
+
+
+def modes_for(op: Op, impl: str) -> Tuple[str, ...]:
+    return op.liger_modes if impl == "liger" else MODES
+
+
+def forward_fn(op: Op, impl: str, lib, x) -> Optional[Callable]:
+    """``forward() -> (outputs tuple, leaf)`` of ``impl`` on ``op``; None when ``impl`` has no
+    such op (Liger has no GGPO and no entropy)."""
+    if impl == "liger":
+        if op.liger is None:
+            return None
+        run, leaf = (lambda: op.liger(lib, x)), x.logits_full
+    else:
+        run, leaf = (lambda: op.run(lib, x)), (x.logits if op.from_logits else x.lp)
+    return lambda: (_as_tuple(run()), leaf)
+
+
+def _as_tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)

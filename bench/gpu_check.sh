@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU check: what a session lent a GPU runs, from the repo root, in one command (< 8 min on
+# one H200). The machine has no internet and its own python3 with torch + triton (+ pytest,
+# hypothesis, matplotlib), not our .venv.
+#   1. rlfuse installed editable without deps (PYTHONPATH=. as well, should pip refuse);
+#      Liger-Kernel installed from wheels/ when a wheel was carried there;
+#   2. the test suite natively on CUDA (TRITON_INTERPRET unset)       -> $OUT/pytest.txt
+#   3. python -m bench on the full grid (time budget BENCH_BUDGET s)   -> $OUT/bench.txt and
+#      $OUT/<gpu>-<commit>.json, .md (table of every mode), .png (time vs V)
+#
+# Liger-Kernel (the peer in the tables) cannot be downloaded on that machine. On the dev
+# machine, once (wheels/ is git-ignored):
+#     pip download liger-kernel --no-deps -d wheels/
+# then call the device tool's `run` with carry=["wheels"] and the command
+#     RLFUSE_COMMIT=<short sha> bash bench/gpu_check.sh
+# (the copy of the tree there has no .git, so write the commit into the command). Without the
+# wheel, Liger is listed under "missing_impls" and has no rows. Afterwards, on the dev machine:
+# copy the JSON into bench/results/ and `python -m bench.report --readme README.md`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+PY=${PYTHON:-python3}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-180}   # seconds for the test suite
+BENCH_BUDGET=${BENCH_BUDGET:-210}       # seconds after which the bench starts no new case
+BENCH_ARGS=${BENCH_ARGS:-}              # more python -m bench options, e.g. "--op token_logprobs"
+export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET                  # the real kernels, on the GPU
+
+{
+    echo "== environment"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch",
+        torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+    "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . \
+        || echo "pip install -e . failed: using PYTHONPATH=$PWD"
+    if compgen -G "wheels/*.whl" > /dev/null; then
+        "$PY" -m pip install --quiet --no-deps wheels/*.whl || echo "installing wheels/ failed"
+    else
+        echo "no wheels/*.whl: Liger-Kernel will be reported missing"
+    fi
+} 2>&1 | tee "$OUT/bench.txt"
+
+echo "== pytest tests (timeout ${PYTEST_TIMEOUT}s)" | tee -a "$OUT/bench.txt"
+timeout "$PYTEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.txt"
+pytest_rc=${PIPESTATUS[0]}
+echo "pytest exit code: $pytest_rc" | tee -a "$OUT/bench.txt"
+
+echo "== python -m bench (budget ${BENCH_BUDGET}s)" | tee -a "$OUT/bench.txt"
+# The hard timeout is a last resort: the JSON is checkpointed after every case.
+timeout $((BENCH_BUDGET + 120)) "$PY" -m bench --out "$OUT" --budget-s "$BENCH_BUDGET" \
+    --rep-ms 50 --warmup-ms 10 $BENCH_ARGS 2>&1 | tee -a "$OUT/bench.txt"
+bench_rc=${PIPESTATUS[0]}
+echo "bench exit code: $bench_rc" | tee -a "$OUT/bench.txt"
+exit $((pytest_rc != 0 || bench_rc != 0))

@@ -1,0 +1,79 @@
+"""How the benchmark measures: the timed step of each mode, time, peak memory, copy bandwidth."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Tuple
+
+import torch
+
+QUANTILES = (0.5, 0.2, 0.8)
+
+
+def make_step(forward: Callable, mode: str) -> Callable:
+    """The callable that is timed. ``fwd``: the training forward (autograd recording, saves for
+    backward). ``fwd+bwd``: forward, then the gradient w.r.t. the leaf. ``bwd``: the backward
+    alone, again and again over ONE forward graph (``retain_graph=True``). Gradients come from
+    ``torch.autograd.grad``, so nothing accumulates into ``.grad`` (that would add a read and a
+    write of a logits-sized buffer to every step)."""
+    if mode == "fwd":
+        return forward
+    if mode == "fwd+bwd":
+        def step():
+            outs, leaf = forward()
+            torch.autograd.grad(outs, leaf, [torch.ones_like(o) for o in outs])
+        return step
+    if mode == "bwd":
+        outs, leaf = forward()
+        seeds = [torch.ones_like(o) for o in outs]
+        return lambda: torch.autograd.grad(outs, leaf, seeds, retain_graph=True)
+    raise ValueError(f"mode: expected fwd, bwd or fwd+bwd, got {mode!r}")
+
+
+def synced(step: Callable, device: torch.device) -> Callable:
+    """``step`` followed by a device synchronisation (for wall-clock timers)."""
+    if device.type != "cuda":
+        return step
+    return lambda: (step(), torch.cuda.synchronize())
+
+
+def time_ms(step: Callable, device: torch.device, *, warmup_ms: float = 25, rep_ms: float = 100,
+            cpu_reps: int = 3) -> Tuple[float, float, float]:
+    """(median, 20th, 80th percentile) in ms: ``triton.testing.do_bench`` on CUDA (which also
+    flushes L2 between runs); on the CPU a warm-up call and the wall clock of ``cpu_reps``."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return tuple(triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms,
+                                             quantiles=list(QUANTILES)))
+    step()
+    times = []
+    for _ in range(cpu_reps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor(QUANTILES,
+                                                                        dtype=torch.float64))
+    return tuple(float(v) for v in q)
+
+
+def peak_memory(step: Callable, device: torch.device) -> Optional[int]:
+    """Bytes allocated by one ``step`` beyond what was allocated before it (inputs, and in bwd
+    mode the forward graph); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - before)
+
+
+def copy_bandwidth_GBps(device: torch.device, nbytes: Optional[int] = None) -> float:
+    """Device-to-device copy bandwidth: (bytes read + bytes written) / time, over a buffer far
+    larger than any cache (2 GiB on CUDA, 64 MiB on the CPU)."""
+    nbytes = nbytes or ((2 << 30) if device.type == "cuda" else (64 << 20))
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    ms, _, _ = time_ms(lambda: dst.copy_(src), device, cpu_reps=5)
+    return 2 * nbytes / (ms * 1e-3) / 1e9

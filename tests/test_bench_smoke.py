@@ -1,0 +1,91 @@
+"""Smoke test of the benchmark suite: ``python -m bench --quick`` runs every op through fused and
+reference in every mode and writes a results JSON of the documented schema, which the report
+renders; the README table is only ever filled from GPU results."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `bench` is a folder of the repo, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import cases, report  # noqa: E402
+
+HEADER_KEYS = {"gpu", "torch", "triton", "commit", "date", "copy_bandwidth_GBps", "missing_impls"}
+ROW_KEYS = {"op", "impl", "mode", "dtype", "N", "V", "ms", "ms_p20", "ms_p80", "peak_mem_bytes",
+            "floor_ms", "fraction_of_floor", "bytes"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ)
+    env.pop("OUT", None)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--impls", "fused,reference", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(out.glob("*.json"))
+    assert len(files) == 1, files
+    return files[0], json.loads(files[0].read_text())
+
+
+def test_results_schema(quick_run):
+    _, results = quick_run
+    header, rows = results["header"], results["rows"]
+    assert HEADER_KEYS <= set(header), HEADER_KEYS - set(header)
+    assert header["errors"] == [] and not header["truncated"]
+    assert header["copy_bandwidth_GBps"] > 0
+    for row in rows:
+        assert set(row) == ROW_KEYS, set(row) ^ ROW_KEYS
+        assert row["ms"] > 0 and row["bytes"] > 0 and row["floor_ms"] > 0
+        assert row["ms_p20"] <= row["ms"] <= row["ms_p80"]
+        assert row["fraction_of_floor"] == pytest.approx(row["floor_ms"] / row["ms"])
+        assert (row["V"] is None) == (not cases.OPS[row["op"]].from_logits)
+        if header["device"] != "cuda":
+            assert row["peak_mem_bytes"] is None
+    for op in cases.OPS:
+        for impl in ("fused", "reference"):
+            modes = {r["mode"] for r in rows if r["op"] == op and r["impl"] == impl}
+            assert modes == set(cases.MODES), (op, impl, modes)
+
+
+def test_report_renders(quick_run, tmp_path):
+    path, results = quick_run
+    md = report.markdown(results)
+    for op in cases.OPS:
+        assert f"| {op} |" in md
+    assert "fused vs reference" in md and "fused % of floor" in md
+    report.render(results, tmp_path / path.stem)
+    assert (tmp_path / (path.stem + ".md")).read_text() == md
+
+
+def test_readme_only_from_gpu_results(quick_run, tmp_path):
+    path, results = quick_run
+    readme = tmp_path / "README.md"
+    text = f"intro\n{report.MARK_BEGIN}\nold table\n{report.MARK_END}\nrest\n"
+    readme.write_text(text)
+    results_dir = tmp_path / "results"
+    results_dir.mkdir()
+    (results_dir / path.name).write_text(json.dumps(results))
+    if results["header"]["device"] != "cuda":   # CPU results never reach the README
+        assert not report.update_readme(readme, results_dir)
+        assert readme.read_text() == text
+    gpu = dict(results, header=dict(results["header"], device="cuda", gpu="Fake GPU",
+                                    date="2999-01-01T00:00:00+00:00"))
+    (results_dir / "fake-gpu.json").write_text(json.dumps(gpu))
+    assert report.update_readme(readme, results_dir)
+    new = readme.read_text()
+    assert new.startswith(f"intro\n{report.MARK_BEGIN}\n")
+    assert new.endswith(f"{report.MARK_END}\nrest\n")
+    assert "old table" not in new and "Fake GPU" in new and "fake-gpu.json" in new
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        report.update_readme(readme, results_dir)
