@@ -45,12 +45,14 @@ class GGPOFunction(torch.autograd.Function):
 def _metrics(group_sums: torch.Tensor, batch: int):
     from ..kernels import ggpo as k
 
+    if group_sums.shape[0] == 0:  # an empty batch: every metric 0, as in the reference
+        group_sums = group_sums.new_zeros(1, group_sums.shape[1])
     tokens = group_sums[:, k.GROUP_TOKENS].sum()
     return {
         "gap": group_sums[:, k.GROUP_GAP].mean(),
         "q_max": group_sums[:, k.GROUP_QMAX].max(),
         "clip_frac": group_sums[:, k.GROUP_CLIPPED].sum() / tokens.clamp_min(1),
-        "seq_logratio_mean": group_sums[:, k.GROUP_LOGRATIO].sum() / batch,
+        "seq_logratio_mean": group_sums[:, k.GROUP_LOGRATIO].sum() / max(batch, 1),
     }
 
 

@@ -142,6 +142,8 @@ def ggpo_fwd(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, rewards
     G = B // group_size
     coef = empty((B,), dtype=acc, device=lp.device)
     group_sums = empty((G, N_GROUP_COLS), dtype=acc, device=lp.device)
+    if G == 0:
+        return coef, group_sums
     block_m = triton.next_power_of_2(group_size)
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _ggpo_fwd_kernel[(G,)](
