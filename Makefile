@@ -1,4 +1,5 @@
-# `make test` sets up .venv on a fresh machine and runs the suite with the Triton interpreter.
+# `make test` sets up .venv on a fresh machine (with the test and train extras: the suite runs a
+# short demo) and runs the suite with the Triton interpreter; `make demo` runs the main job.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_CPU)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,train]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -21,3 +22,8 @@ test: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# `make demo`: a tiny transformers + peft LoRA policy trained by each loss, kernels interpreted.
+.PHONY: demo
+demo: setup
+	TRITON_INTERPRET=1 $(PY) -m rlfuse.demo

@@ -1,10 +1,11 @@
 """rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD losses."""
 from . import reference
+from ._dispatch import use_kernels
 from ._types import Logits, LossOutput
 from .fused_losses import (GGPOLoss, GPPOLoss, GROPDLoss, ggpo_loss, gppo_bounds, gppo_loss,
                            gr_opd_advantages, gr_opd_loss, group_advantages, token_logprobs)
 
 __all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "Logits", "LossOutput", "ggpo_loss", "gppo_bounds",
            "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages", "reference",
-           "token_logprobs"]
+           "token_logprobs", "use_kernels"]
 __version__ = "0.1.0"

@@ -85,6 +85,19 @@ def test_precomputed_advantages_and_micro_batches(device):
     torch.testing.assert_close(torch.cat([parts[0][2], parts[1][2]]), full[2])
 
 
+def test_precomputed_advantages_same_loss_and_metrics(device):
+    lp, old, teacher, mask = gr_opd_case(6, 7, seed=14)
+    adv = rlfuse.gr_opd_advantages(old.to(device), teacher.to(device), mask.to(device),
+                                   group_size=3)
+    kw = dict(dtype=torch.float64, device=device, args=(old, teacher, mask), group_size=3)
+    computed = run_loss(rlfuse.gr_opd_loss, lp, **kw)
+    given = run_loss(rlfuse.gr_opd_loss, lp, advantages=adv, **kw)
+    torch.testing.assert_close(given[0], computed[0], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(given[2], computed[2], rtol=1e-12, atol=1e-14)
+    for name, value in computed[1].items():
+        torch.testing.assert_close(given[1][name], value, rtol=1e-12, atol=1e-14)
+
+
 def test_per_response_mean_differs_from_token_mean(device):
     """Negative control: with unequal lengths the loss is not the global token mean."""
     lp, old, teacher, mask = gr_opd_case(4, 8, seed=10)

@@ -10,8 +10,8 @@ import copy
 
 import torch
 
-from .model import frozen_copy, load_weights, next_token_logits
-from .rollout import Batch, response_logprobs, sample, verify
+from .model import VOCAB_SIZE, frozen_copy, load_weights, next_token_logits
+from .rollout import Batch, good_byte, response_logprobs
 
 
 class Method:
@@ -93,25 +93,19 @@ class GROPD(Method):
 
 
 def train_teacher(policy, settings, prompts: torch.Tensor, generator: torch.Generator):
-    """A teacher that prefers the rewarded behavior: a copy of the initial policy fine-tuned for
-    a few supervised steps on its own responses that the verifier accepts (rejection-sampling
-    fine-tuning), then frozen."""
+    """A teacher that prefers the rewarded behavior: a copy of the initial policy trained for a
+    few supervised steps to put its next byte among the task's bytes at every position of the
+    text windows (``-log P(good next byte)``), then frozen."""
     teacher = copy.deepcopy(policy)
-    params = [p for p in teacher.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=settings.teacher_lr)
-    prompt_len = prompts.shape[1]
+    good = good_byte(torch.arange(VOCAB_SIZE, device=prompts.device))
+    optimizer = torch.optim.Adam([p for p in teacher.parameters() if p.requires_grad],
+                                 lr=settings.teacher_lr)
     for _ in range(settings.teacher_steps):
-        rows = torch.randint(len(prompts), (4 * settings.prompts_per_step,), generator=generator,
-                             device=generator.device)
-        sequences, mask = sample(teacher, prompts[rows], settings.max_new_tokens, generator)
-        accepted = verify(sequences[:, prompt_len:]) > 0
-        if not accepted.any():
-            continue
-        sequences, mask = sequences[accepted], mask[accepted]
-        logits = next_token_logits(teacher, sequences)[:, prompt_len - 1:-1]
-        nll = torch.nn.functional.cross_entropy(logits[mask], sequences[:, prompt_len:][mask])
+        rows = torch.randint(len(prompts), (16,), generator=generator, device=prompts.device)
+        logp = torch.log_softmax(next_token_logits(teacher, prompts[rows]).float(), -1)
+        loss = -torch.logsumexp(logp[..., good], -1).mean()
         optimizer.zero_grad()
-        nll.backward()
+        loss.backward()
         optimizer.step()
     return frozen_copy(teacher)
 

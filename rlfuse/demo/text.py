@@ -7,6 +7,8 @@ import io
 
 import torch
 
+EVAL_PROMPTS = 32
+
 
 def zen_of_python() -> str:
     with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the poem
@@ -16,11 +18,12 @@ def zen_of_python() -> str:
 
 def prompt_windows(length: int, *, split: str) -> torch.Tensor:
     """Byte windows ``[N, length]`` (int64): every window of the first 80% of the text for
-    ``split="train"``, 32 evenly spaced windows of the last 20% for ``split="eval"``."""
+    ``split="train"``, ``EVAL_PROMPTS`` evenly spaced windows of the last 20% for
+    ``split="eval"``."""
     data = zen_of_python().replace("\n", " ").encode("ascii")
     cut = int(0.8 * len(data))
     part = data[:cut] if split == "train" else data[cut:]
     windows = torch.tensor(list(part), dtype=torch.long).unfold(0, length, 1)
     if split == "eval":
-        windows = windows[torch.linspace(0, len(windows) - 1, 32).long()]
+        windows = windows[torch.linspace(0, len(windows) - 1, EVAL_PROMPTS).long()]
     return windows

@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import rlfuse
-from rlfuse._dispatch import use_kernels
+from rlfuse import use_kernels
 
 from .methods import METHODS
 from .model import build_policy, frozen_copy, load_weights, next_token_logits
@@ -18,18 +18,19 @@ from .text import prompt_windows
 
 @dataclasses.dataclass
 class Settings:
-    steps: int = 30                 # optimizer steps per method
+    steps: int = 32                 # optimizer steps per method
     group_size: int = 4             # responses per prompt
-    prompts_per_step: int = 4       # prompts (groups) per rollout
+    prompts_per_step: int = 4       # prompts (groups) per optimizer step
     max_new_tokens: int = 4
     prompt_len: int = 12            # bytes
-    lr: float = 2e-2                # Adam on the LoRA parameters
+    lr: float = 1.5e-2              # Adam on the LoRA parameters
     lora_rank: int = 8
-    updates_per_rollout: int = 2    # optimizer steps on each rollout; the behavior is refreshed
-                                    # from the learner before the next one (the PPO old policy)
+    updates_per_rollout: int = 2    # PPO minibatches: each rollout is split into this many
+                                    # optimizer steps; the behavior (the old policy) is refreshed
+                                    # from the learner before the next rollout
     max_resamples: int = 4          # mixed-reward filtering: resamples per prompt
-    beta: float = 0.5               # GGPO: KL weight
-    ref_refresh_every: int = 10     # GGPO: optimizer steps between reference refreshes
+    beta: float = 0.1               # GGPO: KL weight
+    ref_refresh_every: int = 3      # GGPO: optimizer steps between reference refreshes
     teacher_steps: int = 20         # GR-OPD: supervised steps that make the teacher
     teacher_lr: float = 2e-2
     eval_samples: int = 16          # sampled responses per evaluation prompt
@@ -66,9 +67,9 @@ def evaluate(model, prompts: torch.Tensor, settings: Settings, seed: int) -> flo
     """Mean verifier reward of sampled responses on fixed prompts, from a fixed random stream
     (the same draws before and after training)."""
     generator = torch.Generator(prompts.device).manual_seed(seed + 1)
-    sequences, _ = sample(model, prompts.repeat_interleave(settings.eval_samples, 0),
-                          settings.max_new_tokens, generator)
-    return verify(sequences[:, prompts.shape[1]:]).mean().item()
+    sequences, mask = sample(model, prompts.repeat_interleave(settings.eval_samples, 0),
+                             settings.max_new_tokens, generator)
+    return verify(sequences[:, prompts.shape[1]:], mask).mean().item()
 
 
 def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed: int = 0,
@@ -101,16 +102,21 @@ def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed:
         tic = time.perf_counter()
         if (step - 1) % settings.updates_per_rollout == 0:
             load_weights(behavior, policy)
-            rows = torch.randint(len(train_prompts), (settings.prompts_per_step,),
+            rows = torch.randint(len(train_prompts),
+                                 (settings.prompts_per_step * settings.updates_per_rollout,),
                                  generator=generator, device=device)
-            batch, stats = collect(behavior, train_prompts[rows], group_size=settings.group_size,
-                                   max_new_tokens=settings.max_new_tokens, generator=generator,
-                                   mixed_only=algo.mixed_only,
-                                   max_resamples=settings.max_resamples)
-            if batch is not None:
-                algo.prepare(lib, batch)
-        record = {"step": step, **stats, "loss": None, "metrics": {}, "tokens": 0}
-        if batch is not None:           # else: no mixed group in this rollout, nothing to learn
+            rollout, stats = collect(behavior, train_prompts[rows], group_size=settings.group_size,
+                                     max_new_tokens=settings.max_new_tokens, generator=generator,
+                                     mixed_only=algo.mixed_only,
+                                     max_resamples=settings.max_resamples)
+            minibatches = [None] * settings.updates_per_rollout
+            if rollout is not None:
+                algo.prepare(lib, rollout)      # once per rollout, on all its groups
+                minibatches = rollout.minibatches(settings.updates_per_rollout,
+                                                  settings.group_size)
+        batch = minibatches[(step - 1) % settings.updates_per_rollout]
+        record = {"step": step, **stats, "groups": 0, "loss": None, "metrics": {}, "tokens": 0}
+        if batch is not None:           # else: no mixed group left for this step
             logits = next_token_logits(policy, batch.sequences)
             # logits[:, t] predicts token t + 1: the response window is a strided view, no copy.
             response_logits = logits[:, batch.prompt_len - 1:-1]
@@ -119,6 +125,7 @@ def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed:
             out.loss.backward()
             optimizer.step()
             record.update(loss=out.loss.item(), tokens=int(batch.mask.sum()),
+                          groups=len(batch.rewards) // settings.group_size,
                           metrics={k: v.item() for k, v in out.metrics.items()})
         algo.after_step(step, policy)
         record["seconds"] = time.perf_counter() - tic

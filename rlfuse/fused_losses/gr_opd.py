@@ -10,7 +10,7 @@ from .. import reference
 from .._dispatch import use_kernels
 from .._types import LossOutput
 from .._validation import check_policy, check_tensor
-from ..reference.gr_opd import check_advantage_inputs, check_gr_opd_args
+from ..reference.gr_opd import check_advantage_inputs, check_gr_opd_args, clamped_feedback
 from .surrogate import row_scales, surrogate_loss
 
 
@@ -59,7 +59,7 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
             ``gr_opd_advantages``); all runtime kernel arguments.
         eps: PPO clip range ``[1 - eps, 1 + eps]``.
         advantages: precomputed ``[B]`` advantages (from ``gr_opd_advantages`` on the whole
-            rollout); when given, ``teacher_logprobs`` is not read.
+            rollout); ``teacher_logprobs`` then only feeds the ``feedback_mean`` metric.
         num_sequences: the global number of responses ``B`` (default: the local one).
         validate: check values of the ``[B, T]`` inputs (shapes are always checked).
 
@@ -79,7 +79,7 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
                           gamma=gamma, lam=lam, eps=eps, feedback_clip=feedback_clip,
                           adv_clip=adv_clip, std_eps=std_eps, advantages=advantages,
                           num_sequences=num_sequences, validate=validate)
-    batch, device = info.shape[0], info.device
+    batch = info.shape[0]
 
     cdt = info.compute_dtype
     if advantages is None:
@@ -90,9 +90,11 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
                                       adv_clip=adv_clip, std_eps=std_eps)
         totals = group_sums.sum(0)
         feedback_mean = totals[GROUP_FEEDBACK] / totals[GROUP_TOKENS].clamp_min(1)
-    else:
+    else:  # the metric alone, from [B, T] data
         adv = advantages.detach()
-        feedback_mean = torch.zeros((), dtype=cdt, device=device)
+        feedback = clamped_feedback(old_logprobs.detach().to(cdt), teacher_logprobs.to(cdt),
+                                    mask, feedback_clip)
+        feedback_mean = feedback.sum() / mask.sum().clamp_min(1)
 
     from ..kernels.gppo import PPO_CLIP
     from ..kernels.surrogate import SUM_CLIP_HIGH, SUM_CLIP_LOW

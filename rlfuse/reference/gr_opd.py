@@ -21,7 +21,7 @@ def check_advantage_args(group_size: int, batch: int, gamma, lam, feedback_clip,
             check_nonnegative("adv_clip", adv_clip), check_positive("std_eps", std_eps))
 
 
-def _feedback(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+def clamped_feedback(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
               feedback_clip: float) -> torch.Tensor:
     """r_it = clamp(teacher_lp − old_lp, ±feedback_clip) at actor tokens, 0 elsewhere."""
     return torch.where(mask, (teacher - old).clamp(-feedback_clip, feedback_clip), 0.0)
@@ -78,7 +78,7 @@ def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
         feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps)
     cdt = compute_dtype(old_logprobs.dtype)
     with torch.no_grad():
-        feedback = _feedback(old_logprobs.to(cdt), teacher_logprobs.to(cdt), mask, feedback_clip)
+        feedback = clamped_feedback(old_logprobs.to(cdt), teacher_logprobs.to(cdt), mask, feedback_clip)
         return _advantages(feedback, mask, m, gamma, lam, adv_clip, std_eps)
 
 
@@ -143,27 +143,26 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
 
     Metrics (detached): ``clip_frac`` share of actor tokens where the clipped branch is
     selected; ``adv_mean`` / ``adv_abs_mean`` mean of A_i / |A_i| over the responses;
-    ``feedback_mean`` mean of the clamped feedback r_it over actor tokens (0 when
-    ``advantages`` are given, since the feedback is then not computed).
+    ``feedback_mean`` mean of the clamped feedback r_it over actor tokens (computed from
+    ``teacher_logprobs`` also when ``advantages`` are given).
     """
     a = check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, group_size=group_size,
                           gamma=gamma, lam=lam, eps=eps, feedback_clip=feedback_clip,
                           adv_clip=adv_clip, std_eps=std_eps, advantages=advantages,
                           num_sequences=num_sequences, validate=validate)
     info, mask, m, gamma, lam, eps, feedback_clip, adv_clip, std_eps, num_sequences = a
-    batch, device = info.shape[0], info.device
+    batch = info.shape[0]
 
     cdt = info.compute_dtype
     lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)
     old = torch.where(mask, old_logprobs.detach().to(cdt), 0.0)
     with torch.no_grad():
+        feedback = clamped_feedback(old, teacher_logprobs.to(cdt), mask, feedback_clip)
         if advantages is None:
-            feedback = _feedback(old, teacher_logprobs.to(cdt), mask, feedback_clip)
             adv_seq = _advantages(feedback, mask, m, gamma, lam, adv_clip, std_eps)
-            feedback_mean = masked_mean(feedback, mask)
         else:
             adv_seq = advantages.to(cdt)
-            feedback_mean = torch.zeros((), dtype=cdt, device=device)
+        feedback_mean = masked_mean(feedback, mask)
         adv = torch.where(mask, adv_seq.unsqueeze(-1).expand(info.shape), 0.0)
         lo = torch.full_like(lp, max(1.0 - eps, 0.0))
         hi = torch.full_like(lp, 1.0 + eps)
