@@ -88,14 +88,18 @@ def row_write_zeros(drow_ptr, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt, stride_mb, stride_mt, V,
-                    HAS_MASK: tl.constexpr):
-    """(target id, is_actor) of row (b, t); rows without a mask are all actors."""
+def program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt, stride_mb, stride_mt,
+                HAS_MASK: tl.constexpr):
+    """(row, b, t, target id, is_actor) of the row this program handles (one per (b, t), a 1-D
+    grid: no grid-dimension limit); without a mask every row is an actor."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
     y = tl.load(targets_ptr + b * stride_yb + t * stride_yt).to(tl.int64)
     is_actor = (y == y)  # a scalar True
     if HAS_MASK:
         is_actor = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
-    return y, is_actor
+    return row, b, t, y, is_actor
 
 
 @triton.jit
@@ -120,11 +124,8 @@ def _token_logprobs_fwd_kernel(
     inv_temp,
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    t = row % T
-    y, is_actor = load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt,
-                                  stride_mb, stride_mt, V, HAS_MASK)
+    row, b, t, y, is_actor = program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt,
+                                         stride_mb, stride_mt, HAS_MASK)
     logp = tl.zeros((), ACC)
     lse = tl.zeros((), ACC)
     entropy = tl.zeros((), ACC)
@@ -153,11 +154,8 @@ def _token_logprobs_bwd_kernel(
     inv_temp,
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    t = row % T
-    y, is_actor = load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt,
-                                  stride_mb, stride_mt, V, HAS_MASK)
+    row, b, t, y, is_actor = program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt,
+                                         stride_mb, stride_mt, HAS_MASK)
     drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
     if is_actor:
         g = tl.load(dlogp_ptr + row).to(ACC)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .gppo import region_bounds
-from .logprobs import (load_row_target, load_target_logit, mask_args, row_logsumexp,
+from .logprobs import (load_target_logit, mask_args, program_row, row_logsumexp,
                        row_write_dlogits, row_write_zeros)
 from .utils import compute_dtype, empty, vocab_launch_config
 
@@ -138,11 +138,8 @@ def _surrogate_logits_kernel(
     # One row: lse by the online pass, lp = z_y - lse, the surrogate, then
     # dL/dlogits = g (onehot(y) - p) / tau with g = dL/dlp = -row_scale[b] dJ/dlp (for an upstream
     # gradient of 1; the autograd Function rescales otherwise).
-    row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    t = row % T
-    y, is_actor = load_row_target(targets_ptr, mask_ptr, b, t, stride_yb, stride_yt,
-                                  stride_mb, stride_mt, V, True)
+    row, b, t, y, is_actor = program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt,
+                                         stride_mb, stride_mt, True)
     out = sums_ptr + row * 6  # the SUM_* columns, in order
     if is_actor:
         row_ptr = logits_ptr + b * stride_lb + t * stride_lt
