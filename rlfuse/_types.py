@@ -6,6 +6,11 @@ from typing import Dict, NamedTuple
 import torch
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where rlfuse accumulates: fp64 for fp64 inputs (for gradcheck), fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class LossOutput(NamedTuple):
     """What every loss returns: the scalar ``loss`` (0-dim fp32, differentiable) and detached
     0-dim ``metrics``."""

@@ -10,7 +10,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ._types import Logits
+from ._types import Logits, compute_dtype
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -174,11 +174,6 @@ class PolicyInfo(NamedTuple):
     shape: Tuple[int, int]       # (B, T)
     device: torch.device
     compute_dtype: torch.dtype   # fp64 for fp64 inputs, fp32 otherwise
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Losses reduce in fp32, or in fp64 when given fp64 (for gradcheck)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_policy(policy) -> PolicyInfo:

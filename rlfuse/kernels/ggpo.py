@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._types import compute_dtype
 from .logprobs import mask_args
-from .utils import compute_dtype, empty
+from .utils import empty, group_tile, load_tile, time_block, tl_compute_dtype
 
 # Columns of the per-group partial sums written by the forward kernel.
 GROUP_GAP, GROUP_LOSS, GROUP_QMAX, GROUP_TOKENS, GROUP_CLIPPED, GROUP_LOGRATIO = range(6)
@@ -69,13 +70,9 @@ def _ggpo_fwd_kernel(
     for start in range(0, T, BLOCK_T):
         cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
         inside = row_valid[:, None] & (cols < T)[None, :]
-        actor = tl.load(mask_ptr + rows[:, None] * stride_mb + cols[None, :] * stride_mt,
-                        mask=inside, other=0) != 0
-        # masked positions are never read: garbage (NaN, -inf) there cannot leak
-        lp = tl.load(lp_ptr + rows[:, None] * stride_lb + cols[None, :] * stride_lt,
-                     mask=actor, other=0.0).to(ACC)
-        ref = tl.load(ref_ptr + rows[:, None] * stride_rb + cols[None, :] * stride_rt,
-                      mask=actor, other=0.0).to(ACC)
+        actor = load_tile(mask_ptr, rows, cols, stride_mb, stride_mt, inside, tl.int32) != 0
+        lp = load_tile(lp_ptr, rows, cols, stride_lb, stride_lt, actor, ACC)
+        ref = load_tile(ref_ptr, rows, cols, stride_rb, stride_rt, actor, ACC)
         s += tl.sum(lp, axis=1)
         s_ref += tl.sum(ref, axis=1)
         tokens += tl.sum(actor.to(tl.int32), axis=1)
@@ -129,22 +126,17 @@ def _ggpo_bwd_kernel(
     tl.store(dlp_ptr + b * T + cols, dlp.to(dlp_ptr.dtype.element_ty), mask=inside)
 
 
-def _block_t(T: int, block_m: int) -> int:
-    """Time block of a [BLOCK_M, BLOCK_T] tile of about 4096 elements."""
-    return max(16, min(triton.next_power_of_2(max(T, 1)), 4096 // block_m))
-
-
 def ggpo_fwd(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
              group_size: int, beta: float, clip_radius: Optional[float]):
     """Returns ``(coef [B], group_sums [G, N_GROUP_COLS])`` in the compute dtype."""
     B, T = lp.shape
-    acc = torch.float64 if lp.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(lp.dtype)
     G = B // group_size
     coef = empty((B,), dtype=acc, device=lp.device)
     group_sums = empty((G, N_GROUP_COLS), dtype=acc, device=lp.device)
     if G == 0:
         return coef, group_sums
-    block_m = triton.next_power_of_2(group_size)
+    block_m, block_t = group_tile(T, group_size)
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _ggpo_fwd_kernel[(G,)](
         lp, ref_lp, mask_u8, rewards,
@@ -153,8 +145,8 @@ def ggpo_fwd(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, rewards
         rewards.stride(0),
         T, group_size,
         float(beta), math.inf if clip_radius is None else float(clip_radius),
-        BLOCK_M=block_m, BLOCK_T=_block_t(T, block_m), HAS_CLIP=clip_radius is not None,
-        ACC=compute_dtype(lp.dtype),
+        BLOCK_M=block_m, BLOCK_T=block_t, HAS_CLIP=clip_radius is not None,
+        ACC=tl_compute_dtype(lp.dtype),
     )
     return coef, group_sums
 
@@ -167,7 +159,7 @@ def ggpo_bwd(coef: torch.Tensor, mask: torch.Tensor, grad: torch.Tensor, num_tok
     dlp = empty((B, T), dtype=dtype, device=mask.device)
     if B * T == 0:
         return dlp
-    block_t = min(1024, triton.next_power_of_2(T))
+    block_t = time_block(T)
     n_t_blocks = triton.cdiv(T, block_t)
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _ggpo_bwd_kernel[(B * n_t_blocks,)](
@@ -175,6 +167,6 @@ def ggpo_bwd(coef: torch.Tensor, mask: torch.Tensor, grad: torch.Tensor, num_tok
         dlp,
         stride_mb, stride_mt,
         T, n_t_blocks,
-        BLOCK_T=block_t, ACC=compute_dtype(coef.dtype),
+        BLOCK_T=block_t, ACC=tl_compute_dtype(coef.dtype),
     )
     return dlp

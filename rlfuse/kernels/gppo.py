@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._types import compute_dtype
 from .utils import empty
 
 GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
@@ -164,7 +165,7 @@ def _gppo_bounds_kernel(
 def gppo_bounds_kernel(old_lp: torch.Tensor, geometry: str, topology: str, delta: float):
     """Launches the bounds kernel on any-shaped ``old_lp``; returns ``(lo, hi)`` of its shape in
     fp32 (fp64 for fp64 input)."""
-    out_dtype = torch.float64 if old_lp.dtype == torch.float64 else torch.float32
+    out_dtype = compute_dtype(old_lp.dtype)
     flat = old_lp.reshape(-1)
     lo = empty(flat.shape, dtype=out_dtype, device=old_lp.device)
     hi = empty(flat.shape, dtype=out_dtype, device=old_lp.device)

@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._types import compute_dtype
 from .logprobs import mask_args
-from .utils import compute_dtype, empty
+from .utils import empty, group_tile, load_tile, tl_compute_dtype
 
 GROUP_FEEDBACK, GROUP_TOKENS = range(2)
 N_GROUP_COLS = 2
@@ -47,12 +48,9 @@ def _gr_opd_adv_kernel(
     for start in range(0, T, BLOCK_T):
         cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
         inside = row_valid[:, None] & (cols < T)[None, :]
-        actor = tl.load(mask_ptr + rows[:, None] * stride_mb + cols[None, :] * stride_mt,
-                        mask=inside, other=0) != 0
-        old = tl.load(old_ptr + rows[:, None] * stride_ob + cols[None, :] * stride_ot,
-                      mask=actor, other=0.0).to(ACC)
-        teacher = tl.load(teacher_ptr + rows[:, None] * stride_tb + cols[None, :] * stride_tt,
-                          mask=actor, other=0.0).to(ACC)
+        actor = load_tile(mask_ptr, rows, cols, stride_mb, stride_mt, inside, tl.int32) != 0
+        old = load_tile(old_ptr, rows, cols, stride_ob, stride_ot, actor, ACC)
+        teacher = load_tile(teacher_ptr, rows, cols, stride_tb, stride_tt, actor, ACC)
         r = tl.minimum(tl.maximum(teacher - old, -feedback_clip), feedback_clip)
         k = seen[:, None] + tl.cumsum(actor.to(tl.int32), axis=1)  # 1-based at actor tokens
         w = tl.where(actor, tl.exp((k - 1).to(ACC) * log_gamma), 0.0)
@@ -77,14 +75,13 @@ def gr_opd_advantages_kernel(old_lp: torch.Tensor, teacher_lp: torch.Tensor, mas
                              adv_clip: float, std_eps: float):
     """Returns ``(advantages [B], group_sums [G, N_GROUP_COLS])`` in the compute dtype."""
     B, T = old_lp.shape
-    acc = torch.float64 if old_lp.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(old_lp.dtype)
     G = B // group_size
     adv = empty((B,), dtype=acc, device=old_lp.device)
     group_sums = empty((G, N_GROUP_COLS), dtype=acc, device=old_lp.device)
     if B == 0:
         return adv, group_sums
-    block_m = triton.next_power_of_2(group_size)
-    block_t = max(16, min(triton.next_power_of_2(max(T, 1)), 4096 // block_m))
+    block_m, block_t = group_tile(T, group_size)
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _gr_opd_adv_kernel[(G,)](
         old_lp, teacher_lp, mask_u8,
@@ -93,6 +90,6 @@ def gr_opd_advantages_kernel(old_lp: torch.Tensor, teacher_lp: torch.Tensor, mas
         stride_mb, stride_mt,
         T, group_size,
         math.log(gamma), float(lam), float(feedback_clip), float(adv_clip), float(std_eps),
-        BLOCK_M=block_m, BLOCK_T=block_t, ACC=compute_dtype(old_lp.dtype),
+        BLOCK_M=block_m, BLOCK_T=block_t, ACC=tl_compute_dtype(old_lp.dtype),
     )
     return adv, group_sums

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import compute_dtype, empty, vocab_launch_config
+from .._types import compute_dtype
+from .utils import empty, tl_compute_dtype, vocab_launch_config
 
 # A finite stand-in for -inf as the running max: keeps `m_old - m_new` finite when a whole block
 # of logits is -inf.
@@ -185,7 +186,7 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
     ``mask [B, T]`` bool or None. Returns ``(logp [B, T], lse [B*T], entropy [B, T] or None)``
     in the compute dtype (fp32, or fp64 for fp64 logits)."""
     B, T, V = logits.shape
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(logits.dtype)
     logp = empty((B, T), dtype=acc, device=logits.device)
     lse = empty((B * T,), dtype=acc, device=logits.device)
     entropy = empty((B, T), dtype=acc, device=logits.device) if with_entropy else None
@@ -201,7 +202,7 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
         T, V,
         1.0 / temperature,
         BLOCK_V=block_v, HAS_MASK=mask is not None, WITH_ENTROPY=with_entropy,
-        ACC=compute_dtype(logits.dtype), num_warps=num_warps,
+        ACC=tl_compute_dtype(logits.dtype), num_warps=num_warps,
     )
     return logp, lse, entropy
 
@@ -231,6 +232,6 @@ def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
         T, V,
         1.0 / temperature,
         BLOCK_V=block_v, HAS_MASK=mask is not None, WITH_ENTROPY=with_entropy,
-        ACC=compute_dtype(logits.dtype), num_warps=num_warps,
+        ACC=tl_compute_dtype(logits.dtype), num_warps=num_warps,
     )
     return dlogits

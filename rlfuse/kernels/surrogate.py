@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .._types import compute_dtype
 from .gppo import region_bounds
 from .logprobs import (load_target_logit, mask_args, program_row, row_logsumexp,
                        row_write_dlogits, row_write_zeros)
-from .utils import compute_dtype, empty, vocab_launch_config
+from .utils import empty, time_block, tl_compute_dtype, vocab_launch_config
 
 # Columns of the per-row (from log-probs) and per-token (from logits) partial sums.
 SUM_LOSS, SUM_CLIP_LOW, SUM_CLIP_HIGH, SUM_RATIO, SUM_NEG_LOG_RATIO, SUM_OVERFLOW = range(6)
@@ -172,14 +173,10 @@ def _adv_strides(adv: torch.Tensor):
     return (adv.stride(0), 0) if adv.dim() == 1 else (adv.stride(0), adv.stride(1))
 
 
-def _block_t(T: int) -> int:
-    return max(16, min(1024, triton.next_power_of_2(max(T, 1))))
-
-
 def surrogate_fwd(lp, old_lp, adv, mask, row_scale, *, geometry_code, topology_code, delta):
     """Per-row sums ``[B, N_SUM_COLS]`` (compute dtype) from learner log-probs ``lp [B, T]``."""
     B, T = lp.shape
-    acc = torch.float64 if lp.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(lp.dtype)
     sums = empty((B, N_SUM_COLS), dtype=acc, device=lp.device)
     if B == 0:
         return sums
@@ -192,8 +189,8 @@ def surrogate_fwd(lp, old_lp, adv, mask, row_scale, *, geometry_code, topology_c
         stride_mb, stride_mt,
         T,
         float(delta),
-        BLOCK_T=_block_t(T), GEOMETRY=geometry_code, TOPOLOGY=topology_code,
-        ACC=compute_dtype(lp.dtype),
+        BLOCK_T=time_block(T), GEOMETRY=geometry_code, TOPOLOGY=topology_code,
+        ACC=tl_compute_dtype(lp.dtype),
     )
     return sums
 
@@ -204,7 +201,7 @@ def surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, *, geometry_code, topo
     dlp = empty((B, T), dtype=lp.dtype, device=lp.device)
     if B * T == 0:
         return dlp
-    block_t = _block_t(T)
+    block_t = time_block(T)
     n_t_blocks = triton.cdiv(T, block_t)
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _surrogate_bwd_kernel[(B * n_t_blocks,)](
@@ -215,7 +212,7 @@ def surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, *, geometry_code, topo
         T, n_t_blocks,
         float(delta),
         BLOCK_T=block_t, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
-        ACC=compute_dtype(lp.dtype),
+        ACC=tl_compute_dtype(lp.dtype),
     )
     return dlp
 
@@ -226,7 +223,7 @@ def surrogate_logits(logits, targets, mask, old_lp, adv, row_scale, *, temperatu
     with ``dlogits`` for an upstream gradient of 1, written into ``dlogits`` when given (None
     without ``write_dlogits``: the loss alone, one read of the logits)."""
     B, T, V = logits.shape
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(logits.dtype)
     if dlogits is None and write_dlogits:
         dlogits = empty((B, T, V), dtype=logits.dtype, device=logits.device)
     sums = empty((B * T, N_SUM_COLS), dtype=acc, device=logits.device)
@@ -245,6 +242,6 @@ def surrogate_logits(logits, targets, mask, old_lp, adv, row_scale, *, temperatu
         T, V,
         1.0 / temperature, float(delta),
         BLOCK_V=block_v, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
-        ACC=compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits, num_warps=num_warps,
+        ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits, num_warps=num_warps,
     )
     return dlogits, sums

@@ -28,13 +28,9 @@ def vocab_launch_config(vocab_size: int, element_size: int):
     return block, num_warps
 
 
-def compute_dtype(dtype: torch.dtype):
-    """The accumulation dtype inside kernels: fp64 for fp64 inputs, fp32 otherwise."""
+def tl_compute_dtype(dtype: torch.dtype):
+    """The kernels' ACC: ``compute_dtype`` as a Triton dtype."""
     return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def torch_compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
@@ -43,3 +39,23 @@ def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     if POISON_OUTPUTS:
         out.fill_(float("nan") if dtype.is_floating_point else -1)
     return out
+
+
+def time_block(T: int) -> int:
+    """Time block of a kernel that streams one row (or row block) of ``[B, T]`` data."""
+    return max(16, min(1024, triton.next_power_of_2(max(T, 1))))
+
+
+def group_tile(T: int, group_size: int):
+    """(BLOCK_M, BLOCK_T) of the [group rows, time] tile of a one-program-per-group kernel:
+    about 4096 elements."""
+    block_m = triton.next_power_of_2(group_size)
+    return block_m, max(16, min(triton.next_power_of_2(max(T, 1)), 4096 // block_m))
+
+
+@triton.jit
+def load_tile(ptr, rows, cols, stride_b, stride_t, mask, ACC: tl.constexpr):
+    """The ``[rows, cols]`` tile of a ``[B, T]`` tensor in the compute dtype, 0 where ``mask`` is
+    False: masked positions are never read, so garbage there (NaN, -inf) cannot leak."""
+    offsets = rows[:, None] * stride_b + cols[None, :] * stride_t
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(ACC)

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .._types import Logits
+from .._types import Logits, compute_dtype
 from .._validation import check_logprob_args
 
 
@@ -26,7 +26,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     NaN.
     """
     mask = check_logprob_args(logits, targets, temperature, mask, validate)
-    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    compute = compute_dtype(logits.dtype)
     logp_all = torch.log_softmax(logits.to(compute) / temperature, dim=-1)
     safe_targets = targets.long().clamp(0, logits.shape[-1] - 1)
     if mask is not None:
