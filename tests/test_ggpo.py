@@ -22,7 +22,7 @@ def args_of(ref, rewards, mask, dtype):
 
 
 @pytest.mark.parametrize("group_size", [2, 3, 8])
-@pytest.mark.parametrize("clip_radius", [None, 0.3, math.inf])
+@pytest.mark.parametrize("clip_radius", [None, 0.25, math.inf])  # fp32-exact: conftest
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_logprobs_matches_float64(group_size, clip_radius, dtype, device):
     lp, ref, rewards, mask = ggpo_case(2 * group_size, 11, seed=group_size)

@@ -8,6 +8,7 @@ import rlfuse
 from rlfuse import reference
 from rlfuse.reference.gppo import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
 
+from conftest import fp32_exact
 from loss_harness import check_three_way, constexpr_params, run_loss, token_inputs, with_garbage
 
 CELLS = list(itertools.product(GEOMETRIES, TOPOLOGIES))
@@ -23,7 +24,7 @@ def test_bounds_match_reference(geometry, topology, device):
     # mu log-uniform over [1e-6, 1], delta log-uniform over [1e-4, 2], plus fixed points
     old = torch.cat([MU.log(), -torch.rand(200, generator=gen, dtype=torch.float64) * 14])
     deltas = (1e-4 * 2e4 ** torch.rand(6, generator=gen, dtype=torch.float64)).tolist()
-    for delta in [1e-4, 0.04, 2.0] + deltas:
+    for delta in map(fp32_exact, [1e-4, 0.04, 2.0] + deltas):
         lo, hi = rlfuse.gppo_bounds(old.to(device), geometry=geometry, topology=topology,
                                     delta=delta)
         rlo, rhi = reference.gppo_bounds(old, geometry=geometry, topology=topology, delta=delta)
@@ -86,10 +87,10 @@ def test_logprobs_every_cell_and_aggregation(geometry, topology, agg, device):
                                                 ("two_sided_log", "binary"), ("tv", "mc")])
 def test_float64_exact(geometry, topology, device):
     lp, old, adv, mask = gppo_case(4, 9, seed=4)
+    kw = dict(geometry=geometry, topology=topology, delta=0.125)  # fp32-exact: conftest
     fused = run_loss(rlfuse.gppo_loss, lp, dtype=torch.float64, device=device,
-                     args=(old, adv, mask), geometry=geometry, topology=topology, delta=0.1)
-    ref = run_loss(reference.gppo_loss, lp, dtype=torch.float64, args=(old, adv, mask),
-                   geometry=geometry, topology=topology, delta=0.1)
+                     args=(old, adv, mask), **kw)
+    ref = run_loss(reference.gppo_loss, lp, dtype=torch.float64, args=(old, adv, mask), **kw)
     torch.testing.assert_close(fused[0].cpu(), ref[0], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(fused[2].cpu(), ref[2], rtol=1e-12, atol=1e-14)
 
@@ -183,10 +184,10 @@ def test_global_counts(device):
     lp, old, adv, mask = gppo_case(6, 5, seed=11)
     for agg, kw in (("token-mean", dict(num_tokens=37)),
                     ("seq-mean-token-mean", dict(num_sequences=16))):
+        kw.update(agg=agg, delta=0.0625)  # fp32-exact: conftest
         a = run_loss(rlfuse.gppo_loss, lp, dtype=torch.float64, device=device,
-                     args=(old, adv, mask), agg=agg, **kw)
-        b = run_loss(reference.gppo_loss, lp, dtype=torch.float64, args=(old, adv, mask),
-                     agg=agg, **kw)
+                     args=(old, adv, mask), **kw)
+        b = run_loss(reference.gppo_loss, lp, dtype=torch.float64, args=(old, adv, mask), **kw)
         torch.testing.assert_close(a[0].cpu(), b[0], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(a[2].cpu(), b[2], rtol=1e-12, atol=1e-14)
 

@@ -1,11 +1,18 @@
 """Fused GR-OPD vs the reference vs float64: advantages, loss, gradients, both forms."""
+import math
+
 import pytest
 import torch
 
 import rlfuse
 from rlfuse import reference
 
+from conftest import assert_three_way
 from loss_harness import check_three_way, constexpr_params, run_loss, token_inputs, with_garbage
+
+# Hyper-parameters that reach a float64 kernel run unrounded (see conftest.fp32_exact): the
+# kernels receive log(gamma), so gamma = exp(an fp32 number).
+EXACT = dict(gamma=math.exp(-0.0625), std_eps=2.0 ** -20)
 
 
 def gr_opd_case(B, T, *, seed, spread=0.3):
@@ -21,12 +28,11 @@ def gr_opd_case(B, T, *, seed, spread=0.3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_advantages_match_float64(group_size, lam, dtype, device):
     _, old, teacher, mask = gr_opd_case(2 * group_size, 37, seed=group_size)
-    kw = dict(group_size=group_size, lam=lam, feedback_clip=0.8, gamma=0.95)
+    kw = dict(group_size=group_size, lam=lam, feedback_clip=0.75, **EXACT)
     fused = rlfuse.gr_opd_advantages(old.to(dtype).to(device), teacher.to(dtype).to(device),
                                      mask.to(device), **kw)
     ref = reference.gr_opd_advantages(old.to(dtype), teacher.to(dtype), mask, **kw)
     ref64 = reference.gr_opd_advantages(old, teacher, mask, **kw)
-    from conftest import assert_three_way
     assert_three_way(fused.cpu(), ref, ref64, "advantages")
 
 
@@ -48,7 +54,7 @@ def test_logprobs_matches_float64(dtype, lam, device):
                     args=(old.to(dtype), teacher.to(dtype), mask),
                     args64=(old, teacher, mask),
                     metric_names=["clip_frac", "adv_mean", "adv_abs_mean", "feedback_mean"],
-                    group_size=3, lam=lam, eps=0.1)
+                    group_size=3, lam=lam, eps=0.125, **EXACT)
 
 
 @pytest.mark.parametrize("dtype, V", [(torch.bfloat16, 37), (torch.bfloat16, 4099),
@@ -103,13 +109,14 @@ def test_per_response_mean_differs_from_token_mean(device):
     lp, old, teacher, mask = gr_opd_case(4, 8, seed=10)
     mask[0, 2:] = False  # response 0 has 2 tokens, the others up to 8
     loss = run_loss(rlfuse.gr_opd_loss, lp, dtype=torch.float64, device=device,
-                    args=(old, teacher, mask), group_size=2)[0].cpu()
-    adv = reference.gr_opd_advantages(old, teacher, mask, group_size=2)
+                    args=(old, teacher, mask), group_size=2, eps=0.25, **EXACT)[0].cpu()
+    adv = reference.gr_opd_advantages(old, teacher, mask, group_size=2, **EXACT)
+    # PPO's [1 - eps, 1 + eps] is GPPO's tv / mc region with delta = eps / 2
+    region = dict(geometry="tv", topology="mc", delta=0.125)
     token_mean = run_loss(reference.gppo_loss, lp, dtype=torch.float64,
-                          args=(old, adv, mask), geometry="tv", topology="mc", delta=0.1)[0]
+                          args=(old, adv, mask), **region)[0]
     per_response = run_loss(reference.gppo_loss, lp, dtype=torch.float64,
-                            args=(old, adv, mask), geometry="tv", topology="mc", delta=0.1,
-                            agg="seq-mean-token-mean")[0]
+                            args=(old, adv, mask), agg="seq-mean-token-mean", **region)[0]
     torch.testing.assert_close(loss, per_response, rtol=1e-12, atol=1e-14)
     assert abs(loss.item() - token_mean.item()) > 1e-3
 

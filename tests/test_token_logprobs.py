@@ -60,7 +60,8 @@ def check_against_float64(base, targets, mask, *, entropy, temperature=1.0, pad_
 @pytest.mark.parametrize("entropy", [False, True])
 def test_matches_float64(dtype, V, entropy, device):
     base, targets, mask = make_inputs(3, 7, V, dtype, device)
-    check_against_float64(base, targets, mask, entropy=entropy, temperature=0.7)
+    temperature = 0.5 if dtype == torch.float64 else 0.7  # see conftest.fp32_exact
+    check_against_float64(base, targets, mask, entropy=entropy, temperature=temperature)
 
 
 @pytest.mark.parametrize("V", [129920, 128256, 151936])  # verl's breaking size; Llama 3; Qwen 2
