@@ -28,9 +28,9 @@ class TokenLogprobsFunction(torch.autograd.Function):
         from ..kernels.logprobs import token_logprobs_fwd
 
         logits3, targets3, mask3 = as_rows(logits, targets, mask)
-        logp, lse, entropy = token_logprobs_fwd(logits3, targets3, mask3, temperature,
+        logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, temperature,
                                                 return_entropy)
-        ctx.save_for_backward(logits, targets, mask, lse, entropy)
+        ctx.save_for_backward(logits, targets, mask, stats, entropy)
         ctx.temperature = temperature
         ctx.inplace_backward = inplace_backward
         ctx.set_materialize_grads(False)
@@ -43,14 +43,14 @@ class TokenLogprobsFunction(torch.autograd.Function):
     def backward(ctx, dlogp, dentropy=None):
         from ..kernels.logprobs import token_logprobs_bwd
 
-        logits, targets, mask, lse, entropy = ctx.saved_tensors
+        logits, targets, mask, stats, entropy = ctx.saved_tensors
         if dlogp is None and dentropy is None:
             return (None,) * 6
         logits3, targets3, mask3 = as_rows(logits, targets, mask)
         if dlogp is None:
-            dlogp = torch.zeros(targets3.shape, dtype=lse.dtype, device=lse.device)
+            dlogp = torch.zeros(targets3.shape, dtype=stats.dtype, device=stats.device)
         dlogits_out = logits3 if ctx.inplace_backward else None
-        dlogits = token_logprobs_bwd(logits3, targets3, mask3, ctx.temperature, lse,
+        dlogits = token_logprobs_bwd(logits3, targets3, mask3, ctx.temperature, stats,
                                      None if dentropy is None else entropy,
                                      dlogp.reshape(targets3.shape),
                                      None if dentropy is None else dentropy.reshape(targets3.shape),
@@ -80,8 +80,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     Returns:
         ``logp`` (fp32; fp64 for fp64 logits), or ``(logp, entropy)``.
 
-    The forward reads the logits once and saves one fp32 ``lse`` per position; the backward reads
-    them once more and writes the gradient once.
+    The forward reads the logits once and saves two fp32 numbers per position (the row max and
+    the log-sum of the shifted exponentials, whose sum is the logsumexp); the backward reads the
+    logits once more and writes the gradient once.
     """
     if not use_kernels(logits.device):
         return reference.token_logprobs(logits, targets, temperature=temperature,

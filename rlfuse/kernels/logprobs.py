@@ -1,8 +1,10 @@
 """Per-token log-probs (and entropy) from logits: the row kernels every loss builds on.
 
 One program handles one (b, t) row of ``[B, T, V]`` logits and streams the vocabulary in blocks
-of ``BLOCK_V``. The forward reads the row once (online logsumexp) and saves only the fp32 ``lse``;
-the backward reads it once more and writes ``dlogits`` once.
+of ``BLOCK_V``. The forward reads the row once (online logsumexp) and saves the fp32 row max ``m``
+and ``log s`` (``lse = m + log s``: kept apart, since rounding their sum would cost the log-probs
+their accuracy when the logits are large); the backward reads the row once more and writes
+``dlogits`` once.
 
 The row helpers ``row_logsumexp`` and ``row_write_dlogits`` are shared with the fused losses that
 work straight from logits.
@@ -28,13 +30,14 @@ _LOG_TINY = tl.constexpr(-1.0e4)
 @triton.jit
 def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                   ACC: tl.constexpr):
-    """(lse, entropy) of ``z = row * inv_temp``; entropy is 0 unless ``WITH_ENTROPY``.
+    """(m, log s, entropy) of ``z = row * inv_temp``, ``lse = m + log s``; entropy is 0 unless
+    ``WITH_ENTROPY``.
 
     Online over vocab blocks with running max ``m``, ``s = sum exp(z - m)`` and
     ``w = sum exp(z - m) (z - m)``; moving the max from m to m' rescales
     ``s' = a s`` and ``w' = a (w + (m - m') s)`` with ``a = exp(m - m')``. At the end
-    ``lse = m + log s`` and ``entropy = lse - sum p z = log s - w / s`` (no cancellation of two
-    large numbers when the logits are large).
+    ``entropy = lse - sum p z = log s - w / s``. Log-probs are then formed as
+    ``(z - m) - log s``: no large number is rounded on the way, as in torch's log_softmax.
     """
     m = tl.full((), _NEG_BIG, ACC)
     s = tl.zeros((), ACC)
@@ -51,19 +54,19 @@ def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.
             w = alpha * (w + (m - m_new) * s) + tl.sum(e * tl.maximum(z - m_new, _LOG_TINY), axis=0)
         s = alpha * s + tl.sum(e, axis=0)
         m = m_new
-    lse = m + tl.log(s)
+    log_s = tl.log(s)
     entropy = tl.zeros((), ACC)
     if WITH_ENTROPY:
-        entropy = tl.log(s) - w / s
-    return lse, entropy
+        entropy = log_s - w / s
+    return m, log_s, entropy
 
 
 @triton.jit
-def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, lse, entropy, g, h,
+def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, m, log_s, entropy, g, h,
                       BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
     """Writes dL/dlogits of one row, given g = dL/dlogp and h = dL/dentropy.
 
-    With z = x / tau, p = softmax(z), logp = z[y] - lse, H = lse - sum_u p_u z_u:
+    With z = x / tau, p = softmax(z), lse = m + log s, logp = z[y] - lse, H = lse - sum_u p_u z_u:
       dlogp/dz_v = 1[v = y] - p_v
       dH/dz_v    = -p_v (z_v - zbar),   zbar = sum_u p_u z_u = lse - H,
                    so z_v - zbar = (z_v - lse) + H = log p_v + H
@@ -73,7 +76,7 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, lse, entropy, g, h
         cols = start + tl.arange(0, BLOCK_V)
         in_vocab = cols < V
         z = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(ACC) * inv_temp
-        logp = z - lse
+        logp = (z - m) - log_s
         p = tl.exp(logp)
         d = tl.where(cols == target, g, 0.0) - g * p
         if WITH_ENTROPY:
@@ -116,7 +119,7 @@ def load_target_logit(row_ptr, y, V, inv_temp, ACC: tl.constexpr):
 def _token_logprobs_fwd_kernel(
     # pointers
     logits_ptr, targets_ptr, mask_ptr,  # [B, T, V], [B, T], [B, T] (uint8) or None
-    logp_ptr, lse_ptr, entropy_ptr,     # [B*T] outputs; entropy only if WITH_ENTROPY
+    logp_ptr, stats_ptr, entropy_ptr,   # [B*T], [B*T, 2] (m, log s), [B*T] (if WITH_ENTROPY)
     # strides
     stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
     # sizes
@@ -128,14 +131,16 @@ def _token_logprobs_fwd_kernel(
     row, b, t, y, is_actor = program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt,
                                          stride_mb, stride_mt, HAS_MASK)
     logp = tl.zeros((), ACC)
-    lse = tl.zeros((), ACC)
+    m = tl.zeros((), ACC)
+    log_s = tl.zeros((), ACC)
     entropy = tl.zeros((), ACC)
     if is_actor:
         row_ptr = logits_ptr + b * stride_lb + t * stride_lt
-        lse, entropy = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, WITH_ENTROPY, ACC)
-        logp = load_target_logit(row_ptr, y, V, inv_temp, ACC) - lse
+        m, log_s, entropy = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, WITH_ENTROPY, ACC)
+        logp = (load_target_logit(row_ptr, y, V, inv_temp, ACC) - m) - log_s
     tl.store(logp_ptr + row, logp)
-    tl.store(lse_ptr + row, lse)
+    tl.store(stats_ptr + 2 * row, m)
+    tl.store(stats_ptr + 2 * row + 1, log_s)
     if WITH_ENTROPY:
         tl.store(entropy_ptr + row, entropy)
 
@@ -144,7 +149,7 @@ def _token_logprobs_fwd_kernel(
 def _token_logprobs_bwd_kernel(
     # pointers
     logits_ptr, targets_ptr, mask_ptr,  # [B, T, V], [B, T], [B, T] (uint8) or None
-    lse_ptr, entropy_ptr,               # [B*T] saved by the forward; entropy only if WITH_ENTROPY
+    stats_ptr, entropy_ptr,             # saved by the forward: [B*T, 2], [B*T] (if WITH_ENTROPY)
     dlogp_ptr, dentropy_ptr,            # [B*T] upstream gradients; dentropy only if WITH_ENTROPY
     dlogits_ptr,                        # [B, T, V] output (may alias logits)
     # strides
@@ -165,9 +170,10 @@ def _token_logprobs_bwd_kernel(
         if WITH_ENTROPY:
             h = tl.load(dentropy_ptr + row).to(ACC)
             entropy = tl.load(entropy_ptr + row).to(ACC)
-        lse = tl.load(lse_ptr + row).to(ACC)
+        m = tl.load(stats_ptr + 2 * row).to(ACC)
+        log_s = tl.load(stats_ptr + 2 * row + 1).to(ACC)
         row_write_dlogits(logits_ptr + b * stride_lb + t * stride_lt, drow_ptr, V, y, inv_temp,
-                          lse, entropy, g, h, BLOCK_V, WITH_ENTROPY, ACC)
+                          m, log_s, entropy, g, h, BLOCK_V, WITH_ENTROPY, ACC)
     else:
         row_write_zeros(drow_ptr, V, BLOCK_V)
 
@@ -183,20 +189,21 @@ def mask_args(mask: Optional[torch.Tensor]):
 def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
                        temperature: float, with_entropy: bool):
     """Launches the forward on ``logits [B, T, V]`` (``stride(-1) == 1``), ``targets [B, T]``,
-    ``mask [B, T]`` bool or None. Returns ``(logp [B, T], lse [B*T], entropy [B, T] or None)``
+    ``mask [B, T]`` bool or None. Returns ``(logp [B, T], stats [B*T, 2], entropy [B, T] or None)``
+    (``stats``: the row max and log-sum of each row, what the backward needs)
     in the compute dtype (fp32, or fp64 for fp64 logits)."""
     B, T, V = logits.shape
     acc = compute_dtype(logits.dtype)
     logp = empty((B, T), dtype=acc, device=logits.device)
-    lse = empty((B * T,), dtype=acc, device=logits.device)
+    stats = empty((B * T, 2), dtype=acc, device=logits.device)
     entropy = empty((B, T), dtype=acc, device=logits.device) if with_entropy else None
     if B * T == 0:
-        return logp, lse, entropy
+        return logp, stats, entropy
     block_v, num_warps = vocab_launch_config(V, logits.element_size())
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _token_logprobs_fwd_kernel[(B * T,)](
         logits, targets, mask_u8,
-        logp, lse, entropy,
+        logp, stats, entropy,
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
         stride_mb, stride_mt,
         T, V,
@@ -204,11 +211,11 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
         BLOCK_V=block_v, HAS_MASK=mask is not None, WITH_ENTROPY=with_entropy,
         ACC=tl_compute_dtype(logits.dtype), num_warps=num_warps,
     )
-    return logp, lse, entropy
+    return logp, stats, entropy
 
 
 def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
-                       temperature: float, lse: torch.Tensor, entropy: Optional[torch.Tensor],
+                       temperature: float, stats: torch.Tensor, entropy: Optional[torch.Tensor],
                        dlogp: torch.Tensor, dentropy: Optional[torch.Tensor],
                        dlogits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launches the backward; ``dlogp``/``dentropy`` are ``[B, T]`` (``dentropy`` None when the
@@ -224,7 +231,7 @@ def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _token_logprobs_bwd_kernel[(B * T,)](
         logits, targets, mask_u8,
-        lse, entropy if with_entropy else None,
+        stats, entropy if with_entropy else None,
         dlogp.contiguous(), dentropy.contiguous() if with_entropy else None,
         dlogits,
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),

@@ -136,7 +136,7 @@ def _surrogate_logits_kernel(
     BLOCK_V: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
     WRITE_DLOGITS: tl.constexpr,
 ):
-    # One row: lse by the online pass, lp = z_y - lse, the surrogate, then
+    # One row: lse = m + log s by the online pass, lp = (z_y - m) - log s, the surrogate, then
     # dL/dlogits = g (onehot(y) - p) / tau with g = dL/dlp = -row_scale[b] dJ/dlp (for an upstream
     # gradient of 1; the autograd Function rescales otherwise).
     row, b, t, y, is_actor = program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt,
@@ -144,8 +144,8 @@ def _surrogate_logits_kernel(
     out = sums_ptr + row * 6  # the SUM_* columns, in order
     if is_actor:
         row_ptr = logits_ptr + b * stride_lb + t * stride_lt
-        lse, _ = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, False, ACC)
-        lp = load_target_logit(row_ptr, y, V, inv_temp, ACC) - lse
+        m, log_s, _ = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, False, ACC)
+        lp = (load_target_logit(row_ptr, y, V, inv_temp, ACC) - m) - log_s
         old = tl.load(old_ptr + b * stride_ob + t * stride_ot).to(ACC)
         adv = tl.load(adv_ptr + b * stride_ab + t * stride_at).to(ACC)
         lo, hi = region_bounds(old, delta, GEOMETRY, TOPOLOGY)
@@ -154,7 +154,8 @@ def _surrogate_logits_kernel(
         row_scale = tl.load(row_scale_ptr + b).to(ACC)
         if WRITE_DLOGITS:
             row_write_dlogits(row_ptr, dlogits_ptr + b * stride_db + t * stride_dt, V, y,
-                              inv_temp, lse, 0.0, -row_scale * dj, 0.0, BLOCK_V, False, ACC)
+                              inv_temp, m, log_s, 0.0, -row_scale * dj, 0.0, BLOCK_V, False,
+                              ACC)
         tl.store(out + 0, j * row_scale)
         tl.store(out + 1, low.to(ACC))
         tl.store(out + 2, high.to(ACC))
