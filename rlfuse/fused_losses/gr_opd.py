@@ -10,6 +10,7 @@ from .. import reference
 from .._dispatch import use_kernels
 from .._types import LossOutput
 from .._validation import check_policy, check_tensor
+from ..reference.gppo import masked_mean
 from ..reference.gr_opd import check_advantage_inputs, check_gr_opd_args, clamped_feedback
 from .surrogate import row_scales, surrogate_loss
 
@@ -94,7 +95,7 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
         adv = advantages.detach()
         feedback = clamped_feedback(old_logprobs.detach().to(cdt), teacher_logprobs.to(cdt),
                                     mask, feedback_clip)
-        feedback_mean = feedback.sum() / mask.sum().clamp_min(1)
+        feedback_mean = masked_mean(feedback, mask)
 
     from ..kernels.gppo import PPO_CLIP
     from ..kernels.surrogate import SUM_CLIP_HIGH, SUM_CLIP_LOW

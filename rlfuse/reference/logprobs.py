@@ -47,8 +47,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
 
 
 def policy_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
-    """The learner log-probs ``[B, T]`` of a policy given as log-probs or as ``Logits``."""
+    """The learner log-probs ``[B, T]`` of a policy given as log-probs or as ``Logits`` (whose
+    arguments the loss has already checked, as far as its ``validate`` asked)."""
     if isinstance(policy, Logits):
         return token_logprobs(policy.logits, policy.targets, temperature=policy.temperature,
-                              mask=mask)
+                              mask=mask, validate=False)
     return policy
