@@ -11,8 +11,8 @@ setup(
     packages=find_packages(include=["rlfuse", "rlfuse.*"]),
     install_requires=["torch>=2.3", "triton>=3.2"],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "numpy"],
-        "bench": ["matplotlib", "numpy"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "numpy", "liger-kernel==0.8.5"],
+        "bench": ["matplotlib", "numpy", "liger-kernel"],
         "train": ["transformers", "peft"],
     },
 )

@@ -41,7 +41,9 @@ unset TRITON_INTERPRET                  # the real kernels, on the GPU
 } 2>&1 | tee "$OUT/bench.txt"
 
 echo "== pytest tests (timeout ${PYTEST_TIMEOUT}s)" | tee -a "$OUT/bench.txt"
-timeout "$PYTEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.txt"
+# Compiling the kernels' variants is most of the suite's time there: spread it over the CPUs.
+XDIST=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 8")
+timeout "$PYTEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider $XDIST tests 2>&1 | tee "$OUT/pytest.txt"
 pytest_rc=${PIPESTATUS[0]}
 echo "pytest exit code: $pytest_rc" | tee -a "$OUT/bench.txt"
 

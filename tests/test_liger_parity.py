@@ -1,0 +1,65 @@
+"""rlfuse against an independent implementation: Liger-Kernel (the benchmarks' peer).
+
+GR-OPD with given advantages IS GRPO with the PPO clip, beta = 0 and the per-response token mean,
+which Liger's ``GrpoLossFunction`` implements in its own Triton kernels; per-token log-probs are
+Liger's selective log-softmax. Both are called through the benchmark's adapters
+(``bench.cases``), so this also checks that the peer rows of the benchmark do rlfuse's work.
+"""
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rlfuse
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `bench` is a folder of the repo, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import cases  # noqa: E402
+
+liger = pytest.importorskip(cases.LIGER_MODULE)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Both sides compute in fp32 and differ in summation order only: a few fp32 ulps of the
+# gradient's scale. In bf16 each side rounds its fp32 gradient once: one bf16 ulp (2^-8 relative
+# with bf16's 8-bit significand; 2^-7 allows either side to sit on a rounding boundary).
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7}
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def inputs(request):
+    shape = next(s for s in cases.make_shapes(quick=True)
+                 if s.V is not None and s.dtype == request.param)
+    return cases.make_inputs(shape, DEVICE, seed=3)
+
+
+def test_token_logprobs_match_liger(inputs):
+    x = inputs
+    ours = rlfuse.token_logprobs(x.logits, x.targets, mask=x.mask)
+    theirs = cases.OPS["token_logprobs"].liger(liger, x)
+    assert theirs.shape == ours.shape
+    torch.testing.assert_close(ours.detach()[x.mask], theirs[x.mask], rtol=0, atol=4e-6)
+
+
+def test_gr_opd_with_advantages_is_liger_grpo(inputs):
+    # An old policy further off than the benchmark's, so that the clip is active on both sides.
+    x = SimpleNamespace(**vars(inputs))
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    x.old_lp = (x.old_lp + 0.3 * torch.randn(x.old_lp.shape, generator=g, device=DEVICE)
+                ).clamp_max(0.0)
+    out = rlfuse.gr_opd_loss(rlfuse.Logits(x.logits, x.targets), x.old_lp, x.teacher_lp, x.mask,
+                             group_size=x.group_size, eps=0.2, advantages=x.opd_advantages)
+    assert 0.1 < out.metrics["clip_frac"].item() < 0.9
+    ours = out.loss
+    theirs = cases.OPS["gr_opd_logits"].liger(liger, x)
+    assert abs(ours.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item()))
+    (g_ours,) = torch.autograd.grad(ours, x.logits)
+    (g_theirs,) = torch.autograd.grad(theirs, x.logits_full)
+    assert g_theirs[:, -1].abs().max() == 0       # the last position predicts nothing
+    g_theirs = g_theirs[:, :-1]
+    scale = g_theirs.abs().max().item()
+    assert scale > 0
+    err = (g_ours.float() - g_theirs.float()).abs().max().item()
+    assert err <= GRAD_RTOL[x.logits.dtype] * scale, (err, scale)
