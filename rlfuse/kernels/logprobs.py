@@ -71,9 +71,13 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, m, log_s, entropy,
       dH/dz_v    = -p_v (z_v - zbar),   zbar = sum_u p_u z_u = lse - H,
                    so z_v - zbar = (z_v - lse) + H = log p_v + H
       dL/dx_v    = ( g (1[v = y] - p_v) - h p_v (log p_v + H) ) / tau
+
+    The blocks go last to first: right after a logsumexp pass over the same row (the single-pass
+    losses) the blocks read last are the likeliest to be still in L2.
     """
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
+    n_blocks = tl.cdiv(V, BLOCK_V)
+    for i in range(0, n_blocks):
+        cols = (n_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         in_vocab = cols < V
         z = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(ACC) * inv_temp
         logp = (z - m) - log_s
