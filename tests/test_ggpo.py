@@ -99,6 +99,20 @@ def test_coefficients_sum_to_zero_per_group(device):
 
 
 @pytest.mark.parametrize("clip_radius", [None, 0.25])
+def test_upstream_gradient_scales_the_gradient(clip_radius, device):
+    """The backward multiplies by the upstream gradient (here != 1), as the reference's does."""
+    lp, ref, rewards, mask = ggpo_case(4, 6, seed=18)
+    grads = []
+    for fn, dev in ((rlfuse.ggpo_loss, device), (reference.ggpo_loss, "cpu")):
+        x = lp[:, :-1].clone().to(dev).requires_grad_(True)
+        out = fn(x, ref.to(dev), rewards.to(dev), mask.to(dev), group_size=2, beta=0.5,
+                 clip_radius=clip_radius)
+        (g,) = torch.autograd.grad(out.loss * -3.5, x)
+        grads.append(g.cpu())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("clip_radius", [None, 0.25])
 def test_global_num_tokens_micro_batches_add_up(clip_radius, device):
     lp, ref, rewards, mask = ggpo_case(8, 7, seed=15)
     kw = dict(dtype=torch.float64, device=device, group_size=2, beta=0.4,

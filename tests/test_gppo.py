@@ -140,6 +140,18 @@ def test_logits_upstream_gradient_and_inplace(device):
     torch.testing.assert_close(grads[1], grads[2], rtol=1e-10, atol=1e-13)
 
 
+def test_logprobs_upstream_gradient(device):
+    """From log-probs the backward kernel multiplies by the upstream gradient (here != 1)."""
+    lp, old, adv, mask = gppo_case(3, 6, seed=14)
+    grads = []
+    for fn, dev in ((rlfuse.gppo_loss, device), (reference.gppo_loss, "cpu")):
+        x = lp[:, :-1].clone().to(dev).requires_grad_(True)
+        out = fn(x, old.to(dev), adv.to(dev), mask.to(dev), delta=0.125)
+        (g,) = torch.autograd.grad(out.loss * -3.5, x)
+        grads.append(g.cpu())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-14)
+
+
 def test_logits_without_grad_reads_only(device):
     """Under no_grad the single pass computes the loss and writes no gradient."""
     B, T, V = 2, 3, 40
@@ -170,20 +182,26 @@ def test_far_outside_region_is_finite(log_ratio, geometry, topology, device):
         assert all(torch.isfinite(v) for v in metrics.values())
 
 
-def test_unclipped_overflow_raises(device):
-    """A negative advantage far above the region keeps r A: exp(100) overflows fp32."""
+@pytest.mark.parametrize("geometry, topology, sign", [("chi2", "atomic", -1.0),
+                                                      ("kl", "mc", 1.0)])
+def test_unclipped_overflow_raises(geometry, topology, sign, device):
+    """Far above the region r A is kept by a negative advantage, and by a positive one under
+    kl's infinite upper bound: exp(100) overflows fp32."""
     lp, old, adv, mask = gppo_case(2, 3, seed=10)
     lp = torch.cat([torch.where(mask, old, 0.0) + 100.0, lp[:, -1:]], 1)
     for fn in (rlfuse.gppo_loss, reference.gppo_loss):
         with pytest.raises(ValueError, match="overflow"):
             run_loss(fn, lp, dtype=torch.float32, device=device,
-                     args=(old.float(), -adv.abs().float(), mask))
+                     args=(old.float(), sign * adv.abs().float(), mask),
+                     geometry=geometry, topology=topology)
 
 
 def test_global_counts(device):
     lp, old, adv, mask = gppo_case(6, 5, seed=11)
     for agg, kw in (("token-mean", dict(num_tokens=37)),
-                    ("seq-mean-token-mean", dict(num_sequences=16))):
+                    ("seq-mean-token-mean", dict(num_sequences=16)),
+                    ("seq-mean-token-sum", dict(num_sequences=16)),
+                    ("seq-mean-token-sum-norm", dict(num_sequences=16))):
         kw.update(agg=agg, delta=0.0625)  # fp32-exact: conftest
         a = run_loss(rlfuse.gppo_loss, lp, dtype=torch.float64, device=device,
                      args=(old, adv, mask), **kw)

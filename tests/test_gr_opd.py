@@ -36,6 +36,32 @@ def test_advantages_match_float64(group_size, lam, dtype, device):
     assert_three_way(fused.cpu(), ref, ref64, "advantages")
 
 
+def test_advantages_clipped_on_both_sides(device):
+    """A small adv_clip saturates advantages of both signs."""
+    _, old, teacher, mask = gr_opd_case(8, 9, seed=6)
+    kw = dict(group_size=4, lam=0.0, adv_clip=0.75, **EXACT)
+    adv = rlfuse.gr_opd_advantages(old.to(device), teacher.to(device), mask.to(device), **kw)
+    ref = reference.gr_opd_advantages(old, teacher, mask, **kw)
+    assert (ref == 0.75).any() and (ref == -0.75).any()
+    torch.testing.assert_close(adv.cpu(), ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_advantages_discount_spans_time_blocks(dtype, device):
+    """T beyond one time block of the group kernel: the actor index k carries across blocks."""
+    from rlfuse.kernels.utils import group_tile
+
+    m, T = 16, 300
+    assert group_tile(T, m)[1] < T
+    _, old, teacher, mask = gr_opd_case(m, T, seed=8)
+    kw = dict(EXACT, group_size=m, gamma=math.exp(-2.0 ** -7), feedback_clip=0.75)
+    fused = rlfuse.gr_opd_advantages(old.to(dtype).to(device), teacher.to(dtype).to(device),
+                                     mask.to(device), **kw)
+    ref = reference.gr_opd_advantages(old.to(dtype), teacher.to(dtype), mask, **kw)
+    ref64 = reference.gr_opd_advantages(old, teacher, mask, **kw)
+    assert_three_way(fused.cpu(), ref, ref64, "advantages")
+
+
 def test_advantages_identical_scores(device):
     """sigma = 0: A = clamp(lam mu / std_eps), finite."""
     _, old, _, mask = gr_opd_case(4, 6, seed=5)
@@ -54,7 +80,7 @@ def test_logprobs_matches_float64(dtype, lam, device):
                     args=(old.to(dtype), teacher.to(dtype), mask),
                     args64=(old, teacher, mask),
                     metric_names=["clip_frac", "adv_mean", "adv_abs_mean", "feedback_mean"],
-                    group_size=3, lam=lam, eps=0.125, **EXACT)
+                    group_size=3, lam=lam, eps=0.125, feedback_clip=0.75, **EXACT)
 
 
 @pytest.mark.parametrize("dtype, V", [(torch.bfloat16, 37), (torch.bfloat16, 4099),
