@@ -89,3 +89,20 @@ def test_readme_only_from_gpu_results(quick_run, tmp_path):
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
         report.update_readme(readme, results_dir)
+
+
+def test_floors_follow_the_spec():
+    """SPEC 5: the reads and writes of the logits in each op's floor, and Op.bytes."""
+    logits_passes = {  # (reads, writes) of the logits in fwd, bwd, fwd+bwd
+        "token_logprobs": [(1, 0), (1, 1), (2, 1)],
+        "token_logprobs_entropy": [(1, 0), (1, 1), (2, 1)],
+        "ggpo_logits": [(1, 0), (1, 1), (2, 1)],     # two reads: every lp before any gradient
+        "gppo_logits": [(1, 0), (1, 1), (1, 1)],     # token-local: one pass
+        "gr_opd_logits": [(1, 0), (1, 1), (1, 1)],
+    }
+    for name, op in cases.OPS.items():
+        want = logits_passes.get(name, [(0, 0)] * 3)   # the [B, T] log-prob ops
+        assert [op.floor[mode][:2] for mode in cases.MODES] == want, name
+    shape = cases.Shape(N=16, V=1000, dtype=torch.bfloat16, batch=8, group_size=4)
+    per_token = 2 * (cases.TGT + cases.MSK) + 4 * cases.F32
+    assert cases.OPS["token_logprobs"].bytes(shape, "fwd+bwd") == 3 * 16 * 1000 * 2 + per_token * 16

@@ -5,6 +5,8 @@ import torch
 import rlfuse
 from rlfuse import reference
 
+from loss_harness import with_garbage
+
 
 def empty_call(fn, name, device="cpu"):
     kw = dict(dtype=torch.float64, device=device)
@@ -28,3 +30,82 @@ def test_empty_batch(name, device):
     assert fused.metrics.keys() == ref.metrics.keys()
     for key, value in fused.metrics.items():
         assert value.item() == ref.metrics[key].item() == 0, key
+
+
+def token_case(name, device, *, seed=20):
+    """(policy log-probs, logits, targets, [B, T]/[B] inputs with NaN at masked positions, mask,
+    kwargs) of a small loss call."""
+    B, T, V = 4, 3, 16
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*size):
+        return torch.rand(*size, generator=gen, dtype=torch.float64).to(device)
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 1], [0, 1, 0]], dtype=torch.bool,
+                        device=device)
+    logits = 4 * rand(B, T, V) - 2
+    targets = torch.randint(0, V, (B, T), generator=gen).to(device)
+    lp = -3 * rand(B, T)
+    old, other = lp + 0.3 * (rand(B, T) - 0.5), -3 * rand(B, T)
+    old, other, per_token = (with_garbage(x, mask) for x in (old, other, rand(B, T) - 0.5))
+    inputs = {"ggpo": (other, rand(B)), "gppo": (old, per_token), "gr_opd": (old, other)}[name]
+    kwargs = {"ggpo": dict(group_size=2, beta=0.5), "gppo": {}, "gr_opd": dict(group_size=2)}[name]
+    return lp, logits, targets, inputs, mask, kwargs
+
+
+def transposed(x):
+    """The same values, batch and time swapped in memory: strides (1, B) or (V, B V, 1)."""
+    return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def spaced(x):
+    """The same values every other element: strides (2 T, 2) or (2,); for logits stride(-1) = 2."""
+    return torch.stack([x, x], -1)[..., 0]
+
+
+def call(name, policy, inputs, mask, *, lib=rlfuse, validate=True, **kw):
+    fn = getattr(lib, f"{name}_loss")
+    x = policy.detach().requires_grad_(True)
+    pol = rlfuse.Logits(x, kw.pop("targets")) if "targets" in kw else x
+    out = fn(pol, *inputs, mask, validate=validate, **kw)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    return out, grad
+
+
+def assert_same(a, b):
+    (out_a, grad_a), (out_b, grad_b) = a, b
+    torch.testing.assert_close(out_a.loss, out_b.loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad_a, grad_b, rtol=0, atol=0)
+    for key, value in out_a.metrics.items():
+        torch.testing.assert_close(value, out_b.metrics[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+@pytest.mark.parametrize("name", ["ggpo", "gppo", "gr_opd"])
+def test_any_strides(name, from_logits, device):
+    """Non-contiguous views of every input, each laid out differently (time stride != 1, batch
+    stride != T, logits with stride(-1) != 1) give exactly what contiguous copies give: each
+    tensor's own strides reach the kernels."""
+    lp, logits, targets, inputs, mask, kw = token_case(name, device)
+    policy, strided_policy = (logits, spaced(logits)) if from_logits else (lp, transposed(lp))
+    if from_logits:
+        kw["targets"] = targets
+    contiguous = call(name, policy, inputs, mask, **kw)
+    first, second = inputs
+    strided_inputs = (spaced(first), transposed(second) if second.dim() == 2 else spaced(second))
+    if from_logits:
+        kw["targets"] = spaced(targets)
+    strided = call(name, strided_policy, strided_inputs, transposed(mask), **kw)
+    assert_same(strided, contiguous)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("lib", [rlfuse, reference])
+@pytest.mark.parametrize("name", ["ggpo", "gppo", "gr_opd"])
+def test_numeric_mask(name, lib, validate, device):
+    """A 0/1 mask of an integer or float dtype acts as its bool (SPEC 2: bool or 0/1)."""
+    lp, _, _, inputs, mask, kw = token_case(name, device)
+    want = call(name, lp, inputs, mask, lib=lib, **kw)
+    for dtype in (torch.int64, torch.float32):
+        assert_same(call(name, lp, inputs, mask.to(dtype), lib=lib, validate=validate, **kw),
+                    want)

@@ -54,6 +54,24 @@ def test_logits_matches_float64(dtype, V, clip_radius, device):
                     group_size=2, beta=0.1, clip_radius=clip_radius)
 
 
+def test_logits_inplace_backward(device):
+    """Logits(inplace_backward=True): dlogits is written into the logits' own buffer, unchanged."""
+    B, T, V = 4, 3, 20
+    gen = torch.Generator().manual_seed(23)
+    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64).to(device)
+    targets = torch.randint(0, V, (B, T), generator=gen).to(device)
+    _, ref, rewards, mask = ggpo_case(B, T, seed=23)
+    grads = []
+    for inplace in (False, True):
+        x = logits.clone().requires_grad_(True)
+        out = rlfuse.ggpo_loss(rlfuse.Logits(x, targets, 1.0, inplace), ref.to(device),
+                               rewards.to(device), mask.to(device), group_size=2, beta=0.5)
+        (g,) = torch.autograd.grad(out.loss, x)
+        assert (g.data_ptr() == x.data_ptr()) == inplace
+        grads.append(g)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("beta", [0.01, 0.1, 1.0, 10.0])
 def test_beta_range_large_rewards(beta, device):
     """R / beta up to ~1e4: the centred, max-subtracted form must not overflow."""

@@ -135,6 +135,7 @@ def test_logits_upstream_gradient_and_inplace(device):
         x = logits.clone().requires_grad_(True)
         out = fn(rlfuse.Logits(x, targets, 1.0, inplace), old, adv, mask)
         (g,) = torch.autograd.grad(out.loss * -3.5, x)
+        assert (g.data_ptr() == x.data_ptr()) == inplace  # inplace: into the logits' buffer
         grads.append(g)
     torch.testing.assert_close(grads[0], grads[2], rtol=1e-10, atol=1e-13)
     torch.testing.assert_close(grads[1], grads[2], rtol=1e-10, atol=1e-13)
@@ -168,6 +169,34 @@ def test_logits_without_grad_reads_only(device):
     torch.testing.assert_close(a.loss.cpu(), b.loss, rtol=1e-6, atol=1e-7)
 
 
+def test_logits_untouched_by_default(device):
+    """Logits defaults to inplace_backward=False: the backward leaves the logits as they were."""
+    B, T, V = 2, 3, 20
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(B, T, V, generator=gen).to(device)
+    targets = torch.randint(0, V, (B, T), generator=gen).to(device)
+    mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    old = (torch.randn(B, T, generator=gen) - 4).to(device)
+    adv = torch.randn(B, generator=gen).to(device)
+    x = logits.clone().requires_grad_(True)
+    policy = rlfuse.Logits(x, targets)
+    assert policy.inplace_backward is False
+    rlfuse.gppo_loss(policy, old, adv, mask).loss.backward()
+    assert torch.equal(x.detach(), logits) and x.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("fn", [rlfuse.gppo_loss, reference.gppo_loss])
+def test_token_mean_without_actor_tokens(fn, device):
+    """token-mean divides by the batch's token count only: rows (here all of them) may have no
+    actor token; the loss, gradient and metrics are then 0."""
+    lp, old, adv, _ = gppo_case(2, 3, seed=22)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    loss, metrics, grad = run_loss(fn, lp, dtype=torch.float32, device=device,
+                                   args=(old.float(), adv.float(), mask), agg="token-mean")
+    assert loss.item() == 0 and (grad == 0).all()
+    assert all(value.item() == 0 for value in metrics.values())
+
+
 @pytest.mark.parametrize("log_ratio", [30.0, -30.0])
 @pytest.mark.parametrize("geometry, topology", [("chi2", "atomic"), ("kl", "mc"),
                                                 ("two_sided_log", "binary")])
@@ -196,6 +225,18 @@ def test_unclipped_overflow_raises(geometry, topology, sign, device):
                      geometry=geometry, topology=topology)
 
 
+@pytest.mark.parametrize("fn", [rlfuse.gppo_loss, reference.gppo_loss])
+def test_unclipped_overflow_raises_from_logits(fn, device):
+    """The single pass from logits refuses an overflowing r A as well: lp - old_lp = 100 - log 5
+    with A < 0 (chi2 / atomic)."""
+    logits = torch.zeros(2, 3, 5, device=device, requires_grad=True)
+    targets = torch.zeros(2, 3, dtype=torch.long, device=device)
+    mask = torch.ones(2, 3, dtype=torch.bool, device=device)
+    old = torch.full((2, 3), -100.0, device=device)
+    with pytest.raises(ValueError, match="overflow"):
+        fn(rlfuse.Logits(logits, targets), old, -torch.ones(2, device=device), mask)
+
+
 def test_global_counts(device):
     lp, old, adv, mask = gppo_case(6, 5, seed=11)
     for agg, kw in (("token-mean", dict(num_tokens=37)),
@@ -208,6 +249,12 @@ def test_global_counts(device):
         b = run_loss(reference.gppo_loss, lp, dtype=torch.float64, args=(old, adv, mask), **kw)
         torch.testing.assert_close(a[0].cpu(), b[0], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(a[2].cpu(), b[2], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("fn", [rlfuse.gppo_bounds, reference.gppo_bounds])
+def test_bounds_bad_input(fn):
+    with pytest.raises(TypeError, match="old_logprobs"):
+        fn(torch.zeros(3, dtype=torch.long), geometry="chi2", topology="atomic", delta=0.1)
 
 
 def test_group_advantages():
@@ -238,6 +285,10 @@ BAD = [
     (dict(mask=torch.ones(4, 6, dtype=torch.bool)), ValueError, "mask"),
     (dict(num_tokens=-1), ValueError, "num_tokens"),
     (dict(num_sequences=0), ValueError, "num_sequences"),
+    (dict(policy=rlfuse.Logits(torch.zeros(4, 5, 3), torch.zeros(4, 5, dtype=torch.long), -1.0)),
+     ValueError, "temperature"),
+    (dict(policy=rlfuse.Logits(torch.zeros(4, 5, 3), torch.full((4, 5), 3))), ValueError,
+     "targets"),                                              # unmasked id == V
 ]
 
 

@@ -161,6 +161,17 @@ def test_inplace_backward_matches(device):
     torch.testing.assert_close(dlogits, d_out[:, :-1], rtol=0, atol=0)
 
 
+def test_backward_of_a_plain_sum(device):
+    """lp.sum().backward() hands the backward an expanded (stride 0) upstream gradient."""
+    base, targets, mask = make_inputs(2, 4, 30, torch.float32, device)
+    grads = []
+    for fn in (rlfuse.token_logprobs, reference.token_logprobs):
+        logits = base[:, :-1].clone().requires_grad_(True)
+        fn(logits, targets, mask=mask).sum().backward()
+        grads.append(logits.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-7)
+
+
 def test_gradient_of_entropy_alone(device):
     base, targets, mask = make_inputs(2, 4, 64, torch.float64, device)
     logits = base[:, :-1].detach().clone().requires_grad_(True)
@@ -206,6 +217,7 @@ def test_empty_batch(device):
     (dict(temperature=0.0), "temperature", ValueError),
     (dict(temperature=-1.0), "temperature", ValueError),
     (dict(temperature=float("nan")), "temperature", ValueError),
+    (dict(temperature=float("inf")), "temperature", ValueError),
     (dict(mask=torch.ones(2, 4, dtype=torch.bool)), "mask", ValueError),
     (dict(mask=torch.full((2, 3), 0.5)), "mask", ValueError),
 ])
@@ -216,6 +228,19 @@ def test_bad_input(fn, bad, match, exc):
     args.update(bad)
     with pytest.raises(exc, match=match):
         fn(args.pop("logits"), args.pop("targets"), **args)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("fn", [rlfuse.token_logprobs, reference.token_logprobs])
+def test_numeric_mask(fn, validate, device):
+    """A 0/1 mask of an integer or float dtype acts as its bool (SPEC 2: bool or 0/1)."""
+    base, targets, mask = make_inputs(2, 5, 40, torch.float32, device)
+    want = fn(base[:, :-1], targets, mask=mask, return_entropy=True)
+    for dtype in (torch.int64, torch.float32):
+        got = fn(base[:, :-1], targets, mask=mask.to(dtype), return_entropy=True,
+                 validate=validate)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_out_of_range_target_allowed_when_masked(device):
