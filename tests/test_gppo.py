@@ -153,15 +153,20 @@ def test_logprobs_upstream_gradient(device):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-14)
 
 
-def test_logits_without_grad_reads_only(device):
-    """Under no_grad the single pass computes the loss and writes no gradient."""
-    B, T, V = 2, 3, 40
-    gen = torch.Generator().manual_seed(13)
+def logits_case(B, T, V, *, seed, device):
+    """fp32 (logits, targets, mask of ones, old_lp, per-sequence advantages) on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, T, V, generator=gen).to(device)
     targets = torch.randint(0, V, (B, T), generator=gen).to(device)
     mask = torch.ones(B, T, dtype=torch.bool, device=device)
     old = (torch.randn(B, T, generator=gen) - 4).to(device)
     adv = torch.randn(B, generator=gen).to(device)
+    return logits, targets, mask, old, adv
+
+
+def test_logits_without_grad_reads_only(device):
+    """Under no_grad the single pass computes the loss and writes no gradient."""
+    logits, targets, mask, old, adv = logits_case(2, 3, 40, seed=13, device=device)
     with torch.no_grad():
         a = rlfuse.gppo_loss(rlfuse.Logits(logits, targets), old, adv, mask)
     b = reference.gppo_loss(rlfuse.Logits(logits.cpu(), targets.cpu()), old.cpu(), adv.cpu(),
@@ -171,13 +176,7 @@ def test_logits_without_grad_reads_only(device):
 
 def test_logits_untouched_by_default(device):
     """Logits defaults to inplace_backward=False: the backward leaves the logits as they were."""
-    B, T, V = 2, 3, 20
-    gen = torch.Generator().manual_seed(21)
-    logits = torch.randn(B, T, V, generator=gen).to(device)
-    targets = torch.randint(0, V, (B, T), generator=gen).to(device)
-    mask = torch.ones(B, T, dtype=torch.bool, device=device)
-    old = (torch.randn(B, T, generator=gen) - 4).to(device)
-    adv = torch.randn(B, generator=gen).to(device)
+    logits, targets, mask, old, adv = logits_case(2, 3, 20, seed=21, device=device)
     x = logits.clone().requires_grad_(True)
     policy = rlfuse.Logits(x, targets)
     assert policy.inplace_backward is False

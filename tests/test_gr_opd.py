@@ -27,8 +27,13 @@ def gr_opd_case(B, T, *, seed, spread=0.3):
 @pytest.mark.parametrize("lam", [0.0, 0.25])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_advantages_match_float64(group_size, lam, dtype, device):
-    _, old, teacher, mask = gr_opd_case(2 * group_size, 37, seed=group_size)
-    kw = dict(group_size=group_size, lam=lam, feedback_clip=0.75, **EXACT)
+    check_advantages(2 * group_size, 37, dtype, device, seed=group_size, group_size=group_size,
+                     lam=lam, feedback_clip=0.75, **EXACT)
+
+
+def check_advantages(B, T, dtype, device, *, seed, **kw):
+    """Fused advantages in ``dtype`` within the three-way rule of the float64 reference."""
+    _, old, teacher, mask = gr_opd_case(B, T, seed=seed)
     fused = rlfuse.gr_opd_advantages(old.to(dtype).to(device), teacher.to(dtype).to(device),
                                      mask.to(device), **kw)
     ref = reference.gr_opd_advantages(old.to(dtype), teacher.to(dtype), mask, **kw)
@@ -53,13 +58,8 @@ def test_advantages_discount_spans_time_blocks(dtype, device):
 
     m, T = 16, 300
     assert group_tile(T, m)[1] < T
-    _, old, teacher, mask = gr_opd_case(m, T, seed=8)
-    kw = dict(EXACT, group_size=m, gamma=math.exp(-2.0 ** -7), feedback_clip=0.75)
-    fused = rlfuse.gr_opd_advantages(old.to(dtype).to(device), teacher.to(dtype).to(device),
-                                     mask.to(device), **kw)
-    ref = reference.gr_opd_advantages(old.to(dtype), teacher.to(dtype), mask, **kw)
-    ref64 = reference.gr_opd_advantages(old, teacher, mask, **kw)
-    assert_three_way(fused.cpu(), ref, ref64, "advantages")
+    check_advantages(m, T, dtype, device, seed=8, **dict(EXACT, group_size=m,
+                     gamma=math.exp(-2.0 ** -7), feedback_clip=0.75))
 
 
 def test_advantages_identical_scores(device):
