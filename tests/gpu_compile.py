@@ -41,6 +41,8 @@ import rlfuse  # noqa: E402
 import rlfuse._dispatch  # noqa: E402
 from rlfuse.kernels import ggpo, gppo, gr_opd, logprobs, surrogate, utils  # noqa: E402
 
+KERNEL_MODULES = (ggpo, gppo, gr_opd, logprobs, surrogate, utils)
+
 
 class CompileOnlyDriver:
     """What ``JITFunction.run`` asks of the active driver, for a GPU that is not there."""
@@ -113,7 +115,6 @@ def _drive():
                 if entropy:
                     lp, ent = out
                     (lp.sum() + ent.sum()).backward()
-                    x.grad = None
                     lp, ent = rlfuse.token_logprobs(x, targets, return_entropy=True)
                     lp.sum().backward()
                 else:
@@ -172,14 +173,13 @@ def main(argv=None) -> int:
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
     JITFunction.run = _compile_only(JITFunction.run)
     rlfuse._dispatch.INTERPRET = True          # CPU tensors take the kernel path
-    for module in (ggpo, gppo, gr_opd, logprobs, surrogate, utils):
+    for module in KERNEL_MODULES:
         if hasattr(module, "empty"):
             module.empty = _zeros
 
     t0 = time.monotonic()
     _drive()
-    kernels = {obj.fn.__name__ for module in (ggpo, gppo, gr_opd, logprobs, surrogate)
-               for obj in vars(module).values()
+    kernels = {obj.fn.__name__ for module in KERNEL_MODULES for obj in vars(module).values()
                if isinstance(obj, JITFunction) and obj.fn.__name__.endswith("_kernel")}
     for name in sorted(kernels - {name for name, _ in COMPILED} - {name for name, _ in FAILED}):
         FAILED.append((name, "never launched by the drive: add a call that reaches it"))
