@@ -143,6 +143,9 @@ class Op:
     floor: Dict[str, Tuple[int, int, int]]
     liger: Optional[Callable] = None      # (liger module, x) -> output(s), grads to logits_full
     liger_modes: Tuple[str, ...] = MODES
+    # The single pass from logits writes dlogits in its forward and hands that buffer out in
+    # ONE backward: its bwd alone cannot be repeated over one graph (and is almost free).
+    fused_modes: Tuple[str, ...] = MODES
 
     def bytes(self, shape: Shape, mode: str) -> int:
         reads, writes, per_token = self.floor[mode]
@@ -239,9 +242,11 @@ def _ops():
     for from_logits in (False, True):
         for loss, call in _LOSSES.items():
             name = loss + ("_logits" if from_logits else "")
+            single_pass = from_logits and loss in liger
             ops.append(Op(name, from_logits, functools.partial(_run_loss, call, from_logits),
                           _FLOORS[name],
-                          liger=liger.get(loss) if from_logits else None))
+                          liger=liger.get(loss) if from_logits else None,
+                          fused_modes=("fwd", "fwd+bwd") if single_pass else MODES))
     return {op.name: op for op in ops}
 
 
@@ -283,7 +288,7 @@ def load_impl(name: str):
 
 
 def modes_for(op: Op, impl: str) -> Tuple[str, ...]:
-    return op.liger_modes if impl == "liger" else MODES
+    return {"liger": op.liger_modes, "fused": op.fused_modes}.get(impl, MODES)
 
 
 def forward_fn(op: Op, impl: str, lib, x) -> Optional[Callable]:

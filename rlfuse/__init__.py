@@ -3,7 +3,8 @@ from . import reference
 from ._dispatch import use_kernels
 from ._types import Logits, LossOutput
 from .fused_losses import (GGPOLoss, GPPOLoss, GROPDLoss, ggpo_loss, gppo_bounds, gppo_loss,
-                           gr_opd_advantages, gr_opd_loss, group_advantages, token_logprobs)
+                           gr_opd_advantages, gr_opd_loss, token_logprobs)
+from .reference import group_advantages  # plain torch on [B]-sized data: one implementation
 
 __all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "Logits", "LossOutput", "ggpo_loss", "gppo_bounds",
            "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages", "reference",

@@ -1,4 +1,4 @@
-"""Argument checks shared by the fused and the reference paths.
+"""The building blocks of the argument checks (``_contract`` assembles them per function).
 
 Every check reads only ``[B, T]``-sized data (never the logits' values) and raises a
 ``ValueError`` / ``TypeError`` that names the argument and what was expected.
@@ -6,11 +6,10 @@ Every check reads only ``[B, T]``-sized data (never the logits' values) and rais
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ._types import Logits, compute_dtype
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -88,30 +87,6 @@ def check_choice(name: str, value, choices: Sequence[str]) -> str:
     return value
 
 
-def check_logprob_args(logits, targets, temperature, mask,
-                       validate: bool = True) -> Optional[torch.Tensor]:
-    """Checks the arguments of ``token_logprobs``; returns the mask as bool (or None). Without
-    ``validate`` the values (0/1 mask, target range: one host sync) are not checked."""
-    check_logits(logits)
-    check_positive("temperature", temperature)
-    shape = tuple(logits.shape[:-1])
-    if mask is not None:
-        if validate:
-            mask = check_mask(mask, shape, logits.device)
-        else:
-            check_tensor("mask", mask, shape=shape, device=logits.device)
-            mask = mask if mask.dtype == torch.bool else mask != 0
-    if validate:
-        check_targets(targets, shape, logits.shape[-1], logits.device, mask)
-    else:
-        check_tensor("targets", targets, shape=shape, device=logits.device, floating=False)
-    return mask
-
-
-# --------------------------------------------------------------------------------------------
-# Checks shared by the losses (GGPO, GPPO, GR-OPD)
-# --------------------------------------------------------------------------------------------
-
 def check_number(name: str, value) -> float:
     """A real number (finite or not); returns it as a Python float."""
     if isinstance(value, (bool, str, bytes)):
@@ -168,35 +143,6 @@ def check_actor_tokens(mask: torch.Tensor, group_size: int, *, what: str) -> Non
                          f"at least one mask=True position")
 
 
-class PolicyInfo(NamedTuple):
-    """What the losses need to know about ``policy`` before computing its log-probs."""
-
-    shape: Tuple[int, int]       # (B, T)
-    device: torch.device
-    compute_dtype: torch.dtype   # fp64 for fp64 inputs, fp32 otherwise
-
-
-def check_policy(policy) -> PolicyInfo:
-    """A policy is learner log-probs ``[B, T]`` (floating tensor) or :class:`rlfuse.Logits` with
-    ``[B, T, V]`` logits. Only metadata is read here; the targets are checked by the log-prob op."""
-    if isinstance(policy, Logits):
-        check_logits(policy.logits)
-        if policy.logits.dim() != 3:
-            raise ValueError(f"policy.logits: expected shape [B, T, V], got "
-                             f"{tuple(policy.logits.shape)}")
-        shape, device, dtype = policy.logits.shape[:2], policy.logits.device, policy.logits.dtype
-    elif isinstance(policy, torch.Tensor):
-        check_tensor("policy", policy, floating=True)
-        if policy.dim() != 2:
-            raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or "
-                             f"rlfuse.Logits), got shape {tuple(policy.shape)}")
-        shape, device, dtype = policy.shape, policy.device, policy.dtype
-    else:
-        raise TypeError(f"policy: expected a [B, T] tensor of log-probs or rlfuse.Logits, "
-                        f"got {type(policy).__name__}")
-    return PolicyInfo(tuple(shape), device, compute_dtype(dtype))
-
-
 def check_token_tensors(mask, tensors: Mapping[str, torch.Tensor], *, shape: Sequence[int],
                         device: torch.device, validate: bool = True) -> torch.Tensor:
     """Checks ``mask`` and the ``[B, T]`` float ``tensors`` (name -> tensor) that go with it;
@@ -224,14 +170,3 @@ def check_sequence_tensor(name: str, x, *, batch: int, device: torch.device,
     check_tensor(name, x, shape=(batch,), device=device, floating=True)
     if validate:
         check_finite(name, x)
-
-
-def check_logits_targets(policy, mask: torch.Tensor, validate: bool) -> None:
-    """The targets of a ``Logits`` policy: integer ``[B, T]``; in range where unmasked."""
-    if isinstance(policy, Logits):
-        check_positive("policy.temperature", policy.temperature)
-        if validate:
-            check_targets(policy.targets, mask.shape, policy.logits.shape[-1], mask.device, mask)
-        else:
-            check_tensor("targets", policy.targets, shape=mask.shape, device=mask.device,
-                         floating=False)

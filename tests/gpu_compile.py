@@ -39,6 +39,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import rlfuse  # noqa: E402
 import rlfuse._dispatch  # noqa: E402
+from rlfuse._contract import GEOMETRIES, TOPOLOGIES  # noqa: E402
 from rlfuse.kernels import ggpo, gppo, gr_opd, logprobs, surrogate, utils  # noqa: E402
 
 KERNEL_MODULES = (ggpo, gppo, gr_opd, logprobs, surrogate, utils)
@@ -127,8 +128,8 @@ def _drive():
                                       beta=0.5, clip_radius=clip).loss)
         backward(rlfuse.gr_opd_loss(lp, old.to(dtype), teacher.to(dtype), mask,
                                     group_size=m).loss)
-        for geometry in gppo.GEOMETRIES:
-            for topology in gppo.TOPOLOGIES:
+        for geometry in GEOMETRIES:
+            for topology in TOPOLOGIES:
                 rlfuse.gppo_bounds(old.to(dtype), geometry=geometry, topology=topology,
                                    delta=0.1)
                 if dtype == torch.float32:
@@ -145,8 +146,8 @@ def _drive():
         with torch.no_grad():
             rlfuse.gppo_loss(policy, old, adv_seq, mask)
     x = logits_of(torch.bfloat16)
-    for geometry in gppo.GEOMETRIES:
-        for topology in gppo.TOPOLOGIES:
+    for geometry in GEOMETRIES:
+        for topology in TOPOLOGIES:
             backward(rlfuse.gppo_loss(rlfuse.Logits(x, targets), old, adv_seq, mask,
                                       geometry=geometry, topology=topology, delta=0.1).loss)
 

@@ -6,7 +6,7 @@ import torch
 
 import rlfuse
 from rlfuse import reference
-from rlfuse.reference.gppo import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
+from rlfuse._contract import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
 
 from conftest import fp32_exact
 from loss_harness import check_three_way, constexpr_params, run_loss, token_inputs, with_garbage

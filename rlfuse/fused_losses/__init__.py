@@ -1,10 +1,9 @@
-"""Autograd Functions and the functional API over the kernels."""
-from .ggpo import GGPOFunction, GGPOLoss, ggpo_loss
-from .gppo import GPPOLoss, gppo_bounds, gppo_loss, group_advantages
+"""The custom ops (``torch.ops.rlfuse.*``) over the kernels, their autograd formulas, the
+functional API and nn.Modules."""
+from .ggpo import GGPOLoss, ggpo_loss
+from .gppo import GPPOLoss, gppo_bounds, gppo_loss
 from .gr_opd import GROPDLoss, gr_opd_advantages, gr_opd_loss
-from .logprobs import TokenLogprobsFunction, token_logprobs
-from .surrogate import SurrogateFunction, SurrogateLogitsFunction
+from .logprobs import token_logprobs
 
-__all__ = ["GGPOFunction", "GGPOLoss", "GPPOLoss", "GROPDLoss", "SurrogateFunction",
-           "SurrogateLogitsFunction", "TokenLogprobsFunction", "ggpo_loss", "gppo_bounds",
-           "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages", "token_logprobs"]
+__all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "ggpo_loss", "gppo_bounds", "gppo_loss",
+           "gr_opd_advantages", "gr_opd_loss", "token_logprobs"]

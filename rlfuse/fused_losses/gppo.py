@@ -1,94 +1,67 @@
-"""Fused GPPO: trust-region bounds, the loss (from log-probs or in one pass from logits), the
-functional API and nn.Module."""
+"""Fused GPPO: the bounds op, the loss (from log-probs or in one pass from logits) and the
+nn.Module."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._dispatch import use_kernels
-from .._types import LossOutput
-from .._validation import check_policy, check_tensor
-from ..reference.gppo import check_gppo_args, check_region, group_advantages
-from .surrogate import row_scales, surrogate_loss
+from .._contract import aggregation_weights, check_bounds_args, check_gppo_args
+from .._dispatch import falls_back_to
+from .._types import LossOutput, compute_dtype
+from .surrogate import surrogate_loss
 
 
-def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str, delta: float):
-    """Per-token trust region ``(lo, hi)`` of GPPO, from the kernels' own device function.
-
-    Same definition as ``rlfuse.reference.gppo_bounds``: ``mu = exp(old_logprobs)`` clamped to
-    ``[1e-6, 1 - 1e-6]``, the 15 cells of SPEC 4.2 computed in fp64, returned in fp32 (fp64 for
-    fp64 input); ``hi`` may be ``inf`` (kl mc/atomic).
-    """
-    check_tensor("old_logprobs", old_logprobs, floating=True)
-    delta = check_region(geometry, topology, delta)
-    if not use_kernels(old_logprobs.device):
-        return reference.gppo_bounds(old_logprobs, geometry=geometry, topology=topology,
-                                     delta=delta)
+@torch.library.custom_op("rlfuse::gppo_bounds", mutates_args=())
+def gppo_bounds_op(old_logprobs: Tensor, geometry: str, topology: str,
+                   delta: float) -> Tuple[Tensor, Tensor]:
     from ..kernels.gppo import gppo_bounds_kernel
 
-    return gppo_bounds_kernel(old_logprobs.detach(), geometry, topology, delta)
+    return gppo_bounds_kernel(old_logprobs, geometry, topology, delta)
 
 
-def surrogate_metrics(totals: torch.Tensor, tokens: torch.Tensor):
-    from ..kernels import surrogate as k
+@gppo_bounds_op.register_fake
+def _(old_logprobs, geometry, topology, delta):
+    out = compute_dtype(old_logprobs.dtype)
+    return (old_logprobs.new_empty(old_logprobs.shape, dtype=out),
+            old_logprobs.new_empty(old_logprobs.shape, dtype=out))
 
+
+@falls_back_to(reference.gppo_bounds)
+def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str,
+                delta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    delta = check_bounds_args(old_logprobs, geometry, topology, delta)
+    return gppo_bounds_op(old_logprobs.detach(), geometry, topology, delta)
+
+
+def surrogate_metrics(totals, tokens: Tensor):
+    """GPPO's metrics from the surrogate's column totals."""
     tokens = tokens.clamp_min(1)
     return {
-        "clip_frac_low": totals[k.SUM_CLIP_LOW] / tokens,
-        "clip_frac_high": totals[k.SUM_CLIP_HIGH] / tokens,
-        "ratio_mean": totals[k.SUM_RATIO] / tokens,
-        "approx_kl": totals[k.SUM_NEG_LOG_RATIO] / tokens,
+        "clip_frac_low": totals["clip_low"] / tokens,
+        "clip_frac_high": totals["clip_high"] / tokens,
+        "ratio_mean": totals["ratio"] / tokens,
+        "approx_kl": totals["neg_log_ratio"] / tokens,
+        "overflow": (totals["overflow"] > 0).to(tokens.dtype),
     }
 
 
+@falls_back_to(reference.gppo_loss)
 def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               *, geometry: str = "chi2", topology: str = "atomic", delta: float = 0.04,
               agg: str = "token-mean", num_tokens: Optional[float] = None,
               num_sequences: Optional[float] = None, validate: bool = True) -> LossOutput:
-    """GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust region.
-
-    Args:
-        policy: learner log-probs ``[B, T]`` (requires grad) or ``rlfuse.Logits``.
-        old_logprobs: ``[B, T]`` behavior-policy log-probs (detached).
-        advantages: ``[B]`` (per sequence) or ``[B, T]`` (per token).
-        mask: ``[B, T]`` bool (or 0/1): the response tokens.
-        geometry: ``tv``, ``chi2``, ``hellinger``, ``kl`` or ``two_sided_log``.
-        topology: ``mc``, ``atomic`` or ``binary``.
-        delta: region size ``> 0`` (a runtime kernel argument).
-        agg: ``token-mean`` (default), ``seq-mean-token-mean``, ``seq-mean-token-sum``,
-            ``seq-mean-token-sum-norm`` (verl's names and divisors).
-        num_tokens, num_sequences: global counts for gradient accumulation / data parallelism
-            (default: the local ones).
-        validate: check values of the ``[B, T]`` inputs (shapes are always checked).
-
-    Per token ``r = exp(lp - old_lp)``, ``[l, u] = gppo_bounds(old_lp)``,
-    ``J = min(r A, clip(r, l, u) A)``, loss ``= -agg(J)``; the branch is chosen in log space and
-    only the selected one exponentiated. An unclipped ``r A`` that overflows raises
-    ``ValueError``. Metrics: ``clip_frac_low``, ``clip_frac_high``, ``ratio_mean``,
-    ``approx_kl``. See ``rlfuse.reference.gppo_loss`` for the full definition.
-
-    From log-probs: one forward and one backward kernel. From ``Logits``: one kernel that
-    computes the log-probs, the loss and ``dlogits`` in a single pass over the logits.
-    """
-    if not use_kernels(check_policy(policy).device):
-        return reference.gppo_loss(policy, old_logprobs, advantages, mask, geometry=geometry,
-                                   topology=topology, delta=delta, agg=agg,
-                                   num_tokens=num_tokens, num_sequences=num_sequences,
-                                   validate=validate)
     info, mask, delta, num_tokens, num_sequences = check_gppo_args(
         policy, old_logprobs, advantages, mask, geometry=geometry, topology=topology, delta=delta,
         agg=agg, num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
-
-    from ..kernels.gppo import GEOMETRY_CODE, TOPOLOGY_CODE
-
-    scale = row_scales(mask, agg, info.compute_dtype, num_tokens=num_tokens,
-                       num_sequences=num_sequences)
-    loss, totals = surrogate_loss(policy, old_logprobs.detach(), advantages.detach(), mask, scale,
-                                  geometry_code=GEOMETRY_CODE[geometry],
-                                  topology_code=TOPOLOGY_CODE[topology], delta=delta)
-    return LossOutput(loss, surrogate_metrics(totals, mask.sum()))
+    weights = aggregation_weights(mask, agg, info.compute_dtype, num_tokens=num_tokens,
+                                  num_sequences=num_sequences)
+    loss, totals = surrogate_loss(policy, old_logprobs.detach(), advantages.detach(), mask,
+                                  weights, geometry=geometry, topology=topology, delta=delta,
+                                  validate=validate)
+    return LossOutput(loss, surrogate_metrics(totals, mask.sum().to(info.compute_dtype)))
 
 
 class GPPOLoss(torch.nn.Module):
@@ -106,6 +79,3 @@ class GPPOLoss(torch.nn.Module):
                          topology=self.topology, delta=self.delta, agg=self.agg,
                          num_tokens=num_tokens, num_sequences=num_sequences,
                          validate=self.validate)
-
-
-__all__ = ["GPPOLoss", "gppo_bounds", "gppo_loss", "group_advantages"]

@@ -1,17 +1,18 @@
-"""Fused per-token log-probs: autograd Function and functional API."""
+"""Fused per-token log-probs: the custom ops, their autograd formula and the functional API."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._dispatch import use_kernels
-from .._types import Logits
-from .._validation import check_logprob_args
+from .._contract import check_logprob_args
+from .._dispatch import falls_back_to
+from .._types import Logits, compute_dtype
 
 
-def as_rows(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor]):
+def as_rows(logits: Tensor, targets: Tensor, mask: Optional[Tensor]):
     """Views ``[N, V]`` inputs as ``[1, N, V]`` and makes ``stride(-1) == 1`` (the only layout
     requirement of the kernels; batch and time strides are passed as they are)."""
     if logits.dim() == 2:
@@ -22,75 +23,99 @@ def as_rows(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Te
     return logits, targets, mask
 
 
-class TokenLogprobsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, mask, temperature, return_entropy, inplace_backward):
-        from ..kernels.logprobs import token_logprobs_fwd
+def new_dlogits(logits: Tensor) -> Tensor:
+    """A fresh gradient buffer of the logits' shape and dtype (poisoned under test)."""
+    from ..kernels.utils import empty
 
-        logits3, targets3, mask3 = as_rows(logits, targets, mask)
-        logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, temperature,
-                                                return_entropy)
-        ctx.save_for_backward(logits, targets, mask, stats, entropy)
-        ctx.temperature = temperature
-        ctx.inplace_backward = inplace_backward
-        ctx.set_materialize_grads(False)
-        out_shape = targets.shape
-        if return_entropy:
-            return logp.view(out_shape), entropy.view(out_shape)
-        return logp.view(out_shape)
-
-    @staticmethod
-    def backward(ctx, dlogp, dentropy=None):
-        from ..kernels.logprobs import token_logprobs_bwd
-
-        logits, targets, mask, stats, entropy = ctx.saved_tensors
-        if dlogp is None and dentropy is None:
-            return (None,) * 6
-        logits3, targets3, mask3 = as_rows(logits, targets, mask)
-        if dlogp is None:
-            dlogp = torch.zeros(targets3.shape, dtype=stats.dtype, device=stats.device)
-        dlogits_out = logits3 if ctx.inplace_backward else None
-        dlogits = token_logprobs_bwd(logits3, targets3, mask3, ctx.temperature, stats,
-                                     None if dentropy is None else entropy,
-                                     dlogp.reshape(targets3.shape),
-                                     None if dentropy is None else dentropy.reshape(targets3.shape),
-                                     dlogits_out)
-        return dlogits.view(logits.shape), None, None, None, None, None
+    return empty(tuple(logits.shape), dtype=logits.dtype, device=logits.device)
 
 
+@torch.library.custom_op("rlfuse::token_logprobs", mutates_args=())
+def token_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tensor], temperature: float,
+                      with_entropy: bool, inplace_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(logp, entropy, stats)``: log-probs and entropy of the targets' shape (``entropy`` is
+    empty without ``with_entropy``) and the per-row statistics the backward needs."""
+    from ..kernels.logprobs import token_logprobs_fwd
+
+    logits3, targets3, mask3 = as_rows(logits, targets, mask)
+    logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, temperature, with_entropy)
+    entropy = entropy.view(targets.shape) if with_entropy else logp.new_empty(0)
+    return logp.view(targets.shape), entropy, stats
+
+
+@token_logprobs_op.register_fake
+def _(logits, targets, mask, temperature, with_entropy, inplace_backward):
+    from ..kernels.logprobs import STAT_COLUMNS
+
+    acc = compute_dtype(logits.dtype)
+    entropy_shape = targets.shape if with_entropy else (0,)
+    return (logits.new_empty(targets.shape, dtype=acc), logits.new_empty(entropy_shape, dtype=acc),
+            logits.new_empty((targets.numel(), len(STAT_COLUMNS)), dtype=acc))
+
+
+@torch.library.custom_op("rlfuse::logits_grad_", mutates_args=("dlogits",))
+def logits_grad_op(dlogits: Tensor, logits: Optional[Tensor], targets: Tensor,
+                   mask: Optional[Tensor], stats: Tensor, entropy: Optional[Tensor],
+                   dlogp: Tensor, dentropy: Optional[Tensor], temperature: float) -> None:
+    """Writes the gradient w.r.t. the logits ``[B, T, V]`` into ``dlogits`` from the upstream
+    ``dlogp`` / ``dentropy`` ``[B, T]``; ``logits=None``: they are read from ``dlogits`` itself
+    (the in-place backward)."""
+    from ..kernels.logprobs import token_logprobs_bwd
+
+    token_logprobs_bwd(dlogits if logits is None else logits, targets, mask, temperature, stats,
+                       entropy, dlogp, dentropy, dlogits)
+
+
+@logits_grad_op.register_fake
+def _(dlogits, logits, targets, mask, stats, entropy, dlogp, dentropy, temperature):
+    return None
+
+
+def logits_backward(logits: Tensor, targets: Tensor, mask: Optional[Tensor], stats: Tensor,
+                    entropy: Optional[Tensor], dlogp: Tensor, dentropy: Optional[Tensor],
+                    temperature: float, inplace: bool) -> Tensor:
+    """The gradient w.r.t. ``logits`` (``[B, T, V]`` or ``[N, V]``), written into a new buffer
+    or, ``inplace``, into the logits' own."""
+    logits3, targets3, mask3 = as_rows(logits, targets, mask)
+    dlogits = logits3 if inplace else new_dlogits(logits3)
+    logits_grad_op(dlogits, None if inplace else logits3, targets3, mask3, stats, entropy,
+                   dlogp.reshape(targets3.shape),
+                   None if dentropy is None else dentropy.reshape(targets3.shape), temperature)
+    return dlogits.view(logits.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, targets, mask, temperature, with_entropy, inplace_backward = inputs
+    _, entropy, stats = output
+    ctx.save_for_backward(logits, targets, mask, stats, entropy if with_entropy else None)
+    ctx.temperature, ctx.inplace = temperature, inplace_backward
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dlogp, dentropy, _dstats):
+    logits, targets, mask, stats, entropy = ctx.saved_tensors
+    if dlogp is None and dentropy is None:
+        return (None,) * 6
+    if dlogp is None:
+        dlogp = torch.zeros(targets.shape, dtype=stats.dtype, device=stats.device)
+    dlogits = logits_backward(logits, targets, mask, stats,
+                              None if dentropy is None else entropy, dlogp, dentropy,
+                              ctx.temperature, ctx.inplace)
+    return dlogits, None, None, None, None, None
+
+
+token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@falls_back_to(reference.token_logprobs)
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                    return_entropy: bool = False, inplace_backward: bool = False,
                    mask: Optional[torch.Tensor] = None, validate: bool = True):
-    """Per-token log-probs of ``targets`` under ``softmax(logits / temperature)``, fused.
-
-    Args:
-        logits: ``[B, T, V]`` or ``[N, V]``, bf16/fp16/fp32/fp64; any batch and time strides
-            (``logits[:, :-1]`` is used without a copy).
-        targets: integer ids ``[B, T]`` / ``[N]``; unmasked ones must lie in ``[0, V)``.
-        temperature: log-probs are ``log_softmax(logits / temperature)``; must be > 0.
-        return_entropy: also return the entropy ``lse - sum_v p_v z_v`` of each position.
-        inplace_backward: write the gradient w.r.t. the logits into the logits' own buffer (saves
-            a logits-sized allocation; only safe when nothing else needs the logits afterwards).
-        mask: optional ``[B, T]`` / ``[N]`` bool (or 0/1); masked positions get log-prob 0,
-            entropy 0 and zero gradient, and their targets are never read.
-        validate: check the mask holds 0/1 and the unmasked targets lie in ``[0, V)`` (reads
-            ``[B, T]`` data, one host sync); without it an out-of-range target gives NaN, never
-            an out-of-bounds read.
-
-    Returns:
-        ``logp`` (fp32; fp64 for fp64 logits), or ``(logp, entropy)``.
-
-    The forward reads the logits once and saves two fp32 numbers per position (the row max and
-    the log-sum of the shifted exponentials, whose sum is the logsumexp); the backward reads the
-    logits once more and writes the gradient once.
-    """
-    if not use_kernels(logits.device):
-        return reference.token_logprobs(logits, targets, temperature=temperature,
-                                        return_entropy=return_entropy, mask=mask,
-                                        validate=validate)
     mask = check_logprob_args(logits, targets, temperature, mask, validate)
-    return TokenLogprobsFunction.apply(logits, targets, mask, float(temperature),
-                                       bool(return_entropy), bool(inplace_backward))
+    logp, entropy, _ = token_logprobs_op(logits, targets, mask, float(temperature),
+                                         bool(return_entropy), bool(inplace_backward))
+    return (logp, entropy) if return_entropy else logp
 
 
 def policy_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
@@ -98,7 +123,8 @@ def policy_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
     arguments the loss has already checked); the loss's gradient reaches the logits through one
     backward pass over them."""
     if isinstance(policy, Logits):
-        return TokenLogprobsFunction.apply(policy.logits, policy.targets, mask,
-                                           float(policy.temperature), False,
-                                           bool(policy.inplace_backward))
+        logp, _, _ = token_logprobs_op(policy.logits, policy.targets, mask,
+                                       float(policy.temperature), False,
+                                       bool(policy.inplace_backward))
+        return logp
     return policy

@@ -1,106 +1,187 @@
-"""Autograd Functions of the clipped surrogate shared by GPPO and GR-OPD, and the aggregation
-weights they share with the reference."""
+"""The clipped surrogate shared by GPPO and GR-OPD: custom ops, autograd formulas, metrics.
+
+Three ops: the forward and backward from learner log-probs ``[B, T]``, and the single pass from
+logits that writes ``dlogits`` in the forward (for an upstream gradient of 1). The single pass's
+backward rescales that buffer in place by the upstream gradient, read on the device: no host
+sync, and no pass over it when the gradient is 1. fp16 logits take the two-pass path instead
+(log-probs, then the surrogate; the backward forms ``dlogits`` from the logits at the true
+upstream scale), since a gradient rounded to fp16 at scale 1 would lose what a loss scaler's
+2^16 is meant to keep.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Tuple
 
 import torch
+from torch import Tensor
 
+from .._contract import raise_on_overflow
 from .._types import Logits
-from .logprobs import as_rows
+from .logprobs import as_rows, policy_logprobs
 
 
-def row_scales(mask: torch.Tensor, agg: str, dtype: torch.dtype, *,
-               num_tokens: Optional[float] = None,
-               num_sequences: Optional[float] = None) -> torch.Tensor:
-    """The loss weight of every token of each row ``[B]``: the aggregation ``agg`` (verl's
-    names) as ``loss = -sum_bt M_bt J_bt scale_b``; see ``rlfuse.reference.gppo_loss``."""
-    B, T = mask.shape
-    tokens = mask.sum(-1, dtype=dtype)
-    n_seq = float(num_sequences) if num_sequences is not None else max(B, 1)
-    if agg == "token-mean":
-        n_tok = tokens.sum().clamp_min(1) if num_tokens is None else float(num_tokens)
-        return (torch.ones_like(tokens) / n_tok)
-    if agg == "seq-mean-token-mean":
-        return 1.0 / (tokens.clamp_min(1) * n_seq)
-    if agg == "seq-mean-token-sum":
-        return torch.full_like(tokens, 1.0 / n_seq)
-    return torch.full_like(tokens, 1.0 / (T * n_seq))  # seq-mean-token-sum-norm
+def _column(sums: Tensor, name: str) -> Tensor:
+    from ..kernels.surrogate import SUM_COLUMNS
+
+    return sums[..., SUM_COLUMNS.index(name)]
 
 
-def _raise_on_overflow(sums: torch.Tensor, column: int) -> None:
-    # One host sync: the only way to refuse an inf/NaN loss rather than return it.
-    n = int(sums[..., column].sum().item())
-    if n:
-        raise ValueError(
-            f"policy: the unclipped surrogate r*A overflows the compute dtype at {n} actor "
-            f"token(s) (log-ratio lp - old_lp too large); the importance ratio is not "
-            f"representable, refusing to return inf/NaN")
+def _sums_shape(rows) -> Tuple:
+    from ..kernels.surrogate import SUM_COLUMNS
+
+    return (rows, len(SUM_COLUMNS))
 
 
-class SurrogateFunction(torch.autograd.Function):
-    """``(loss, sums [B, N_SUM_COLS])`` from learner log-probs ``lp [B, T]``."""
+# --------------------------------------------------------------------------------------------
+# From log-probs
+# --------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def forward(ctx, lp, old_lp, adv, mask, row_scale, geometry_code, topology_code, delta):
-        from ..kernels import surrogate as k
+@torch.library.custom_op("rlfuse::surrogate", mutates_args=())
+def surrogate_op(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, row_scale: Tensor,
+                 geometry: str, topology: str, delta: float) -> Tuple[Tensor, Tensor]:
+    """``(loss, sums [B, SUM_COLUMNS])`` from learner log-probs ``lp [B, T]``; ``row_scale``: the
+    aggregation weight of each row's tokens."""
+    from ..kernels.surrogate import surrogate_fwd
 
-        region = dict(geometry_code=geometry_code, topology_code=topology_code, delta=delta)
-        sums = k.surrogate_fwd(lp.detach(), old_lp, adv, mask, row_scale, **region)
-        _raise_on_overflow(sums, k.SUM_OVERFLOW)
-        ctx.save_for_backward(lp.detach(), old_lp, adv, mask, row_scale)
-        ctx.region = region
-        ctx.mark_non_differentiable(sums)
-        return -sums[:, k.SUM_LOSS].sum(), sums
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_sums):
-        from ..kernels.surrogate import surrogate_bwd
-
-        lp, old_lp, adv, mask, row_scale = ctx.saved_tensors
-        dlp = surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad_loss.to(row_scale.dtype),
-                            **ctx.region)
-        return dlp, None, None, None, None, None, None, None
+    sums = surrogate_fwd(lp, old_lp, adv, mask, row_scale, geometry=geometry, topology=topology,
+                         delta=delta)
+    return -_column(sums, "loss").sum(), sums
 
 
-class SurrogateLogitsFunction(torch.autograd.Function):
-    """``(loss, sums [B*T, N_SUM_COLS])`` straight from logits, in one pass that also writes
-    ``dlogits`` (kept until the backward, or written into the logits when ``inplace``)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, mask, old_lp, adv, row_scale, temperature, geometry_code,
-                topology_code, delta, inplace):
-        from ..kernels import surrogate as k
-
-        logits3, targets3, mask3 = as_rows(logits, targets, mask)
-        write = ctx.needs_input_grad[0]
-        dlogits, sums = k.surrogate_logits(
-            logits3.detach(), targets3, mask3, old_lp, adv, row_scale, temperature=temperature,
-            geometry_code=geometry_code, topology_code=topology_code, delta=delta,
-            write_dlogits=write, dlogits=logits3.detach() if inplace and write else None)
-        _raise_on_overflow(sums, k.SUM_OVERFLOW)
-        ctx.save_for_backward(dlogits)
-        ctx.logits_shape = logits.shape
-        ctx.mark_non_differentiable(sums)
-        return -sums[:, k.SUM_LOSS].sum(), sums
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_sums):
-        (dlogits,) = ctx.saved_tensors
-        # dlogits was written for an upstream gradient of 1; rescaling costs one more pass.
-        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
-            dlogits.mul_(grad_loss)
-        return (dlogits.view(ctx.logits_shape),) + (None,) * 10
+@surrogate_op.register_fake
+def _(lp, old_lp, adv, mask, row_scale, geometry, topology, delta):
+    return row_scale.new_empty(()), row_scale.new_empty(_sums_shape(lp.shape[0]))
 
 
-def surrogate_loss(policy, old_lp, adv, mask, row_scale, *, geometry_code, topology_code,
-                   delta):
-    """``(loss, column totals [N_SUM_COLS])`` of the clipped surrogate for either policy form."""
-    region = (geometry_code, topology_code, float(delta))
-    if isinstance(policy, Logits):
-        loss, sums = SurrogateLogitsFunction.apply(
-            policy.logits, policy.targets, mask, old_lp, adv, row_scale,
-            float(policy.temperature), *region, bool(policy.inplace_backward))
+@torch.library.custom_op("rlfuse::surrogate_backward", mutates_args=())
+def surrogate_backward_op(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor,
+                          row_scale: Tensor, grad: Tensor, geometry: str, topology: str,
+                          delta: float) -> Tensor:
+    """``dlp [B, T]`` for the upstream gradient ``grad`` (0-dim, read on the device)."""
+    from ..kernels.surrogate import surrogate_bwd
+
+    return surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, geometry=geometry,
+                         topology=topology, delta=delta)
+
+
+@surrogate_backward_op.register_fake
+def _(lp, old_lp, adv, mask, row_scale, grad, geometry, topology, delta):
+    return torch.empty_like(lp, memory_format=torch.contiguous_format)
+
+
+def _surrogate_setup(ctx, inputs, output):
+    lp, old_lp, adv, mask, row_scale, geometry, topology, delta = inputs
+    ctx.save_for_backward(lp, old_lp, adv, mask, row_scale)
+    ctx.region = (geometry, topology, delta)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _surrogate_backward(ctx, grad_loss, _grad_sums):
+    lp, old_lp, adv, mask, row_scale = ctx.saved_tensors
+    dlp = surrogate_backward_op(lp, old_lp, adv, mask, row_scale, grad_loss.to(row_scale.dtype),
+                                *ctx.region)
+    return dlp, None, None, None, None, None, None, None
+
+
+surrogate_op.register_autograd(_surrogate_backward, setup_context=_surrogate_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# The single pass from logits
+# --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("rlfuse::surrogate_logits", mutates_args=())
+def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: Tensor, adv: Tensor,
+                        row_scale: Tensor, temperature: float, geometry: str, topology: str,
+                        delta: float, write_dlogits: bool,
+                        inplace: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(loss, sums [B*T, SUM_COLUMNS], dlogits)`` in one pass over ``logits [B, T, V]``.
+
+    ``dlogits`` (for an upstream gradient of 1) is a new ``[B, T, V]`` buffer, or empty: without
+    ``write_dlogits`` (the loss alone, one read of the logits) or ``inplace``, where it is
+    written into the logits' own buffer (``stride(-1) == 1`` required), which the op does not
+    return: an op's outputs never alias its inputs.
+    """
+    from ..kernels.surrogate import surrogate_logits
+
+    dlogits, sums = surrogate_logits(
+        logits, targets, mask, old_lp, adv, row_scale, temperature=temperature,
+        geometry=geometry, topology=topology, delta=delta, write_dlogits=write_dlogits,
+        dlogits=logits if inplace and write_dlogits else None)
+    if dlogits is None or inplace:
+        dlogits = logits.new_empty(0)
+    return -_column(sums, "loss").sum(), sums, dlogits
+
+
+@surrogate_logits_op.register_fake
+def _(logits, targets, mask, old_lp, adv, row_scale, temperature, geometry, topology, delta,
+      write_dlogits, inplace):
+    B, T, V = logits.shape
+    dlogits_shape = (B, T, V) if write_dlogits and not inplace else (0,)
+    return (row_scale.new_empty(()), row_scale.new_empty(_sums_shape(B * T)),
+            logits.new_empty(dlogits_shape))
+
+
+def _surrogate_logits_setup(ctx, inputs, output):
+    logits, mask, inplace = inputs[0], inputs[2], inputs[-1]
+    _, sums, dlogits = output
+    ctx.save_for_backward(logits if inplace else dlogits, mask)
+    ctx.mark_non_differentiable(sums, dlogits)
+    ctx.backward_done = False
+
+
+def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
+    if ctx.backward_done:
+        raise RuntimeError(
+            "rlfuse: a GPPO / GR-OPD loss from Logits writes its gradient in the forward and "
+            "hands that buffer out in the first backward; it cannot be backpropagated twice "
+            "(retain_graph=True). Compute the loss again for a second backward.")
+    ctx.backward_done = True
+    dlogits, mask = ctx.saved_tensors
+    scale_rows_op(dlogits, mask, grad_loss)
+    return (dlogits.view(dlogits.shape),) + (None,) * 11
+
+
+surrogate_logits_op.register_autograd(_surrogate_logits_backward,
+                                      setup_context=_surrogate_logits_setup)
+
+
+@torch.library.custom_op("rlfuse::scale_rows_", mutates_args=("x",))
+def scale_rows_op(x: Tensor, mask: Tensor, scale: Tensor) -> None:
+    """``x[b, t] *= scale`` at the actor rows of ``x [B, T, V]``, in place; ``scale`` (0-dim) is
+    read on the device, and a scale of 1 reads and writes nothing."""
+    from ..kernels.logprobs import scale_rows_
+
+    scale_rows_(x, mask, scale)
+
+
+@scale_rows_op.register_fake
+def _(x, mask, scale):
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Both policy forms
+# --------------------------------------------------------------------------------------------
+
+def surrogate_loss(policy, old_lp: Tensor, adv: Tensor, mask: Tensor, row_scale: Tensor, *,
+                   geometry: str, topology: str, delta: float,
+                   validate: bool) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """``(loss, {column: total})`` of the clipped surrogate for either policy form; with
+    ``validate`` an overflowing ``r A`` raises (one host sync)."""
+    region = (geometry, topology, float(delta))
+    if isinstance(policy, Logits) and policy.logits.dtype != torch.float16:
+        logits, targets, _ = as_rows(policy.logits, policy.targets, mask)
+        write = policy.logits.requires_grad and torch.is_grad_enabled()
+        inplace = bool(policy.inplace_backward) and logits is policy.logits
+        loss, sums, _ = surrogate_logits_op(logits, targets, mask, old_lp, adv, row_scale,
+                                            float(policy.temperature), *region, write, inplace)
     else:
-        loss, sums = SurrogateFunction.apply(policy, old_lp, adv, mask, row_scale, *region)
-    return loss, sums.sum(0)
+        loss, sums = surrogate_op(policy_logprobs(policy, mask), old_lp, adv, mask, row_scale,
+                                  *region)
+    from ..kernels.surrogate import SUM_COLUMNS
+
+    totals = dict(zip(SUM_COLUMNS, sums.sum(0).unbind()))
+    if validate:
+        raise_on_overflow(totals["overflow"], row_scale.dtype)
+    return loss, totals

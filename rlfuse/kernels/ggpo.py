@@ -24,11 +24,13 @@ import triton.language as tl
 
 from .._types import compute_dtype
 from .logprobs import mask_args
-from .utils import empty, group_tile, load_tile, time_block, tl_compute_dtype
+from .utils import constexpr_codes, empty, group_tile, load_tile, time_block, tl_compute_dtype
 
 # Columns of the per-group partial sums written by the forward kernel.
-GROUP_GAP, GROUP_LOSS, GROUP_QMAX, GROUP_TOKENS, GROUP_CLIPPED, GROUP_LOGRATIO = range(6)
-N_GROUP_COLS = 6
+GROUP_COLUMNS = ("gap", "loss", "q_max", "tokens", "clipped", "log_ratio")
+GROUP_GAP, GROUP_LOSS, GROUP_QMAX, GROUP_TOKENS, GROUP_CLIPPED, GROUP_LOGRATIO = \
+    constexpr_codes(GROUP_COLUMNS, *GROUP_COLUMNS)
+N_GROUP_COLS = tl.constexpr(len(GROUP_COLUMNS))
 
 
 @triton.jit
@@ -95,13 +97,13 @@ def _ggpo_fwd_kernel(
     else:
         # L = m sum_g J_g / (beta sqrt(m - 1) T_tok)
         loss_part = gap * m_f / tl.sqrt(m_f - 1.0)
-    out = group_ptr + group * 6  # the GROUP_* columns, in order
-    tl.store(out + 0, gap)
-    tl.store(out + 1, loss_part)
-    tl.store(out + 2, tl.max(tl.where(row_valid, q, 0.0), axis=0))
-    tl.store(out + 3, tl.sum(tokens, axis=0).to(ACC))
-    tl.store(out + 4, tl.sum(clipped, axis=0).to(ACC))
-    tl.store(out + 5, tl.sum(tl.where(row_valid, log_ratio, 0.0), axis=0))
+    out = group_ptr + group * N_GROUP_COLS
+    tl.store(out + GROUP_GAP, gap)
+    tl.store(out + GROUP_LOSS, loss_part)
+    tl.store(out + GROUP_QMAX, tl.max(tl.where(row_valid, q, 0.0), axis=0))
+    tl.store(out + GROUP_TOKENS, tl.sum(tokens, axis=0).to(ACC))
+    tl.store(out + GROUP_CLIPPED, tl.sum(clipped, axis=0).to(ACC))
+    tl.store(out + GROUP_LOGRATIO, tl.sum(tl.where(row_valid, log_ratio, 0.0), axis=0))
 
 
 @triton.jit
@@ -133,7 +135,7 @@ def ggpo_fwd(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, rewards
     acc = compute_dtype(lp.dtype)
     G = B // group_size
     coef = empty((B,), dtype=acc, device=lp.device)
-    group_sums = empty((G, N_GROUP_COLS), dtype=acc, device=lp.device)
+    group_sums = empty((G, len(GROUP_COLUMNS)), dtype=acc, device=lp.device)
     if G == 0:
         return coef, group_sums
     block_m, block_t = group_tile(T, group_size)

@@ -2,8 +2,8 @@
 topologies, computed in fp64 inside the kernels, plus an elementwise kernel that exports them.
 
 ``region_bounds`` is the one device function every kernel uses (bounds export, the losses from
-log-probs, the single-pass losses from logits). ``REGIONS`` also holds PPO's fixed
-``[1 - eps, 1 + eps]`` so that GR-OPD shares the same surrogate kernels.
+log-probs, the single-pass losses from logits). Its geometries also include PPO's fixed
+``[1 - eps, 1 + eps]`` (``ppo_clip``), so that GR-OPD shares the same surrogate kernels.
 """
 from __future__ import annotations
 
@@ -11,17 +11,23 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _contract
 from .._types import compute_dtype
-from .utils import empty
+from .utils import constexpr_codes, empty
 
-GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
-TOPOLOGIES = ("mc", "atomic", "binary")
-# Codes of the constexpr GEOMETRY argument: the five geometries, then PPO's fixed clip range.
-GEOMETRY_CODE = {name: i for i, name in enumerate(GEOMETRIES)}
-PPO_CLIP = len(GEOMETRIES)
-TOPOLOGY_CODE = {name: i for i, name in enumerate(TOPOLOGIES)}
+# The region names the kernels know: GPPO's geometries, then PPO's fixed clip range.
+REGION_GEOMETRIES = _contract.GEOMETRIES + ("ppo_clip",)
+TV, CHI2, HELLINGER, KL, TWO_SIDED_LOG, PPO_CLIP = constexpr_codes(
+    REGION_GEOMETRIES, "tv", "chi2", "hellinger", "kl", "two_sided_log", "ppo_clip")
+MC, ATOMIC, BINARY = constexpr_codes(_contract.TOPOLOGIES, "mc", "atomic", "binary")
 
-MU_MIN = tl.constexpr(1e-6)  # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
+
+def region_codes(geometry: str, topology: str):
+    """The (GEOMETRY, TOPOLOGY) constexpr codes of a region's names."""
+    return REGION_GEOMETRIES.index(geometry), _contract.TOPOLOGIES.index(topology)
+
+
+MU_MIN = tl.constexpr(_contract.MU_MIN)  # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
 # Iterations of the safeguarded Newton root find of the binary kl / two_sided_log cells: a step
 # that leaves the bracket (closed, so that a converged step p -> p stays) bisects instead.
 # Converges to fp64 resolution well within 48 on every case tested (mu in [1e-6, 1 - 1e-6],
@@ -87,23 +93,24 @@ def region_bounds(old_lp, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr)
     mc: D = f(r); atomic: D = mu f(r); binary: the f-divergence of Bernoulli(mu) vs
     Bernoulli(mu r). Closed forms as in SPEC 4.2 (w = delta for mc, delta / mu for atomic); the
     binary kl and two_sided_log cells by ``_binary_root_*``. Lower bounds clamp at 0. With
-    GEOMETRY == PPO_CLIP: the fixed range [1 - delta, 1 + delta].
+    GEOMETRY == PPO_CLIP: the fixed range [1 - delta, 1 + delta]. An unknown code fails to
+    compile.
     """
     delta = tl.zeros_like(old_lp.to(tl.float64)) + delta
     mu = tl.minimum(tl.maximum(tl.exp(old_lp.to(tl.float64)), MU_MIN), 1.0 - MU_MIN)
     one = tl.zeros_like(mu) + 1.0
-    if GEOMETRY == 5:  # PPO_CLIP
+    if GEOMETRY == PPO_CLIP:
         lo = one - delta
         hi = one + delta
-    elif TOPOLOGY == 2:  # binary
-        if GEOMETRY == 0:  # tv
+    elif TOPOLOGY == BINARY:
+        if GEOMETRY == TV:
             lo = one - delta / mu
             hi = tl.minimum(1.0 / mu, one + delta / mu)
-        elif GEOMETRY == 1:  # chi2 (the upper root passes the domain edge 1/mu when delta is large)
+        elif GEOMETRY == CHI2:  # the upper root passes the domain edge 1/mu when delta is large
             half = tl.sqrt(delta * (1.0 - mu) / mu)
             lo = one - half
             hi = tl.minimum(1.0 / mu, one + half)
-        elif GEOMETRY == 2:  # hellinger, without trigonometry: c = cos(theta), s = sin(theta)
+        elif GEOMETRY == HELLINGER:  # without trigonometry: c = cos(theta), s = sin(theta)
             c = tl.maximum(1.0 - delta / 2.0, -1.0)
             s = tl.sqrt(tl.maximum(1.0 - c * c, 0.0))
             a = tl.sqrt(mu)
@@ -115,30 +122,34 @@ def region_bounds(old_lp, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr)
         else:
             log_mu = tl.log(mu)
             log1m_mu = tl.log(1.0 - mu)
-            if GEOMETRY == 3:  # kl
+            if GEOMETRY == KL:
                 lo = _binary_root_lower(mu, log_mu, log1m_mu, delta, -1.0)
                 hi = _binary_root_upper(mu, log_mu, log1m_mu, delta, -1.0)
-            else:  # two_sided_log
+            else:
+                tl.static_assert(GEOMETRY == TWO_SIDED_LOG)
                 lo = _binary_root_lower(mu, log_mu, log1m_mu, delta, 1.0)
                 hi = _binary_root_upper(mu, log_mu, log1m_mu, delta, 1.0)
     else:
         w = delta
-        if TOPOLOGY == 1:  # atomic
+        if TOPOLOGY == ATOMIC:
             w = delta / mu
-        if GEOMETRY == 0:  # tv
+        else:
+            tl.static_assert(TOPOLOGY == MC)
+        if GEOMETRY == TV:
             lo = one - 2.0 * w
             hi = one + 2.0 * w
-        elif GEOMETRY == 1:  # chi2
+        elif GEOMETRY == CHI2:
             lo = one - tl.sqrt(w)
             hi = one + tl.sqrt(w)
-        elif GEOMETRY == 2:  # hellinger
+        elif GEOMETRY == HELLINGER:
             lo = tl.maximum(one - tl.sqrt(w), 0.0)
             lo = lo * lo
             hi = (one + tl.sqrt(w)) * (one + tl.sqrt(w))
-        elif GEOMETRY == 3:  # kl
+        elif GEOMETRY == KL:
             lo = tl.exp(-w)
             hi = one * float("inf")
-        else:  # two_sided_log
+        else:
+            tl.static_assert(GEOMETRY == TWO_SIDED_LOG)
             lo = tl.exp(-w)
             hi = tl.exp(w)
     return tl.maximum(lo, 0.0), hi
@@ -170,12 +181,13 @@ def gppo_bounds_kernel(old_lp: torch.Tensor, geometry: str, topology: str, delta
     lo = empty(flat.shape, dtype=out_dtype, device=old_lp.device)
     hi = empty(flat.shape, dtype=out_dtype, device=old_lp.device)
     n = flat.numel()
+    geometry_code, topology_code = region_codes(geometry, topology)
     if n:
         block = 1024
         _gppo_bounds_kernel[(triton.cdiv(n, block),)](
             flat, lo, hi,
             n,
             float(delta),
-            BLOCK=block, GEOMETRY=GEOMETRY_CODE[geometry], TOPOLOGY=TOPOLOGY_CODE[topology],
+            BLOCK=block, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         )
     return lo.view(old_lp.shape), hi.view(old_lp.shape)

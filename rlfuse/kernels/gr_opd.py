@@ -17,10 +17,12 @@ import triton.language as tl
 
 from .._types import compute_dtype
 from .logprobs import mask_args
-from .utils import empty, group_tile, load_tile, tl_compute_dtype
+from .utils import constexpr_codes, empty, group_tile, load_tile, tl_compute_dtype
 
-GROUP_FEEDBACK, GROUP_TOKENS = range(2)
-N_GROUP_COLS = 2
+# Columns of the per-group sums: clamped feedback and actor tokens (the feedback_mean metric).
+GROUP_COLUMNS = ("feedback", "tokens")
+GROUP_FEEDBACK, GROUP_TOKENS = constexpr_codes(GROUP_COLUMNS, *GROUP_COLUMNS)
+N_GROUP_COLS = tl.constexpr(len(GROUP_COLUMNS))
 
 
 @triton.jit
@@ -66,8 +68,8 @@ def _gr_opd_adv_kernel(
     adv = (centred + lam * mean) / (std + std_eps)
     adv = tl.minimum(tl.maximum(adv, -adv_clip), adv_clip)
     tl.store(adv_ptr + rows, adv, mask=row_valid)
-    tl.store(group_ptr + group * 2 + 0, tl.sum(feedback, axis=0))
-    tl.store(group_ptr + group * 2 + 1, tl.sum(seen, axis=0).to(ACC))
+    tl.store(group_ptr + group * N_GROUP_COLS + GROUP_FEEDBACK, tl.sum(feedback, axis=0))
+    tl.store(group_ptr + group * N_GROUP_COLS + GROUP_TOKENS, tl.sum(seen, axis=0).to(ACC))
 
 
 def gr_opd_advantages_kernel(old_lp: torch.Tensor, teacher_lp: torch.Tensor, mask: torch.Tensor, *,
@@ -78,7 +80,7 @@ def gr_opd_advantages_kernel(old_lp: torch.Tensor, teacher_lp: torch.Tensor, mas
     acc = compute_dtype(old_lp.dtype)
     G = B // group_size
     adv = empty((B,), dtype=acc, device=old_lp.device)
-    group_sums = empty((G, N_GROUP_COLS), dtype=acc, device=old_lp.device)
+    group_sums = empty((G, len(GROUP_COLUMNS)), dtype=acc, device=old_lp.device)
     if B == 0:
         return adv, group_sums
     block_m, block_t = group_tile(T, group_size)

@@ -18,7 +18,12 @@ import triton
 import triton.language as tl
 
 from .._types import compute_dtype
-from .utils import empty, tl_compute_dtype, vocab_launch_config
+from .utils import constexpr_codes, empty, tl_compute_dtype, vocab_launch_config
+
+# Columns of the per-row statistics the forward saves for the backward (lse = m + log s).
+STAT_COLUMNS = ("max", "log_sum")
+STAT_MAX, STAT_LOG_SUM = constexpr_codes(STAT_COLUMNS, *STAT_COLUMNS)
+N_STAT_COLS = tl.constexpr(len(STAT_COLUMNS))
 
 # A finite stand-in for -inf as the running max: keeps `m_old - m_new` finite when a whole block
 # of logits is -inf.
@@ -143,8 +148,8 @@ def _token_logprobs_fwd_kernel(
         m, log_s, entropy = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, WITH_ENTROPY, ACC)
         logp = (load_target_logit(row_ptr, y, V, inv_temp, ACC) - m) - log_s
     tl.store(logp_ptr + row, logp)
-    tl.store(stats_ptr + 2 * row, m)
-    tl.store(stats_ptr + 2 * row + 1, log_s)
+    tl.store(stats_ptr + N_STAT_COLS * row + STAT_MAX, m)
+    tl.store(stats_ptr + N_STAT_COLS * row + STAT_LOG_SUM, log_s)
     if WITH_ENTROPY:
         tl.store(entropy_ptr + row, entropy)
 
@@ -174,12 +179,37 @@ def _token_logprobs_bwd_kernel(
         if WITH_ENTROPY:
             h = tl.load(dentropy_ptr + row).to(ACC)
             entropy = tl.load(entropy_ptr + row).to(ACC)
-        m = tl.load(stats_ptr + 2 * row).to(ACC)
-        log_s = tl.load(stats_ptr + 2 * row + 1).to(ACC)
+        m = tl.load(stats_ptr + N_STAT_COLS * row + STAT_MAX).to(ACC)
+        log_s = tl.load(stats_ptr + N_STAT_COLS * row + STAT_LOG_SUM).to(ACC)
         row_write_dlogits(logits_ptr + b * stride_lb + t * stride_lt, drow_ptr, V, y, inv_temp,
                           m, log_s, entropy, g, h, BLOCK_V, WITH_ENTROPY, ACC)
     else:
         row_write_zeros(drow_ptr, V, BLOCK_V)
+
+
+@triton.jit
+def _scale_rows_kernel(
+    # pointers
+    x_ptr, mask_ptr, scale_ptr,  # [B, T, V] in and out, [B, T] uint8, 0-dim
+    # strides
+    stride_xb, stride_xt, stride_mb, stride_mt,
+    # sizes
+    T, V,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
+    # x[b, t] *= scale at actor rows, in the compute dtype; the scale is read on the device, and
+    # when it is 1 no row is read or written.
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    scale = tl.load(scale_ptr).to(ACC)
+    is_actor = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
+    if (scale != 1.0) & is_actor:
+        row_ptr = x_ptr + b * stride_xb + t * stride_xt
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + cols, mask=cols < V).to(ACC)
+            tl.store(row_ptr + cols, (x * scale).to(x_ptr.dtype.element_ty), mask=cols < V)
 
 
 def mask_args(mask: Optional[torch.Tensor]):
@@ -199,7 +229,7 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
     B, T, V = logits.shape
     acc = compute_dtype(logits.dtype)
     logp = empty((B, T), dtype=acc, device=logits.device)
-    stats = empty((B * T, 2), dtype=acc, device=logits.device)
+    stats = empty((B * T, len(STAT_COLUMNS)), dtype=acc, device=logits.device)
     entropy = empty((B, T), dtype=acc, device=logits.device) if with_entropy else None
     if B * T == 0:
         return logp, stats, entropy
@@ -246,3 +276,19 @@ def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
         ACC=tl_compute_dtype(logits.dtype), num_warps=num_warps,
     )
     return dlogits
+
+
+def scale_rows_(x: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor) -> None:
+    """Multiplies the actor rows of ``x [B, T, V]`` (``stride(-1) == 1``) by the 0-dim ``scale``
+    in place, without reading ``scale`` on the host: a scale of 1 costs no pass over ``x``."""
+    B, T, V = x.shape
+    if B * T == 0:
+        return
+    block_v, num_warps = vocab_launch_config(V, x.element_size())
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
+    _scale_rows_kernel[(B * T,)](
+        x, mask_u8, scale,
+        x.stride(0), x.stride(1), stride_mb, stride_mt,
+        T, V,
+        BLOCK_V=block_v, ACC=tl_compute_dtype(x.dtype), num_warps=num_warps,
+    )

@@ -21,14 +21,16 @@ import triton
 import triton.language as tl
 
 from .._types import compute_dtype
-from .gppo import region_bounds
+from .gppo import region_bounds, region_codes
 from .logprobs import (load_target_logit, mask_args, program_row, row_logsumexp,
                        row_write_dlogits, row_write_zeros)
-from .utils import empty, time_block, tl_compute_dtype, vocab_launch_config
+from .utils import constexpr_codes, empty, time_block, tl_compute_dtype, vocab_launch_config
 
 # Columns of the per-row (from log-probs) and per-token (from logits) partial sums.
-SUM_LOSS, SUM_CLIP_LOW, SUM_CLIP_HIGH, SUM_RATIO, SUM_NEG_LOG_RATIO, SUM_OVERFLOW = range(6)
-N_SUM_COLS = 6
+SUM_COLUMNS = ("loss", "clip_low", "clip_high", "ratio", "neg_log_ratio", "overflow")
+SUM_LOSS, SUM_CLIP_LOW, SUM_CLIP_HIGH, SUM_RATIO, SUM_NEG_LOG_RATIO, SUM_OVERFLOW = \
+    constexpr_codes(SUM_COLUMNS, *SUM_COLUMNS)
+N_SUM_COLS = tl.constexpr(len(SUM_COLUMNS))
 
 
 @triton.jit
@@ -81,13 +83,13 @@ def _surrogate_fwd_kernel(
         ratio += tl.where(actor, tl.exp(log_ratio), 0.0)
         neg_log_ratio -= log_ratio
         overflow += (actor & bad).to(ACC)
-    out = sums_ptr + b * 6  # the SUM_* columns, in order
-    tl.store(out + 0, tl.sum(loss, axis=0) * tl.load(row_scale_ptr + b).to(ACC))
-    tl.store(out + 1, tl.sum(clip_low, axis=0))
-    tl.store(out + 2, tl.sum(clip_high, axis=0))
-    tl.store(out + 3, tl.sum(ratio, axis=0))
-    tl.store(out + 4, tl.sum(neg_log_ratio, axis=0))
-    tl.store(out + 5, tl.sum(overflow, axis=0))
+    out = sums_ptr + b * N_SUM_COLS
+    tl.store(out + SUM_LOSS, tl.sum(loss, axis=0) * tl.load(row_scale_ptr + b).to(ACC))
+    tl.store(out + SUM_CLIP_LOW, tl.sum(clip_low, axis=0))
+    tl.store(out + SUM_CLIP_HIGH, tl.sum(clip_high, axis=0))
+    tl.store(out + SUM_RATIO, tl.sum(ratio, axis=0))
+    tl.store(out + SUM_NEG_LOG_RATIO, tl.sum(neg_log_ratio, axis=0))
+    tl.store(out + SUM_OVERFLOW, tl.sum(overflow, axis=0))
 
 
 @triton.jit
@@ -141,7 +143,7 @@ def _surrogate_logits_kernel(
     # gradient of 1; the autograd Function rescales otherwise).
     row, b, t, y, is_actor = program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt,
                                          stride_mb, stride_mt, True)
-    out = sums_ptr + row * 6  # the SUM_* columns, in order
+    out = sums_ptr + row * N_SUM_COLS
     if is_actor:
         row_ptr = logits_ptr + b * stride_lb + t * stride_lt
         m, log_s, _ = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, False, ACC)
@@ -156,16 +158,16 @@ def _surrogate_logits_kernel(
             row_write_dlogits(row_ptr, dlogits_ptr + b * stride_db + t * stride_dt, V, y,
                               inv_temp, m, log_s, 0.0, -row_scale * dj, 0.0, BLOCK_V, False,
                               ACC)
-        tl.store(out + 0, j * row_scale)
-        tl.store(out + 1, low.to(ACC))
-        tl.store(out + 2, high.to(ACC))
-        tl.store(out + 3, tl.exp(log_ratio))
-        tl.store(out + 4, -log_ratio)
-        tl.store(out + 5, bad.to(ACC))
+        tl.store(out + SUM_LOSS, j * row_scale)
+        tl.store(out + SUM_CLIP_LOW, low.to(ACC))
+        tl.store(out + SUM_CLIP_HIGH, high.to(ACC))
+        tl.store(out + SUM_RATIO, tl.exp(log_ratio))
+        tl.store(out + SUM_NEG_LOG_RATIO, -log_ratio)
+        tl.store(out + SUM_OVERFLOW, bad.to(ACC))
     else:
         if WRITE_DLOGITS:
             row_write_zeros(dlogits_ptr + b * stride_db + t * stride_dt, V, BLOCK_V)
-        for col in tl.static_range(6):
+        for col in tl.static_range(N_SUM_COLS):
             tl.store(out + col, tl.zeros((), ACC))
 
 
@@ -174,11 +176,13 @@ def _adv_strides(adv: torch.Tensor):
     return (adv.stride(0), 0) if adv.dim() == 1 else (adv.stride(0), adv.stride(1))
 
 
-def surrogate_fwd(lp, old_lp, adv, mask, row_scale, *, geometry_code, topology_code, delta):
-    """Per-row sums ``[B, N_SUM_COLS]`` (compute dtype) from learner log-probs ``lp [B, T]``."""
+def surrogate_fwd(lp, old_lp, adv, mask, row_scale, *, geometry, topology, delta):
+    """Per-row sums ``[B, N_SUM_COLS]`` (compute dtype) from learner log-probs ``lp [B, T]``;
+    ``geometry``: a name of ``gppo.REGION_GEOMETRIES``."""
     B, T = lp.shape
+    geometry_code, topology_code = region_codes(geometry, topology)
     acc = compute_dtype(lp.dtype)
-    sums = empty((B, N_SUM_COLS), dtype=acc, device=lp.device)
+    sums = empty((B, len(SUM_COLUMNS)), dtype=acc, device=lp.device)
     if B == 0:
         return sums
     mask_u8, stride_mb, stride_mt = mask_args(mask)
@@ -196,9 +200,10 @@ def surrogate_fwd(lp, old_lp, adv, mask, row_scale, *, geometry_code, topology_c
     return sums
 
 
-def surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, *, geometry_code, topology_code, delta):
+def surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, *, geometry, topology, delta):
     """``dlp [B, T]`` (dtype of ``lp``) for the upstream gradient ``grad`` (0-dim)."""
     B, T = lp.shape
+    geometry_code, topology_code = region_codes(geometry, topology)
     dlp = empty((B, T), dtype=lp.dtype, device=lp.device)
     if B * T == 0:
         return dlp
@@ -219,15 +224,16 @@ def surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, *, geometry_code, topo
 
 
 def surrogate_logits(logits, targets, mask, old_lp, adv, row_scale, *, temperature,
-                     geometry_code, topology_code, delta, write_dlogits=True, dlogits=None):
+                     geometry, topology, delta, write_dlogits=True, dlogits=None):
     """The single pass from ``logits [B, T, V]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])``
     with ``dlogits`` for an upstream gradient of 1, written into ``dlogits`` when given (None
     without ``write_dlogits``: the loss alone, one read of the logits)."""
     B, T, V = logits.shape
+    geometry_code, topology_code = region_codes(geometry, topology)
     acc = compute_dtype(logits.dtype)
     if dlogits is None and write_dlogits:
         dlogits = empty((B, T, V), dtype=logits.dtype, device=logits.device)
-    sums = empty((B * T, N_SUM_COLS), dtype=acc, device=logits.device)
+    sums = empty((B * T, len(SUM_COLUMNS)), dtype=acc, device=logits.device)
     if B * T == 0:
         return dlogits, sums
     block_v, num_warps = vocab_launch_config(V, logits.element_size())

@@ -1,5 +1,5 @@
-"""Launch helpers shared by every kernel module: interpreter detection, block-size table,
-output allocation."""
+"""Launch helpers shared by every kernel module: interpreter detection, named codes, block-size
+table, output allocation."""
 from __future__ import annotations
 
 import os
@@ -19,6 +19,13 @@ POISON_OUTPUTS = False
 # Vocabulary block per loop iteration, by logits element size: large enough to keep many loads in
 # flight, small enough that the fp32 working set of a block stays in registers.
 _MAX_BLOCK_V = {2: 8192, 4: 4096, 8: 2048}
+
+
+def constexpr_codes(names, *wanted):
+    """The codes (positions in ``names``) of the names ``wanted``, as ``tl.constexpr`` for the
+    kernels; launchers and kernels share them, so no code or column is a literal number. A name
+    missing from ``names`` fails at import."""
+    return tuple(tl.constexpr(names.index(name)) for name in wanted)
 
 
 def vocab_launch_config(vocab_size: int, element_size: int):

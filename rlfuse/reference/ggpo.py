@@ -2,54 +2,34 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
+from .._contract import check_ggpo_args, masked_mean
 from .._types import LossOutput
-from .._validation import (PolicyInfo, check_actor_tokens, check_group_size, check_logits_targets,
-                           check_policy, check_positive, check_sequence_tensor,
-                           check_token_tensors)
-from .gppo import masked_mean
 from .logprobs import policy_logprobs
-
-
-class GGPOArgs(NamedTuple):
-    info: PolicyInfo
-    mask: torch.Tensor             # bool
-    group_size: int
-    beta: float
-    clip_radius: Optional[float]
-    num_tokens: Optional[float]
-
-
-def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, clip_radius,
-                    num_tokens, validate) -> GGPOArgs:
-    """The checks of ``ggpo_loss`` (shared by the fused path); returns the normalised args."""
-    info = check_policy(policy)
-    batch, device = info.shape[0], info.device
-    mask = check_token_tensors(mask, {"ref_logprobs": ref_logprobs}, shape=info.shape,
-                               device=device, validate=validate)
-    check_sequence_tensor("rewards", rewards, batch=batch, device=device, validate=validate)
-    m = check_group_size(group_size, batch, minimum=2)
-    beta = check_positive("beta", beta)
-    rho = None if clip_radius is None else check_positive("clip_radius", clip_radius,
-                                                          allow_inf=True)
-    if num_tokens is not None:
-        num_tokens = check_positive("num_tokens", num_tokens)
-    check_logits_targets(policy, mask, validate)
-    if validate:
-        check_actor_tokens(mask, m, what="group")
-    return GGPOArgs(info, mask, m, beta, rho, num_tokens)
 
 
 def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, *,
               group_size: int, beta: float, clip_radius: Optional[float] = None,
               num_tokens: Optional[float] = None, validate: bool = True) -> LossOutput:
-    """GGPO loss over groups of ``group_size = m >= 2`` consecutive rows.
+    """GGPO: the stable Gibbs (log-mean-exp) gap of KL-adjusted rewards.
 
-    ``policy``: learner log-probs ``lp`` [B, T] (with grad) or ``rlfuse.Logits``;
-    ``ref_logprobs`` [B, T]: reference policy (detached); ``rewards`` [B]; ``beta > 0``.
+    Args:
+        policy: learner log-probs ``[B, T]`` (requires grad) or ``rlfuse.Logits``.
+        ref_logprobs: ``[B, T]`` log-probs of the reference policy (detached; garbage allowed at
+            masked positions).
+        rewards: ``[B]`` sequence rewards.
+        mask: ``[B, T]`` bool (or 0/1): the response tokens.
+        group_size: ``m >= 2``; rows ``[g m, (g + 1) m)`` form group ``g``.
+        beta: KL weight ``> 0`` (a runtime kernel argument: changing it does not recompile).
+        clip_radius: ``ρ`` (> 0, may be ``inf``) selects the clipped branch.
+        num_tokens: the token count ``T_tok`` of the whole minibatch (for gradient accumulation
+            and data parallelism); default: ``mask.sum()``.
+        validate: check the values of the ``[B, T]`` inputs (0/1 mask, finite values at actor
+            positions, a token in every group); shapes and devices are always checked.
+
     No behavior log-probs and no importance ratio enter the loss::
 
         s_i = Σ_t M_it lp_it        s_i^ref = Σ_t M_it ref_lp_it
@@ -79,6 +59,10 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
     ``q_max`` max over the batch of the weights of the update (q, or q̃ in the clipped branch);
     ``clip_frac`` share of actor tokens with |lp − ref_lp| > ρ (0 without ``clip_radius``);
     ``seq_logratio_mean`` mean over sequences of s_i − s_i^ref.
+
+    Fused (``rlfuse.ggpo_loss``): from log-probs one group kernel (one program per group) and one
+    token-gradient kernel; from ``Logits`` the log-prob pass over the logits, the group kernel
+    and one backward pass that writes ``dlogits``: two reads and one write of the logits.
     """
     info, mask, m, beta, rho, num_tokens = check_ggpo_args(
         policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,

@@ -1,6 +1,6 @@
 """Reference GPPO: the clipped surrogate over the proximal region of an f-divergence.
 
-Also home of the two pieces GR-OPD shares with GPPO: the PPO-style clipped surrogate decided in
+Also home of the math GR-OPD shares with GPPO: the PPO-style clipped surrogate decided in
 log-ratio space (:func:`clipped_surrogate`) and verl's loss aggregations (:func:`aggregate`).
 """
 from __future__ import annotations
@@ -10,31 +10,18 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .._types import LossOutput
-from .._validation import (PolicyInfo, check_actor_tokens, check_choice, check_finite,
-                           check_group_size, check_logits_targets, check_policy, check_positive,
-                           check_tensor, check_token_tensors, compute_dtype)
+from .._contract import (MU_MIN, aggregation_weights, check_bounds_args,
+                         check_group_advantages_args, check_gppo_args, masked_mean, per_token,
+                         raise_on_overflow)
+from .._types import LossOutput, compute_dtype
 from .logprobs import policy_logprobs
 
-GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
-TOPOLOGIES = ("mc", "atomic", "binary")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                "seq-mean-token-sum-norm")
-
-MU_MIN = 1e-6                # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
 BISECTION_STEPS = 100        # see _binary_root_bounds
 
 
 # --------------------------------------------------------------------------------------------
 # Trust-region bounds
 # --------------------------------------------------------------------------------------------
-
-def check_region(geometry: str, topology: str, delta) -> float:
-    """A known geometry and topology and ``delta > 0``; returns ``delta`` as a float."""
-    check_choice("geometry", geometry, GEOMETRIES)
-    check_choice("topology", topology, TOPOLOGIES)
-    return check_positive("delta", delta)
-
 
 def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str,
                 delta: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -68,8 +55,7 @@ def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str,
     Elementwise: a NaN ``old_logprobs`` gives NaN bounds.
     Check value: chi2/atomic, μ = 0.1, δ = 0.04 → [0.3675445, 1.6324555].
     """
-    check_tensor("old_logprobs", old_logprobs, floating=True)
-    delta = check_region(geometry, topology, delta)
+    delta = check_bounds_args(old_logprobs, geometry, topology, delta)
     mu = old_logprobs.detach().double().exp().clamp(MU_MIN, 1.0 - MU_MIN)
     lo, hi = _bounds_fp64(mu, geometry, topology, delta)
     out = compute_dtype(old_logprobs.dtype)
@@ -156,6 +142,7 @@ class Surrogate(NamedTuple):
     ratio_used: torch.Tensor     # bool: J = r A (the unclipped branch, A != 0)
     clipped_low: torch.Tensor    # bool: A < 0 and r < lo
     clipped_high: torch.Tensor   # bool: A > 0 and r > hi
+    overflow: torch.Tensor       # bool: the selected r A is not representable
 
 
 def clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tensor,
@@ -167,9 +154,9 @@ def clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tens
     selected branch is evaluated: a clipped token is the constant ``bound · A`` (zero gradient)
     and never exponentiates its log-ratio, so any log-ratio is safe there. Elsewhere
     ``J = r A`` and ``∂J/∂log r = r A``; a token with ``A = 0`` is 0 without evaluating r.
-    If the selected ``r A`` overflows the dtype (only possible for the unclipped branch of a
-    negative advantage, or a positive one under an infinite upper bound) this raises
-    ``ValueError`` instead of returning inf/NaN.
+    ``overflow`` marks the tokens whose selected ``r A`` is not representable in the dtype
+    (only possible for the unclipped branch of a negative advantage, or a positive one under an
+    infinite upper bound): the losses refuse them (``validate=True``) or report them.
     """
     with torch.no_grad():
         clipped_high = mask & (adv > 0) & (log_ratio > hi.log())
@@ -179,96 +166,64 @@ def clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tens
     ratio = torch.exp(torch.where(ratio_used, log_ratio, torch.zeros_like(log_ratio)))
     value = torch.where(ratio_used, ratio * adv, bound * adv)
     overflow = ratio_used & ~torch.isfinite(value.detach())
-    if bool(overflow.any()):
-        worst = float(log_ratio.detach()[overflow].max())
-        raise ValueError(
-            f"policy: the unclipped surrogate r*A overflows {log_ratio.dtype} at "
-            f"{int(overflow.sum())} actor token(s) (largest log-ratio lp - old_lp = {worst:.4g}); "
-            f"the importance ratio is not representable, refusing to return inf/NaN")
-    return Surrogate(value, ratio_used, clipped_low, clipped_high)
+    return Surrogate(value, ratio_used, clipped_low, clipped_high, overflow)
+
+
+def overflow_metric(sur: Surrogate, validate: bool) -> torch.Tensor:
+    """The ``overflow`` metric (1 if some selected ``r A`` overflowed, else 0); with
+    ``validate`` an overflow raises instead."""
+    count = sur.overflow.sum()
+    if validate:
+        raise_on_overflow(count, sur.value.dtype)
+    return (count > 0).to(sur.value.dtype)
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
               num_tokens: Optional[float] = None,
               num_sequences: Optional[float] = None) -> torch.Tensor:
-    """verl's ``agg_loss`` (``verl.trainer.ppo.core_algos``) of per-token ``values`` [B, T].
-
-    With ``N_tok = num_tokens`` (default: local ``Σ M``), ``N_seq = num_sequences`` (default:
-    local ``B``, every row, as verl's ``loss_mat.shape[0]``), ``T_i = Σ_t M_it``, padded length T::
+    """verl's ``agg_loss`` (``verl.trainer.ppo.core_algos``) of per-token ``values`` [B, T]
+    (already 0 off the mask): ``Σ_i w_i Σ_t x_it`` with the row weights ``w`` of
+    ``rlfuse._contract.aggregation_weights``, the weights the kernels use::
 
         token-mean               Σ_it M_it x_it / N_tok
         seq-mean-token-mean      Σ_i (Σ_t M_it x_it / T_i) / N_seq
         seq-mean-token-sum       Σ_i (Σ_t M_it x_it) / N_seq
         seq-mean-token-sum-norm  Σ_i (Σ_t M_it x_it / T) / N_seq      (Dr. GRPO; T = mask.shape[-1])
 
-    ``values`` must already be 0 off the mask. A zero local count is replaced by 1 (the sum it
-    divides is then 0); callers that validate reject such inputs before getting here.
+    ``N_tok = num_tokens`` (default: local ``Σ M``), ``N_seq = num_sequences`` (default: local
+    ``B``, every row, as verl's ``loss_mat.shape[0]``), ``T_i = Σ_t M_it``, padded length T.
     """
-    seq_sums = values.sum(-1)
-    if agg == "token-mean":
-        n_tok = num_tokens if num_tokens is not None else mask.sum().clamp_min(1)
-        return seq_sums.sum() / n_tok
-    n_seq = num_sequences if num_sequences is not None else max(mask.shape[0], 1)
-    if agg == "seq-mean-token-mean":
-        seq_sums = seq_sums / mask.sum(-1).clamp_min(1)
-    elif agg == "seq-mean-token-sum-norm":
-        seq_sums = seq_sums / mask.shape[-1]
-    return seq_sums.sum() / n_seq
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over the actor positions (0 when there are none); ``x`` may be garbage off
-    the mask."""
-    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
+    weights = aggregation_weights(mask, agg, values.dtype, num_tokens=num_tokens,
+                                  num_sequences=num_sequences)
+    return (values.sum(-1) * weights).sum()
 
 
 # --------------------------------------------------------------------------------------------
 # Loss and advantages
 # --------------------------------------------------------------------------------------------
 
-class GPPOArgs(NamedTuple):
-    info: PolicyInfo
-    mask: torch.Tensor             # bool
-    delta: float
-    num_tokens: Optional[float]
-    num_sequences: Optional[float]
-
-
-def check_gppo_args(policy, old_logprobs, advantages, mask, *, geometry, topology, delta, agg,
-                    num_tokens, num_sequences, validate) -> GPPOArgs:
-    """The checks of ``gppo_loss`` (shared by the fused path); returns the normalised args."""
-    info = check_policy(policy)
-    batch, device = info.shape[0], info.device
-    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs}, shape=info.shape,
-                               device=device, validate=validate)
-    check_tensor("advantages", advantages, device=device, floating=True)
-    if tuple(advantages.shape) not in ((batch,), info.shape):
-        raise ValueError(f"advantages: expected shape ({batch},) or {info.shape}, "
-                         f"got {tuple(advantages.shape)}")
-    delta = check_region(geometry, topology, delta)
-    check_choice("agg", agg, AGGREGATIONS)
-    if num_tokens is not None:
-        num_tokens = check_positive("num_tokens", num_tokens)
-    if num_sequences is not None:
-        num_sequences = check_positive("num_sequences", num_sequences)
-    check_logits_targets(policy, mask, validate)
-    if validate:
-        adv = advantages.unsqueeze(-1).expand(info.shape) if advantages.dim() == 1 else advantages
-        check_finite("advantages", adv, mask)
-        if agg == "seq-mean-token-mean":
-            check_actor_tokens(mask, 1, what="sequence")
-    return GPPOArgs(info, mask, delta, num_tokens, num_sequences)
-
-
 def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
               geometry: str = "chi2", topology: str = "atomic", delta: float = 0.04,
               agg: str = "token-mean", num_tokens: Optional[float] = None,
               num_sequences: Optional[float] = None, validate: bool = True) -> LossOutput:
-    """GPPO loss: the PPO surrogate clipped to the f-divergence trust region of each token.
+    """GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust region.
 
-    ``policy``: learner log-probs ``lp`` [B, T] (with grad) or ``rlfuse.Logits``.
-    ``old_logprobs``: behavior policy log-probs [B, T] (detached). ``advantages``: [B] (one per
-    sequence, broadcast over its tokens) or [B, T]. Per actor token::
+    Args:
+        policy: learner log-probs ``[B, T]`` (requires grad) or ``rlfuse.Logits``.
+        old_logprobs: ``[B, T]`` behavior-policy log-probs (detached).
+        advantages: ``[B]`` (per sequence, broadcast over its tokens) or ``[B, T]``.
+        mask: ``[B, T]`` bool (or 0/1): the response tokens.
+        geometry: ``tv``, ``chi2``, ``hellinger``, ``kl`` or ``two_sided_log``.
+        topology: ``mc``, ``atomic`` or ``binary``.
+        delta: region size ``> 0`` (a runtime kernel argument).
+        agg: ``token-mean`` (default), ``seq-mean-token-mean``, ``seq-mean-token-sum``,
+            ``seq-mean-token-sum-norm`` (verl's names and divisors, see :func:`aggregate`).
+        num_tokens, num_sequences: global counts for gradient accumulation / data parallelism
+            (default: the local ones; the count an ``agg`` does not use is ignored).
+        validate: check the values of the ``[B, T]`` inputs and refuse an overflowing ``r A``
+            (host syncs); shapes, dtypes and devices are always checked.
+
+    Per actor token::
 
         r = exp(lp − old_lp),   [l, u] = gppo_bounds(old_lp, geometry, topology, delta)
         J_t = min(r A, clip(r, l, u) A)
@@ -277,29 +232,29 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
 
     ``active`` is decided in log space and only the selected branch is exponentiated, so a
     clipped token with any log-ratio is finite; an unclipped ``r A`` that overflows raises
-    ``ValueError`` (see :func:`clipped_surrogate`). ``agg`` is one of verl's aggregations (see
-    :func:`aggregate` for the divisor of each): ``token-mean`` divides by ``num_tokens``
-    (default: local actor-token count), the ``seq-mean-*`` ones by ``num_sequences`` (default:
-    local ``B``); ``seq-mean-token-mean`` also by each sequence's token count and
-    ``seq-mean-token-sum-norm`` by the padded length T. The count an ``agg`` does not use is
-    ignored.
+    ``ValueError`` (with ``validate=False``: the ``overflow`` metric is 1 and the loss is not
+    finite). ``token-mean`` divides by ``num_tokens`` (default: the local actor-token count), the
+    ``seq-mean-*`` ones by ``num_sequences`` (default: the local ``B``); ``seq-mean-token-mean``
+    also by each sequence's token count and ``seq-mean-token-sum-norm`` by the padded length T.
 
     Metrics (detached, over the local actor tokens, 0 when there are none):
     ``clip_frac_low`` share of tokens with A < 0 and r < l (clipped from below);
-    ``clip_frac_high`` share with A > 0 and r > u; ``ratio_mean`` mean of r (inf if some
-    r overflows the dtype); ``approx_kl`` mean of ``old_lp − lp`` (verl's ``ppo_kl``).
+    ``clip_frac_high`` share with A > 0 and r > u; ``ratio_mean`` mean of r; ``approx_kl`` mean
+    of ``old_lp − lp`` (verl's ``ppo_kl``); ``overflow`` 1 if some selected ``r A`` overflowed.
+
+    Fused (``rlfuse.gppo_loss``): from log-probs one forward and one backward kernel; from
+    ``Logits`` one kernel computes the log-probs, the loss and ``dlogits`` in a single pass.
     """
     info, mask, delta, num_tokens, num_sequences = check_gppo_args(
         policy, old_logprobs, advantages, mask, geometry=geometry, topology=topology, delta=delta,
         agg=agg, num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
-    adv = advantages.unsqueeze(-1).expand(info.shape) if advantages.dim() == 1 else advantages
     lo, hi = gppo_bounds(torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs)),
                          geometry=geometry, topology=topology, delta=delta)
 
     cdt = info.compute_dtype
     lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)
     old = torch.where(mask, old_logprobs.detach().to(cdt), 0.0)
-    adv = torch.where(mask, adv.detach().to(cdt), 0.0)
+    adv = torch.where(mask, per_token(advantages, info.shape).detach().to(cdt), 0.0)
     log_ratio = lp - old
     sur = clipped_surrogate(log_ratio, adv, lo.to(cdt), hi.to(cdt), mask)
     loss = -aggregate(sur.value, mask, agg, num_tokens=num_tokens, num_sequences=num_sequences)
@@ -310,6 +265,7 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
             "clip_frac_high": masked_mean(sur.clipped_high.to(cdt), mask),
             "ratio_mean": masked_mean(log_ratio.exp(), mask),
             "approx_kl": masked_mean(-log_ratio, mask),
+            "overflow": overflow_metric(sur, validate),
         }
     return LossOutput(loss, metrics)
 
@@ -325,13 +281,7 @@ def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-
     ``eps`` must be > 0 when ``normalize_std`` (a group of equal rewards has std 0). Returns [B]
     in fp32 (fp64 for fp64 rewards), detached.
     """
-    check_tensor("rewards", rewards, floating=True)
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards: expected shape (B,), got {tuple(rewards.shape)}")
-    m = check_group_size(group_size, rewards.shape[0])
-    if normalize_std:
-        eps = check_positive("eps", eps)
-    check_finite("rewards", rewards)
+    m, eps = check_group_advantages_args(rewards, group_size, eps, normalize_std)
     with torch.no_grad():
         r = rewards.to(compute_dtype(rewards.dtype)).reshape(-1, m)
         if m == 1:

@@ -5,8 +5,8 @@ from typing import Optional
 
 import torch
 
+from .._contract import check_logprob_args
 from .._types import Logits, compute_dtype
-from .._validation import check_logprob_args
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
@@ -14,16 +14,30 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
                    mask: Optional[torch.Tensor] = None, validate: bool = True):
     """Per-token log-probs of ``targets`` under ``softmax(logits / temperature)``.
 
-    For each position (``logits`` ``[B, T, V]`` or ``[N, V]``, ``targets`` ``[B, T]`` or ``[N]``)::
+    Args:
+        logits: ``[B, T, V]`` or ``[N, V]``, bf16/fp16/fp32/fp64; any batch and time strides
+            (``logits[:, :-1]`` is used without a copy).
+        targets: integer ids ``[B, T]`` / ``[N]``; unmasked ones must lie in ``[0, V)``.
+        temperature: log-probs are ``log_softmax(logits / temperature)``; must be > 0.
+        return_entropy: also return the entropy ``lse - sum_v p_v z_v`` of each position.
+        inplace_backward: write the gradient w.r.t. the logits into the logits' own buffer (saves
+            a logits-sized allocation; only safe when nothing else needs the logits afterwards;
+            the reference accepts it and has no such buffer to save).
+        mask: optional ``[B, T]`` / ``[N]`` bool (or 0/1); masked positions get log-prob 0,
+            entropy 0 and zero gradient, and their targets are never read.
+        validate: check the mask holds 0/1 and the unmasked targets lie in ``[0, V)`` (reads
+            ``[B, T]`` data, one host sync); without it an out-of-range target gives NaN, never
+            an out-of-bounds read.
 
-        z = logits / temperature,  lse = logsumexp(z),  logp = z[y] - lse
-        entropy = lse - sum_v softmax(z)_v z_v
+    Returns:
+        ``logp`` (fp32; fp64 for fp64 logits), or ``(logp, entropy)``::
 
-    Positions where ``mask`` is False get log-prob 0, entropy 0 and zero gradient; their targets
-    may be anything. Results are fp32 (fp64 for fp64 logits). ``inplace_backward`` is accepted for
-    signature parity with the fused path and has no effect here. ``validate=False`` skips the
-    value checks (0/1 mask, unmasked targets in ``[0, V)``); an out-of-range target then gives
-    NaN.
+            z = logits / temperature,  lse = logsumexp(z),  logp = z[y] - lse
+            entropy = lse - sum_v softmax(z)_v z_v
+
+    Fused (``rlfuse.token_logprobs``): the forward reads the logits once and saves two fp32
+    numbers per position (the row max and the log-sum of the shifted exponentials, whose sum is
+    the logsumexp); the backward reads the logits once more and writes the gradient once.
     """
     mask = check_logprob_args(logits, targets, temperature, mask, validate)
     compute = compute_dtype(logits.dtype)

@@ -1,0 +1,328 @@
+"""What the fused kernels and the reference must agree on.
+
+The names of the choices (geometries, topologies, aggregations), the argument checks of every
+public function and the normalised arguments they return, the aggregation weights, and the small
+``[B, T]`` helpers both paths use. It sits below ``reference/`` and ``fused_losses/``: both import
+it, it imports neither.
+
+Every check reads only metadata and ``[B, T]``-sized data (never the logits' values) and raises a
+``ValueError`` / ``TypeError`` naming the argument and what was expected. With ``validate=False``
+only metadata is checked: nothing reads a tensor's values, so nothing syncs with the host.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ._types import Logits, compute_dtype
+from ._validation import (check_actor_tokens, check_choice, check_finite, check_group_size,
+                          check_logits, check_mask, check_nonnegative, check_number,
+                          check_positive, check_sequence_tensor, check_targets, check_tensor,
+                          check_token_tensors, check_unit_interval)
+
+GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
+TOPOLOGIES = ("mc", "atomic", "binary")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                "seq-mean-token-sum-norm")
+MU_MIN = 1e-6  # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
+
+
+# --------------------------------------------------------------------------------------------
+# Policies and log-probs
+# --------------------------------------------------------------------------------------------
+
+class PolicyInfo(NamedTuple):
+    """What the losses need to know about ``policy`` before computing its log-probs."""
+
+    shape: Tuple[int, int]       # (B, T)
+    device: torch.device
+    compute_dtype: torch.dtype   # fp64 for fp64 inputs, fp32 otherwise
+
+
+def policy_device(policy) -> Optional[torch.device]:
+    """The device of a policy (log-probs or ``Logits``) or of a tensor; None for anything else
+    (the checks then say what was expected)."""
+    if isinstance(policy, Logits):
+        policy = policy.logits
+    return policy.device if isinstance(policy, torch.Tensor) else None
+
+
+def check_policy(policy) -> PolicyInfo:
+    """A policy is learner log-probs ``[B, T]`` (floating tensor) or :class:`rlfuse.Logits` with
+    ``[B, T, V]`` logits. Only metadata is read here; the targets are checked with the mask."""
+    if isinstance(policy, Logits):
+        check_logits(policy.logits)
+        if policy.logits.dim() != 3:
+            raise ValueError(f"policy.logits: expected shape [B, T, V], got "
+                             f"{tuple(policy.logits.shape)}")
+        shape, device, dtype = policy.logits.shape[:2], policy.logits.device, policy.logits.dtype
+    elif isinstance(policy, torch.Tensor):
+        check_tensor("policy", policy, floating=True)
+        if policy.dim() != 2:
+            raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or "
+                             f"rlfuse.Logits), got shape {tuple(policy.shape)}")
+        shape, device, dtype = policy.shape, policy.device, policy.dtype
+    else:
+        raise TypeError(f"policy: expected a [B, T] tensor of log-probs or rlfuse.Logits, "
+                        f"got {type(policy).__name__}")
+    return PolicyInfo(tuple(shape), device, compute_dtype(dtype))
+
+
+def check_logits_targets(policy, mask: torch.Tensor, validate: bool) -> None:
+    """The targets of a ``Logits`` policy: integer ``[B, T]``; in range where unmasked."""
+    if isinstance(policy, Logits):
+        check_positive("policy.temperature", policy.temperature)
+        if validate:
+            check_targets(policy.targets, mask.shape, policy.logits.shape[-1], mask.device, mask)
+        else:
+            check_tensor("targets", policy.targets, shape=mask.shape, device=mask.device,
+                         floating=False)
+
+
+def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_logprob_args(logits, targets, temperature, mask,
+                       validate: bool = True) -> Optional[torch.Tensor]:
+    """Checks the arguments of ``token_logprobs``; returns the mask as bool (or None). Without
+    ``validate`` the values (0/1 mask, target range: one host sync) are not checked."""
+    check_logits(logits)
+    check_positive("temperature", temperature)
+    shape = tuple(logits.shape[:-1])
+    if mask is not None:
+        if validate:
+            mask = check_mask(mask, shape, logits.device)
+        else:
+            check_tensor("mask", mask, shape=shape, device=logits.device)
+            mask = as_bool_mask(mask)
+    if validate:
+        check_targets(targets, shape, logits.shape[-1], logits.device, mask)
+    else:
+        check_tensor("targets", targets, shape=shape, device=logits.device, floating=False)
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# GGPO
+# --------------------------------------------------------------------------------------------
+
+class GGPOArgs(NamedTuple):
+    info: PolicyInfo
+    mask: torch.Tensor             # bool
+    group_size: int
+    beta: float
+    clip_radius: Optional[float]
+    num_tokens: Optional[float]
+
+
+def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, clip_radius,
+                    num_tokens, validate) -> GGPOArgs:
+    info = check_policy(policy)
+    batch, device = info.shape[0], info.device
+    mask = check_token_tensors(mask, {"ref_logprobs": ref_logprobs}, shape=info.shape,
+                               device=device, validate=validate)
+    check_sequence_tensor("rewards", rewards, batch=batch, device=device, validate=validate)
+    m = check_group_size(group_size, batch, minimum=2)
+    beta = check_positive("beta", beta)
+    rho = None if clip_radius is None else check_positive("clip_radius", clip_radius,
+                                                          allow_inf=True)
+    if num_tokens is not None:
+        num_tokens = check_positive("num_tokens", num_tokens)
+    check_logits_targets(policy, mask, validate)
+    if validate:
+        check_actor_tokens(mask, m, what="group")
+    return GGPOArgs(info, mask, m, beta, rho, num_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# GPPO
+# --------------------------------------------------------------------------------------------
+
+def check_region(geometry: str, topology: str, delta) -> float:
+    """A known geometry and topology and ``delta > 0``; returns ``delta`` as a float."""
+    check_choice("geometry", geometry, GEOMETRIES)
+    check_choice("topology", topology, TOPOLOGIES)
+    return check_positive("delta", delta)
+
+
+def check_bounds_args(old_logprobs, geometry, topology, delta) -> float:
+    """The checks of ``gppo_bounds``; returns ``delta`` as a float."""
+    check_tensor("old_logprobs", old_logprobs, floating=True)
+    return check_region(geometry, topology, delta)
+
+
+def check_group_advantages_args(rewards, group_size, eps, normalize_std) -> Tuple[int, float]:
+    """The checks of ``group_advantages``; returns ``(group_size, eps)``."""
+    check_tensor("rewards", rewards, floating=True)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected shape (B,), got {tuple(rewards.shape)}")
+    m = check_group_size(group_size, rewards.shape[0])
+    if normalize_std:
+        eps = check_positive("eps", eps)
+    check_finite("rewards", rewards)
+    return m, eps
+
+
+class GPPOArgs(NamedTuple):
+    info: PolicyInfo
+    mask: torch.Tensor             # bool
+    delta: float
+    num_tokens: Optional[float]
+    num_sequences: Optional[float]
+
+
+def check_gppo_args(policy, old_logprobs, advantages, mask, *, geometry, topology, delta, agg,
+                    num_tokens, num_sequences, validate) -> GPPOArgs:
+    info = check_policy(policy)
+    batch, device = info.shape[0], info.device
+    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs}, shape=info.shape,
+                               device=device, validate=validate)
+    check_tensor("advantages", advantages, device=device, floating=True)
+    if tuple(advantages.shape) not in ((batch,), info.shape):
+        raise ValueError(f"advantages: expected shape ({batch},) or {info.shape}, "
+                         f"got {tuple(advantages.shape)}")
+    delta = check_region(geometry, topology, delta)
+    check_choice("agg", agg, AGGREGATIONS)
+    if num_tokens is not None:
+        num_tokens = check_positive("num_tokens", num_tokens)
+    if num_sequences is not None:
+        num_sequences = check_positive("num_sequences", num_sequences)
+    check_logits_targets(policy, mask, validate)
+    if validate:
+        check_finite("advantages", per_token(advantages, info.shape), mask)
+        if agg == "seq-mean-token-mean":
+            check_actor_tokens(mask, 1, what="sequence")
+    return GPPOArgs(info, mask, delta, num_tokens, num_sequences)
+
+
+# --------------------------------------------------------------------------------------------
+# GR-OPD
+# --------------------------------------------------------------------------------------------
+
+class AdvantageArgs(NamedTuple):
+    """The normalised hyper-parameters of GR-OPD's advantages."""
+
+    group_size: int
+    gamma: float
+    lam: float
+    feedback_clip: float
+    adv_clip: float
+    std_eps: float
+
+
+def check_advantage_args(group_size, batch: int, gamma, lam, feedback_clip, adv_clip,
+                         std_eps) -> AdvantageArgs:
+    return AdvantageArgs(check_group_size(group_size, batch), check_unit_interval("gamma", gamma),
+                         check_number("lam", lam),
+                         check_nonnegative("feedback_clip", feedback_clip),
+                         check_nonnegative("adv_clip", adv_clip),
+                         check_positive("std_eps", std_eps))
+
+
+def check_advantage_inputs(old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
+                           feedback_clip, adv_clip, std_eps) -> Tuple[torch.Tensor, AdvantageArgs]:
+    """The checks of ``gr_opd_advantages``; returns the bool mask and the hyper-parameters."""
+    check_tensor("old_logprobs", old_logprobs, floating=True)
+    if old_logprobs.dim() != 2:
+        raise ValueError(f"old_logprobs: expected shape [B, T], got {tuple(old_logprobs.shape)}")
+    shape = tuple(old_logprobs.shape)
+    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
+                                      "teacher_logprobs": teacher_logprobs},
+                               shape=shape, device=old_logprobs.device)
+    hyper = check_advantage_args(group_size, shape[0], gamma, lam, feedback_clip, adv_clip,
+                                 std_eps)
+    check_actor_tokens(mask, 1, what="sequence")
+    return mask, hyper
+
+
+class GROPDArgs(NamedTuple):
+    info: PolicyInfo
+    mask: torch.Tensor             # bool
+    hyper: AdvantageArgs
+    eps: float
+    num_sequences: Optional[float]
+
+
+def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
+                      eps, feedback_clip, adv_clip, std_eps, advantages, num_sequences,
+                      validate) -> GROPDArgs:
+    info = check_policy(policy)
+    batch, device = info.shape[0], info.device
+    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
+                                      "teacher_logprobs": teacher_logprobs},
+                               shape=info.shape, device=device, validate=validate)
+    hyper = check_advantage_args(group_size, batch, gamma, lam, feedback_clip, adv_clip, std_eps)
+    eps = check_positive("eps", eps)
+    if advantages is not None:
+        check_sequence_tensor("advantages", advantages, batch=batch, device=device,
+                              validate=validate)
+    if num_sequences is not None:
+        num_sequences = check_positive("num_sequences", num_sequences)
+    check_logits_targets(policy, mask, validate)
+    if validate:
+        check_actor_tokens(mask, 1, what="sequence")
+    return GROPDArgs(info, mask, hyper, eps, num_sequences)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared [B, T] helpers
+# --------------------------------------------------------------------------------------------
+
+def per_token(x: torch.Tensor, shape) -> torch.Tensor:
+    """A ``[B]`` (per sequence) or ``[B, T]`` tensor as ``[B, T]`` (a broadcast view)."""
+    return x.unsqueeze(-1).expand(shape) if x.dim() == 1 else x
+
+
+def aggregation_weights(mask: torch.Tensor, agg: str, dtype: torch.dtype, *,
+                        num_tokens: Optional[float] = None,
+                        num_sequences: Optional[float] = None) -> torch.Tensor:
+    """The weight ``w_b`` of every token of row ``b`` (``[B]``) under the aggregation ``agg``
+    (verl's ``agg_loss`` names): ``agg(x) = sum_bt M_bt x_bt w_b`` with
+
+        token-mean               w = 1 / N_tok
+        seq-mean-token-mean      w = 1 / (T_b N_seq)
+        seq-mean-token-sum       w = 1 / N_seq
+        seq-mean-token-sum-norm  w = 1 / (T N_seq)       (Dr. GRPO; T = mask.shape[-1])
+
+    ``N_tok = num_tokens`` (default: the local ``sum M``), ``N_seq = num_sequences`` (default:
+    the local ``B``), ``T_b = sum_t M_bt``. A zero local count is replaced by 1 (the sum it
+    divides is then 0); callers that validate reject such inputs before getting here.
+    """
+    B, T = mask.shape
+    tokens = mask.sum(-1, dtype=dtype)
+    if agg == "token-mean":
+        n_tok = tokens.sum().clamp_min(1) if num_tokens is None else float(num_tokens)
+        return torch.ones_like(tokens) / n_tok
+    n_seq = float(num_sequences) if num_sequences is not None else max(B, 1)
+    if agg == "seq-mean-token-mean":
+        return 1.0 / (tokens.clamp_min(1) * n_seq)
+    if agg == "seq-mean-token-sum":
+        return torch.full_like(tokens, 1.0 / n_seq)
+    return torch.full_like(tokens, 1.0 / (T * n_seq))  # seq-mean-token-sum-norm
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the actor positions (0 when there are none); ``x`` may be garbage off
+    the mask."""
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
+
+
+def clamped_feedback(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                     feedback_clip: float) -> torch.Tensor:
+    """GR-OPD's ``r_it = clamp(teacher_lp - old_lp, +-feedback_clip)`` at actor tokens, 0
+    elsewhere."""
+    return torch.where(mask, (teacher - old).clamp(-feedback_clip, feedback_clip), 0.0)
+
+
+def raise_on_overflow(count: torch.Tensor, dtype: torch.dtype) -> None:
+    """The surrogate losses' refusal of an unrepresentable ``r A`` (``count``: the tokens where
+    the selected unclipped ``r A`` overflowed ``dtype``). One host sync, so it runs only when
+    the loss validates; otherwise the count becomes the ``overflow`` metric."""
+    n = int(count.item())
+    if n:
+        raise ValueError(
+            f"policy: the unclipped surrogate r*A overflows {dtype} at {n} actor token(s) "
+            f"(log-ratio lp - old_lp too large); the importance ratio is not representable, "
+            f"refusing to return inf/NaN (validate=False reports it as the 'overflow' metric)")
