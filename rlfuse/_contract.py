@@ -222,7 +222,8 @@ def check_advantage_args(group_size, batch: int, gamma, lam, feedback_clip, adv_
 
 
 def check_advantage_inputs(old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
-                           feedback_clip, adv_clip, std_eps) -> Tuple[torch.Tensor, AdvantageArgs]:
+                           feedback_clip, adv_clip, std_eps,
+                           validate) -> Tuple[torch.Tensor, AdvantageArgs]:
     """The checks of ``gr_opd_advantages``; returns the bool mask and the hyper-parameters."""
     check_tensor("old_logprobs", old_logprobs, floating=True)
     if old_logprobs.dim() != 2:
@@ -230,10 +231,11 @@ def check_advantage_inputs(old_logprobs, teacher_logprobs, mask, *, group_size, 
     shape = tuple(old_logprobs.shape)
     mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
                                       "teacher_logprobs": teacher_logprobs},
-                               shape=shape, device=old_logprobs.device)
+                               shape=shape, device=old_logprobs.device, validate=validate)
     hyper = check_advantage_args(group_size, shape[0], gamma, lam, feedback_clip, adv_clip,
                                  std_eps)
-    check_actor_tokens(mask, 1, what="sequence")
+    if validate:
+        check_actor_tokens(mask, 1, what="sequence")
     return mask, hyper
 
 

@@ -42,10 +42,10 @@ def _(old_logprobs, teacher_logprobs, mask, group_size, gamma, lam, feedback_cli
 def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
                       mask: torch.Tensor, *, group_size: int, gamma: float = 0.99,
                       lam: float = 0.25, feedback_clip: float = 5.0, adv_clip: float = 5.0,
-                      std_eps: float = 1e-6) -> torch.Tensor:
+                      std_eps: float = 1e-6, validate: bool = True) -> torch.Tensor:
     mask, hyper = check_advantage_inputs(
         old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
-        feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps)
+        feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps, validate=validate)
     adv, _ = gr_opd_advantages_op(old_logprobs.detach(), teacher_logprobs.detach(), mask, *hyper)
     return adv
 

@@ -90,11 +90,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(logits, targets, mask, stats, entropy if with_entropy else None)
     ctx.temperature, ctx.inplace = temperature, inplace_backward
     ctx.mark_non_differentiable(stats)
+    if not with_entropy:
+        ctx.mark_non_differentiable(entropy)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dlogp, dentropy, _dstats):
     logits, targets, mask, stats, entropy = ctx.saved_tensors
+    if entropy is None:  # the empty placeholder output may still be handed a gradient
+        dentropy = None
     if dlogp is None and dentropy is None:
         return (None,) * 6
     if dlogp is None:

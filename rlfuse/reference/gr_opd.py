@@ -27,7 +27,7 @@ def _advantages(feedback: torch.Tensor, mask: torch.Tensor, m: int, gamma: float
 def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
                       mask: torch.Tensor, *, group_size: int, gamma: float = 0.99,
                       lam: float = 0.25, feedback_clip: float = 5.0, adv_clip: float = 5.0,
-                      std_eps: float = 1e-6) -> torch.Tensor:
+                      std_eps: float = 1e-6, validate: bool = True) -> torch.Tensor:
     """GR-OPD's group-relative sequence credit, one advantage per response (``[B]``, detached)::
 
         r_it = clamp(teacher_lp_it − old_lp_it, −feedback_clip, feedback_clip)
@@ -39,13 +39,14 @@ def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
     The discount counts actor tokens only: it restarts at every response and skips masked
     positions. A group of equal scores (σ = 0) gives ``clamp(λ μ_g / std_eps)``, finite.
     Computed in fp32 (fp64 for fp64 ``old_logprobs``); every response needs an actor token.
-    ``gamma`` in (0, 1], clips >= 0, ``std_eps`` > 0. Call it once per rollout on the whole
-    batch and pass ``advantages=`` to ``gr_opd_loss`` for every micro-batch (fused: one
-    kernel, one program per group).
+    ``gamma`` in (0, 1], clips >= 0, ``std_eps`` > 0. ``validate=False`` skips the value checks
+    (finite inputs at actor tokens, a token in every response; host syncs): a response without
+    one then scores 0. Call it once per rollout on the whole batch and pass ``advantages=`` to
+    ``gr_opd_loss`` for every micro-batch (fused: one kernel, one program per group).
     """
     mask, (m, gamma, lam, feedback_clip, adv_clip, std_eps) = check_advantage_inputs(
         old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
-        feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps)
+        feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps, validate=validate)
     cdt = compute_dtype(old_logprobs.dtype)
     with torch.no_grad():
         feedback = clamped_feedback(old_logprobs.to(cdt), teacher_logprobs.to(cdt), mask,

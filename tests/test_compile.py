@@ -1,0 +1,350 @@
+"""Compile-ready ops: torch.compile(fullgraph=True) over every op and policy form, opcheck on every
+custom op, no graph break, no host read with ``validate=False``; CUDA graphs on a GPU."""
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rlfuse
+from rlfuse.fused_losses import ggpo, gppo, gr_opd, logprobs, surrogate
+
+B, T, V, M = 4, 5, 37, 2   # an odd vocabulary; two groups of two
+
+
+def make_inputs(seed=0, *, batch=B, time=T):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen)
+
+    mask = rand(batch, time) > 0.3
+    mask[:, 0] = True
+    old = -rand(batch, time) * 3
+    return SimpleNamespace(
+        logits=torch.randn(batch, time + 1, V, generator=gen) * 2,   # policy: [:, :-1]
+        lp=torch.cat([old + 0.3 * torch.randn(batch, time, generator=gen), old[:, :1]], 1),
+        targets=torch.randint(0, V, (batch, time), generator=gen), mask=mask, old=old,
+        ref=old - 0.2 * rand(batch, time), teacher=old - rand(batch, time),
+        adv=torch.randn(batch, generator=gen), rewards=(rand(batch) > 0.5).float())
+
+
+def policy_of(leaf, x, form, **kw):
+    view = leaf[:, :-1]
+    return rlfuse.Logits(view, x.targets, 0.9, **kw) if form == "logits" else view
+
+
+def _loss(out):
+    return out.loss, dict(out.metrics)
+
+
+# name -> (forms, step(leaf, x, form) -> (scalar to differentiate, {name: tensor to compare}))
+STEPS = {
+    "token_logprobs": (("logits",), lambda leaf, x, form: (
+        lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
+            *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
+                                   return_entropy=True, validate=False))),
+    "ggpo": (("logprobs", "logits"), lambda leaf, x, form: _loss(rlfuse.ggpo_loss(
+        policy_of(leaf, x, form), x.ref, x.rewards, x.mask, group_size=M, beta=0.5,
+        validate=False))),
+    "ggpo_clipped": (("logprobs",), lambda leaf, x, form: _loss(rlfuse.ggpo_loss(
+        policy_of(leaf, x, form), x.ref, x.rewards, x.mask, group_size=M, beta=0.5,
+        clip_radius=0.1, num_tokens=11.0, validate=False))),
+    "gppo": (("logprobs", "logits"), lambda leaf, x, form: _loss(rlfuse.gppo_loss(
+        policy_of(leaf, x, form), x.old, x.adv, x.mask, geometry="kl", topology="binary",
+        delta=0.1, agg="seq-mean-token-mean", validate=False))),
+    "gppo_inplace": (("logits",), lambda leaf, x, form: _loss(rlfuse.gppo_loss(
+        policy_of(leaf, x, form, inplace_backward=True), x.old, x.adv, x.mask,
+        validate=False))),
+    "gr_opd": (("logprobs", "logits"), lambda leaf, x, form: _loss(rlfuse.gr_opd_loss(
+        policy_of(leaf, x, form), x.old, x.teacher, x.mask, group_size=M, validate=False))),
+}
+CASES = [(name, form) for name, (forms, _) in STEPS.items() for form in forms]
+
+
+def run_step(step, x, form, dtype=torch.float32):
+    leaf = (x.logits if form == "logits" else x.lp).to(dtype).clone().requires_grad_(True)
+    scalar, outputs = step(leaf, x, form)
+    (grad,) = torch.autograd.grad(scalar * 1.5, leaf)
+    return scalar.detach(), {k: v.detach() for k, v in outputs.items()}, grad
+
+
+def assert_same(eager, compiled, exact):
+    kw = dict(rtol=0, atol=0) if exact else dict(rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(compiled[0], eager[0], **kw)
+    assert compiled[1].keys() == eager[1].keys()
+    for name in eager[1]:
+        torch.testing.assert_close(compiled[1][name], eager[1][name], **kw, msg=name)
+    torch.testing.assert_close(compiled[2], eager[2], **kw)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name, form", CASES)
+def test_compiled_step_equals_eager(name, form, backend):
+    """Forward and backward of every op in every policy form traced into one graph. aot_eager
+    runs the same kernels and the same torch ops: bit-identical. Inductor fuses the torch ops
+    around the kernels (metrics, weights) in its own order: equal to rounding."""
+    torch._dynamo.reset()
+    step, x = STEPS[name][1], make_inputs()
+    eager = run_step(step, x, form)
+    compiled = run_step(torch.compile(step, backend=backend, fullgraph=True), x, form)
+    assert_same(eager, compiled, exact=backend == "aot_eager")
+
+
+def test_compiled_step_with_new_shapes():
+    """A second shape recompiles with symbolic sizes: the fake implementations take them."""
+    torch._dynamo.reset()
+    step = STEPS["gppo"][1]
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
+    for seed, (batch, time) in enumerate([(4, 5), (6, 3), (2, 9)]):
+        x = make_inputs(seed, batch=batch, time=time)
+        for form in ("logprobs", "logits"):
+            assert_same(run_step(step, x, form), run_step(compiled, x, form), exact=True)
+
+
+def test_compiled_fp16_logits_take_the_two_pass_path():
+    torch._dynamo.reset()
+    step, x = STEPS["gr_opd"][1], make_inputs(3)
+    eager = run_step(step, x, "logits", torch.float16)
+    compiled = run_step(torch.compile(step, backend="aot_eager", fullgraph=True), x, "logits",
+                        torch.float16)
+    assert_same(eager, compiled, exact=True)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_bounds_and_advantages(backend):
+    torch._dynamo.reset()
+    x = make_inputs(4)
+
+    def fn(old, teacher, mask):
+        lo, hi = rlfuse.gppo_bounds(old, geometry="hellinger", topology="binary", delta=0.1)
+        adv = rlfuse.gr_opd_advantages(old, teacher, mask, group_size=M, validate=False)
+        return lo, hi, adv
+
+    eager = fn(x.old, x.teacher, x.mask)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)(x.old, x.teacher, x.mask)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_no_graph_break():
+    """A training step over a model head: one graph, no break."""
+    torch._dynamo.reset()
+    x = make_inputs(5)
+    head = torch.nn.Linear(8, V)
+    hidden = torch.randn(B, T, 8)
+
+    def train_step(hidden):
+        logits = head(hidden)
+        lp = rlfuse.token_logprobs(logits, x.targets, mask=x.mask, validate=False)
+        out = rlfuse.gppo_loss(rlfuse.Logits(logits, x.targets), lp.detach(), x.adv, x.mask,
+                               validate=False)
+        return out.loss + rlfuse.ggpo_loss(lp, x.ref, x.rewards, x.mask, group_size=M,
+                                           beta=0.5, validate=False).loss
+
+    explanation = torch._dynamo.explain(train_step)(hidden)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, \
+        explanation.break_reasons
+
+
+def test_validate_under_compile_still_checks():
+    """validate=True reads [B, T] values on the host: under torch.compile that is a graph break
+    (so fullgraph=True needs validate=False), and the checks still raise."""
+    torch._dynamo.reset()
+    x = make_inputs(6)
+
+    def fn(lp, mask):
+        return rlfuse.gppo_loss(lp, x.old, x.adv, mask).loss
+
+    lp = x.lp[:, :-1]
+    with pytest.raises(Exception, match="[Dd]ata.dependent|graph break|Unsupported"):
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(lp, x.mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager")
+    torch.testing.assert_close(compiled(lp, x.mask), fn(lp, x.mask), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="mask"):
+        compiled(lp, x.mask.float() * 2)
+
+
+# --------------------------------------------------------------------------------------------
+# opcheck
+# --------------------------------------------------------------------------------------------
+
+def _op_cases():
+    x = make_inputs(7)
+    logits = x.logits[:, :-1].clone().requires_grad_(True)
+    lp = x.lp[:, :-1].clone().requires_grad_(True)
+    weights = torch.full((B,), 0.1)
+    dlogits = torch.zeros(B, T, V)
+    stats = logprobs.token_logprobs_op(logits.detach(), x.targets, x.mask, 0.9, False, False)[2]
+    return {
+        "token_logprobs": [(logits, x.targets, x.mask, 0.9, True, False),
+                           (logits.reshape(-1, V), x.targets.reshape(-1), None, 1.0, False,
+                            False)],
+        "logits_grad_": [(dlogits, logits.detach(), x.targets, x.mask, stats, None,
+                          torch.randn(B, T), None, 0.9)],
+        "surrogate": [(lp, x.old, x.adv, x.mask, weights, "chi2", "atomic", 0.04),
+                      (lp, x.old, x.adv[:, None].expand(B, T), x.mask, weights, "ppo_clip",
+                       "mc", 0.2)],
+        "surrogate_backward": [(lp.detach(), x.old, x.adv, x.mask, weights, torch.tensor(2.0),
+                                "tv", "binary", 0.1)],
+        "surrogate_logits": [(logits, x.targets, x.mask, x.old, x.adv, weights, 0.9, "kl",
+                              "binary", 0.1, True, False),
+                             (logits.detach(), x.targets, x.mask, x.old, x.adv, weights, 1.0,
+                              "two_sided_log", "atomic", 0.1, False, False)],
+        "scale_rows_": [(torch.randn(B, T, V), x.mask, torch.tensor(0.5))],
+        "ggpo": [(lp, x.ref, x.rewards, x.mask, M, 0.5, None, None),
+                 (lp, x.ref, x.rewards, x.mask, M, 0.5, 0.1, 11.0)],
+        "ggpo_backward": [(torch.randn(B), x.mask, torch.tensor(1.5), torch.tensor(9.0),
+                           torch.float64)],
+        "gppo_bounds": [(x.old, "kl", "binary", 0.1)],
+        "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6)],
+    }
+
+
+OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.logits_grad_op,
+       "surrogate": surrogate.surrogate_op, "surrogate_backward": surrogate.surrogate_backward_op,
+       "surrogate_logits": surrogate.surrogate_logits_op, "scale_rows_": surrogate.scale_rows_op,
+       "ggpo": ggpo.ggpo_op, "ggpo_backward": ggpo.ggpo_backward_op,
+       "gppo_bounds": gppo.gppo_bounds_op, "gr_opd_advantages": gr_opd.gr_opd_advantages_op}
+ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic")
+
+
+def test_every_registered_op_is_opchecked():
+    registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("rlfuse::")}
+    assert registered == set(OPS) == set(_op_cases())
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_opcheck(name):
+    """torch.library.opcheck: schema (declared mutations), autograd registration, the fake
+    implementation against the real one, and AOT dispatch with dynamic shapes.
+
+    rlfuse::surrogate_logits hands its dlogits output to its own backward, which rescales it in
+    place (no copy, no host sync): opcheck's AOT test returns every output to the caller, a use
+    the functional API never makes, so that one test runs with the gradient output dropped."""
+    for args in _op_cases()[name]:
+        tests = ALL_TESTS[:3] if name == "surrogate_logits" else ALL_TESTS
+        torch.library.opcheck(OPS[name], args, test_utils=tests)
+    if name == "surrogate_logits":
+        for args in _op_cases()[name]:
+            def loss_and_sums(*a):
+                return OPS[name](*a)[:2]
+
+            eager = loss_and_sums(*args)
+            aot = torch.compile(loss_and_sums, backend="aot_eager", dynamic=True,
+                                fullgraph=True)(*args)
+            for a, b in zip(eager, aot):
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+            if args[0].requires_grad:
+                grads = [torch.autograd.grad(out[0] * 0.5, args[0])[0] for out in (eager, aot)]
+                torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# No host sync
+# --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Every way a tensor's value reaches Python raises inside the block: on a GPU each is a
+    device-to-host sync."""
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def trap(name):
+        def read(self, *args, **kwargs):
+            raise AssertionError(f"host read of a tensor value: Tensor.{name}")
+        return read
+
+    for name in names:
+        setattr(torch.Tensor, name, trap(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@pytest.mark.parametrize("name, form", CASES)
+def test_no_host_read_without_validation(name, form):
+    x = make_inputs(8)
+    eager = run_step(STEPS[name][1], x, form)
+    with no_host_reads():
+        traced = run_step(STEPS[name][1], x, form)
+    assert_same(eager, traced, exact=True)
+
+
+def test_validation_reads_the_host():
+    """The negative control of the trap above."""
+    x = make_inputs(9)
+    with no_host_reads(), pytest.raises(AssertionError, match="host read"):
+        rlfuse.gppo_loss(x.lp[:, :-1], x.old, x.adv, x.mask)
+
+
+@pytest.mark.parametrize("fn", ["gppo", "gr_opd"])
+def test_overflow_is_a_metric_without_validation(fn):
+    """validate=True refuses an overflowing unclipped r A; validate=False reports it as the
+    'overflow' metric (1), in both policy forms, as the reference does."""
+    x = make_inputs(10)
+    x.lp[0, 0] = x.old[0, 0] + 100.0      # r = e^100 overflows fp32
+    x.adv[0] = -1.0                       # the unclipped branch of a negative advantage
+    x.mask[0, 0] = True
+    for lib in (rlfuse, rlfuse.reference):
+        for validate in (True, False):
+            if fn == "gppo":
+                call = lambda v: lib.gppo_loss(x.lp[:, :-1], x.old, x.adv, x.mask,  # noqa: E731
+                                               geometry="kl", topology="mc", validate=v)
+            else:
+                call = lambda v: lib.gr_opd_loss(x.lp[:, :-1], x.old, x.teacher, x.mask,  # noqa
+                                                 group_size=M, advantages=x.adv, validate=v)
+            if validate:
+                with pytest.raises(ValueError, match="overflow"):
+                    call(True)
+            else:
+                out = call(False)
+                assert out.metrics["overflow"].item() == 1.0
+                assert not torch.isfinite(out.loss)
+    clean = make_inputs(11)
+    out = rlfuse.gppo_loss(clean.lp[:, :-1], clean.old, clean.adv, clean.mask, validate=False)
+    assert out.metrics["overflow"].item() == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# GPU only
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, form", CASES)
+def test_gpu_no_sync_and_cuda_graph(name, form):
+    """Without validation a step never syncs (CUDA's sync debug mode errors on one), and a whole
+    forward + backward is captured by a CUDA graph and replayed to the eager result."""
+    step, x = STEPS[name][1], make_inputs(12)
+    x = SimpleNamespace(**{k: v.cuda() for k, v in vars(x).items()})
+    eager = run_step(step, x, form)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_step(step, x, form)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    leaf = (x.logits if form == "logits" else x.lp).clone().requires_grad_(True)
+    static = leaf.detach().clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):          # warm-up: compiles and caches every kernel
+        for _ in range(2):
+            scalar, _ = step(leaf, x, form)
+            torch.autograd.grad(scalar * 1.5, leaf)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        leaf_in = static.requires_grad_(True)
+        scalar, outputs = step(leaf_in, x, form)
+        (grad,) = torch.autograd.grad(scalar * 1.5, leaf_in)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same(eager, (scalar.detach(), {k: v.detach() for k, v in outputs.items()}, grad),
+                exact=False)
