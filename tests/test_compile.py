@@ -12,7 +12,7 @@ from rlfuse.fused_losses import ggpo, gppo, gr_opd, logprobs, surrogate
 B, T, V, M = 4, 5, 37, 2   # an odd vocabulary; two groups of two
 
 
-def make_inputs(seed=0, *, batch=B, time=T):
+def make_inputs(device, seed=0, *, batch=B, time=T):
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -21,12 +21,12 @@ def make_inputs(seed=0, *, batch=B, time=T):
     mask = rand(batch, time) > 0.3
     mask[:, 0] = True
     old = -rand(batch, time) * 3
-    return SimpleNamespace(
-        logits=torch.randn(batch, time + 1, V, generator=gen) * 2,   # policy: [:, :-1]
-        lp=torch.cat([old + 0.3 * torch.randn(batch, time, generator=gen), old[:, :1]], 1),
-        targets=torch.randint(0, V, (batch, time), generator=gen), mask=mask, old=old,
-        ref=old - 0.2 * rand(batch, time), teacher=old - rand(batch, time),
-        adv=torch.randn(batch, generator=gen), rewards=(rand(batch) > 0.5).float())
+    x = dict(logits=torch.randn(batch, time + 1, V, generator=gen) * 2,   # policy: [:, :-1]
+             lp=torch.cat([old + 0.3 * torch.randn(batch, time, generator=gen), old[:, :1]], 1),
+             targets=torch.randint(0, V, (batch, time), generator=gen), mask=mask, old=old,
+             ref=old - 0.2 * rand(batch, time), teacher=old - rand(batch, time),
+             adv=torch.randn(batch, generator=gen), rewards=(rand(batch) > 0.5).float())
+    return SimpleNamespace(**{k: v.to(device) for k, v in x.items()})
 
 
 def policy_of(leaf, x, form, **kw):
@@ -80,31 +80,31 @@ def assert_same(eager, compiled, exact):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("name, form", CASES)
-def test_compiled_step_equals_eager(name, form, backend):
+def test_compiled_step_equals_eager(name, form, backend, device):
     """Forward and backward of every op in every policy form traced into one graph. aot_eager
     runs the same kernels and the same torch ops: bit-identical. Inductor fuses the torch ops
     around the kernels (metrics, weights) in its own order: equal to rounding."""
     torch._dynamo.reset()
-    step, x = STEPS[name][1], make_inputs()
+    step, x = STEPS[name][1], make_inputs(device)
     eager = run_step(step, x, form)
     compiled = run_step(torch.compile(step, backend=backend, fullgraph=True), x, form)
     assert_same(eager, compiled, exact=backend == "aot_eager")
 
 
-def test_compiled_step_with_new_shapes():
+def test_compiled_step_with_new_shapes(device):
     """A second shape recompiles with symbolic sizes: the fake implementations take them."""
     torch._dynamo.reset()
     step = STEPS["gppo"][1]
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
     for seed, (batch, time) in enumerate([(4, 5), (6, 3), (2, 9)]):
-        x = make_inputs(seed, batch=batch, time=time)
+        x = make_inputs(device, seed, batch=batch, time=time)
         for form in ("logprobs", "logits"):
             assert_same(run_step(step, x, form), run_step(compiled, x, form), exact=True)
 
 
-def test_compiled_fp16_logits_take_the_two_pass_path():
+def test_compiled_fp16_logits_take_the_two_pass_path(device):
     torch._dynamo.reset()
-    step, x = STEPS["gr_opd"][1], make_inputs(3)
+    step, x = STEPS["gr_opd"][1], make_inputs(device, 3)
     eager = run_step(step, x, "logits", torch.float16)
     compiled = run_step(torch.compile(step, backend="aot_eager", fullgraph=True), x, "logits",
                         torch.float16)
@@ -112,9 +112,9 @@ def test_compiled_fp16_logits_take_the_two_pass_path():
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_bounds_and_advantages(backend):
+def test_compiled_bounds_and_advantages(backend, device):
     torch._dynamo.reset()
-    x = make_inputs(4)
+    x = make_inputs(device, 4)
 
     def fn(old, teacher, mask):
         lo, hi = rlfuse.gppo_bounds(old, geometry="hellinger", topology="binary", delta=0.1)
@@ -127,12 +127,12 @@ def test_compiled_bounds_and_advantages(backend):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def test_no_graph_break():
+def test_no_graph_break(device):
     """A training step over a model head: one graph, no break."""
     torch._dynamo.reset()
-    x = make_inputs(5)
-    head = torch.nn.Linear(8, V)
-    hidden = torch.randn(B, T, 8)
+    x = make_inputs(device, 5)
+    head = torch.nn.Linear(8, V).to(device)
+    hidden = torch.randn(B, T, 8, device=device)
 
     def train_step(hidden):
         logits = head(hidden)
@@ -147,11 +147,11 @@ def test_no_graph_break():
         explanation.break_reasons
 
 
-def test_validate_under_compile_still_checks():
+def test_validate_under_compile_still_checks(device):
     """validate=True reads [B, T] values on the host: under torch.compile that is a graph break
     (so fullgraph=True needs validate=False), and the checks still raise."""
     torch._dynamo.reset()
-    x = make_inputs(6)
+    x = make_inputs(device, 6)
 
     def fn(lp, mask):
         return rlfuse.gppo_loss(lp, x.old, x.adv, mask).loss
@@ -170,32 +170,34 @@ def test_validate_under_compile_still_checks():
 # opcheck
 # --------------------------------------------------------------------------------------------
 
-def _op_cases():
-    x = make_inputs(7)
+def _op_cases(device):
+    x = make_inputs(device, 7)
     logits = x.logits[:, :-1].clone().requires_grad_(True)
     lp = x.lp[:, :-1].clone().requires_grad_(True)
-    weights = torch.full((B,), 0.1)
-    dlogits = torch.zeros(B, T, V)
+    weights = torch.full((B,), 0.1, device=device)
+    dlogits = torch.zeros(B, T, V, device=device)
     stats = logprobs.token_logprobs_op(logits.detach(), x.targets, x.mask, 0.9, False, False)[2]
     return {
         "token_logprobs": [(logits, x.targets, x.mask, 0.9, True, False),
                            (logits.reshape(-1, V), x.targets.reshape(-1), None, 1.0, False,
                             False)],
         "logits_grad_": [(dlogits, logits.detach(), x.targets, x.mask, stats, None,
-                          torch.randn(B, T), None, 0.9)],
+                          torch.randn(B, T, device=device), None, 0.9)],
         "surrogate": [(lp, x.old, x.adv, x.mask, weights, "chi2", "atomic", 0.04),
                       (lp, x.old, x.adv[:, None].expand(B, T), x.mask, weights, "ppo_clip",
                        "mc", 0.2)],
-        "surrogate_backward": [(lp.detach(), x.old, x.adv, x.mask, weights, torch.tensor(2.0),
-                                "tv", "binary", 0.1)],
+        "surrogate_backward": [(lp.detach(), x.old, x.adv, x.mask, weights,
+                                torch.tensor(2.0, device=device), "tv", "binary", 0.1)],
         "surrogate_logits": [(logits, x.targets, x.mask, x.old, x.adv, weights, 0.9, "kl",
                               "binary", 0.1, True, False),
                              (logits.detach(), x.targets, x.mask, x.old, x.adv, weights, 1.0,
                               "two_sided_log", "atomic", 0.1, False, False)],
-        "scale_rows_": [(torch.randn(B, T, V), x.mask, torch.tensor(0.5))],
+        "scale_rows_": [(torch.randn(B, T, V, device=device), x.mask,
+                         torch.tensor(0.5, device=device))],
         "ggpo": [(lp, x.ref, x.rewards, x.mask, M, 0.5, None, None),
                  (lp, x.ref, x.rewards, x.mask, M, 0.5, 0.1, 11.0)],
-        "ggpo_backward": [(torch.randn(B), x.mask, torch.tensor(1.5), torch.tensor(9.0),
+        "ggpo_backward": [(torch.randn(B, device=device), x.mask,
+                           torch.tensor(1.5, device=device), torch.tensor(9.0, device=device),
                            torch.float64)],
         "gppo_bounds": [(x.old, "kl", "binary", 0.1)],
         "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6)],
@@ -211,25 +213,25 @@ ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")
 
 
-def test_every_registered_op_is_opchecked():
+def test_every_registered_op_is_opchecked(device):
     registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
                   if n.startswith("rlfuse::")}
-    assert registered == set(OPS) == set(_op_cases())
+    assert registered == set(OPS) == set(_op_cases(device))
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_opcheck(name):
+def test_opcheck(name, device):
     """torch.library.opcheck: schema (declared mutations), autograd registration, the fake
     implementation against the real one, and AOT dispatch with dynamic shapes.
 
     rlfuse::surrogate_logits hands its dlogits output to its own backward, which rescales it in
     place (no copy, no host sync): opcheck's AOT test returns every output to the caller, a use
     the functional API never makes, so that one test runs with the gradient output dropped."""
-    for args in _op_cases()[name]:
+    for args in _op_cases(device)[name]:
         tests = ALL_TESTS[:3] if name == "surrogate_logits" else ALL_TESTS
         torch.library.opcheck(OPS[name], args, test_utils=tests)
     if name == "surrogate_logits":
-        for args in _op_cases()[name]:
+        for args in _op_cases(device)[name]:
             def loss_and_sums(*a):
                 return OPS[name](*a)[:2]
 
@@ -269,26 +271,26 @@ def no_host_reads():
 
 
 @pytest.mark.parametrize("name, form", CASES)
-def test_no_host_read_without_validation(name, form):
-    x = make_inputs(8)
+def test_no_host_read_without_validation(name, form, device):
+    x = make_inputs(device, 8)
     eager = run_step(STEPS[name][1], x, form)
     with no_host_reads():
         traced = run_step(STEPS[name][1], x, form)
     assert_same(eager, traced, exact=True)
 
 
-def test_validation_reads_the_host():
+def test_validation_reads_the_host(device):
     """The negative control of the trap above."""
-    x = make_inputs(9)
+    x = make_inputs(device, 9)
     with no_host_reads(), pytest.raises(AssertionError, match="host read"):
         rlfuse.gppo_loss(x.lp[:, :-1], x.old, x.adv, x.mask)
 
 
 @pytest.mark.parametrize("fn", ["gppo", "gr_opd"])
-def test_overflow_is_a_metric_without_validation(fn):
+def test_overflow_is_a_metric_without_validation(fn, device):
     """validate=True refuses an overflowing unclipped r A; validate=False reports it as the
     'overflow' metric (1), in both policy forms, as the reference does."""
-    x = make_inputs(10)
+    x = make_inputs(device, 10)
     x.lp[0, 0] = x.old[0, 0] + 100.0      # r = e^100 overflows fp32
     x.adv[0] = -1.0                       # the unclipped branch of a negative advantage
     x.mask[0, 0] = True
@@ -307,7 +309,7 @@ def test_overflow_is_a_metric_without_validation(fn):
                 out = call(False)
                 assert out.metrics["overflow"].item() == 1.0
                 assert not torch.isfinite(out.loss)
-    clean = make_inputs(11)
+    clean = make_inputs(device, 11)
     out = rlfuse.gppo_loss(clean.lp[:, :-1], clean.old, clean.adv, clean.mask, validate=False)
     assert out.metrics["overflow"].item() == 0.0
 
@@ -321,8 +323,7 @@ def test_overflow_is_a_metric_without_validation(fn):
 def test_gpu_no_sync_and_cuda_graph(name, form):
     """Without validation a step never syncs (CUDA's sync debug mode errors on one), and a whole
     forward + backward is captured by a CUDA graph and replayed to the eager result."""
-    step, x = STEPS[name][1], make_inputs(12)
-    x = SimpleNamespace(**{k: v.cuda() for k, v in vars(x).items()})
+    step, x = STEPS[name][1], make_inputs(torch.device("cuda"), 12)
     eager = run_step(step, x, form)
     torch.cuda.set_sync_debug_mode("error")
     try:

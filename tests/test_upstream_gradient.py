@@ -32,25 +32,30 @@ LOSSES = {
 }
 
 
-def grad_of(lib, name, case, dtype, form, scale, **kw):
+def on(case, device):
+    return {k: v.to(device) for k, v in case.items()}
+
+
+def grad_of(lib, name, case, dtype, form, scale, device="cpu", **kw):
+    case = on(case, device)
     leaf = (case["logits"] if form == "logits" else case["old"] + 0.05).to(dtype)
     leaf = leaf.clone().requires_grad_(True)
     pol = rlfuse.Logits(leaf, case["targets"]) if form == "logits" else leaf
     loss = LOSSES[name](lib, pol, case, **kw).loss
     (grad,) = torch.autograd.grad(loss * scale, leaf)
-    return grad
+    return grad.cpu()
 
 
 @pytest.mark.parametrize("scale", [1.0, -3.5, 1e-4, 2.0 ** 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_upstream_scale_from_logits(name, dtype, scale):
+def test_upstream_scale_from_logits(name, dtype, scale, device):
     """The gradient is formed at the true upstream scale before its one rounding to the logits'
     dtype: fp16 under a loss scaler's 2^16 with a large global token count keeps the entries
     that would underflow at scale 1 (they are ~1e-10 here), and 1e-4 does not overflow."""
     case = make_case(1)
     kw = {"num_sequences": 2e4} if name == "gr_opd" else {"num_tokens": 2e5}  # global counts
-    fused = grad_of(rlfuse, name, case, dtype, "logits", scale, **kw)
+    fused = grad_of(rlfuse, name, case, dtype, "logits", scale, device, **kw)
     ref = grad_of(reference, name, case, dtype, "logits", scale, **kw)
     ref64 = grad_of(reference, name, case, torch.float64, "logits", scale, **kw)
     assert fused.dtype == dtype
@@ -61,11 +66,11 @@ def test_upstream_scale_from_logits(name, dtype, scale):
 
 
 @pytest.mark.parametrize("name", ["gppo", "gr_opd"])
-def test_single_pass_backward_runs_once(name):
+def test_single_pass_backward_runs_once(name, device):
     """The single pass hands its gradient buffer out in the first backward; a second backward
     raises instead of returning a wrongly scaled gradient, and the gradient the caller holds
     is left as it was."""
-    case = make_case(2)
+    case = on(make_case(2), device)
     leaf = case["logits"].float().requires_grad_(True)
     loss = LOSSES[name](rlfuse, rlfuse.Logits(leaf, case["targets"]), case).loss
     (first,) = torch.autograd.grad(loss, leaf, retain_graph=True)
@@ -79,11 +84,11 @@ def test_single_pass_backward_runs_once(name):
     ("ggpo", "logits", torch.float32), ("ggpo", "logprobs", torch.float32),
     ("gppo", "logprobs", torch.float32), ("gr_opd", "logprobs", torch.float32),
     ("gppo", "logits", torch.float16), ("gr_opd", "logits", torch.float16)])
-def test_repeated_backward_accumulates(name, form, dtype):
+def test_repeated_backward_accumulates(name, form, dtype, device):
     """Every other path computes each backward from saved statistics: backward, then twice the
     loss backward again, accumulates three times the gradient (up to the rounding of each
     backward's gradient to the leaf's dtype: two fp16 subnormal steps)."""
-    case = make_case(3)
+    case = on(make_case(3), device)
     leaf = (case["logits"] if form == "logits" else case["old"] + 0.05).to(dtype)
     leaf = leaf.clone().requires_grad_(True)
     pol = rlfuse.Logits(leaf, case["targets"]) if form == "logits" else leaf
