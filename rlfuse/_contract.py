@@ -17,9 +17,9 @@ import torch
 
 from ._types import Logits, compute_dtype
 from ._validation import (check_actor_tokens, check_choice, check_finite, check_group_size,
-                          check_logits, check_mask, check_nonnegative, check_number,
-                          check_positive, check_sequence_tensor, check_targets, check_tensor,
-                          check_token_tensors, check_unit_interval)
+                          check_logits, check_mask, check_no_overlap, check_nonnegative,
+                          check_number, check_positive, check_sequence_tensor, check_targets,
+                          check_tensor, check_token_tensors, check_unit_interval)
 
 GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
 TOPOLOGIES = ("mc", "atomic", "binary")
@@ -56,6 +56,8 @@ def check_policy(policy) -> PolicyInfo:
         if policy.logits.dim() != 3:
             raise ValueError(f"policy.logits: expected shape [B, T, V], got "
                              f"{tuple(policy.logits.shape)}")
+        if policy.inplace_backward:
+            check_no_overlap("policy.logits", policy.logits)
         shape, device, dtype = policy.logits.shape[:2], policy.logits.device, policy.logits.dtype
     elif isinstance(policy, torch.Tensor):
         check_tensor("policy", policy, floating=True)
@@ -84,12 +86,14 @@ def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def check_logprob_args(logits, targets, temperature, mask,
-                       validate: bool = True) -> Optional[torch.Tensor]:
+def check_logprob_args(logits, targets, temperature, mask, inplace_backward: bool,
+                       validate: bool) -> Optional[torch.Tensor]:
     """Checks the arguments of ``token_logprobs``; returns the mask as bool (or None). Without
     ``validate`` the values (0/1 mask, target range: one host sync) are not checked."""
     check_logits(logits)
     check_positive("temperature", temperature)
+    if inplace_backward:
+        check_no_overlap("logits", logits)
     shape = tuple(logits.shape[:-1])
     if mask is not None:
         if validate:

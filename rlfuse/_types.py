@@ -6,9 +6,10 @@ from typing import Dict, NamedTuple
 import torch
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Where rlfuse accumulates: fp64 for fp64 inputs (for gradcheck), fp32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """Where rlfuse accumulates: fp64 when any of the inputs is fp64 (for gradcheck), fp32
+    otherwise."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 class LossOutput(NamedTuple):

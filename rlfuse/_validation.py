@@ -29,10 +29,8 @@ def check_tensor(name: str, x, *, shape: Optional[Sequence[int]] = None,
 
 
 def check_positive(name: str, value, *, allow_inf: bool = False) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+    """A number > 0 (finite unless ``allow_inf``); returns it as a Python float."""
+    value = check_number(name, value)
     if not (value > 0) or (math.isinf(value) and not allow_inf):
         bound = "> 0" if allow_inf else "finite and > 0"
         raise ValueError(f"{name}: expected a value {bound}, got {value}")
@@ -45,6 +43,20 @@ def check_logits(logits) -> None:
         raise ValueError(f"logits: expected shape [B, T, V] or [N, V], got {tuple(logits.shape)}")
     if logits.shape[-1] == 0:
         raise ValueError("logits: expected a vocabulary of at least one entry, got V = 0")
+
+
+def check_no_overlap(name: str, x: torch.Tensor) -> None:
+    """Distinct elements of ``x`` live in distinct memory, so writing into ``x`` in place cannot
+    race between programs (an expanded or stride-0 view fails). Sufficient test: with the dims
+    sorted by stride, each stride clears the extent of the smaller ones."""
+    extent = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz > 1):
+        if stride < extent:
+            raise ValueError(f"{name}: inplace_backward=True writes the gradient into the "
+                             f"logits' memory, but their elements overlap (shape "
+                             f"{tuple(x.shape)}, strides {x.stride()}: an expanded view?); "
+                             f"pass a tensor with memory of its own or inplace_backward=False")
+        extent += (size - 1) * stride
 
 
 def check_mask(mask, shape: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -200,7 +200,8 @@ def _op_cases(device):
                            torch.tensor(1.5, device=device), torch.tensor(9.0, device=device),
                            torch.float64)],
         "gppo_bounds": [(x.old, "kl", "binary", 0.1)],
-        "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6)],
+        "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6,
+                               torch.float64)],
     }
 
 

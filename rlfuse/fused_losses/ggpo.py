@@ -10,10 +10,11 @@ from .. import reference
 from .._contract import check_ggpo_args
 from .._dispatch import falls_back_to
 from .._types import LossOutput, compute_dtype
+from ._op import custom_op
 from .logprobs import policy_logprobs
 
 
-@torch.library.custom_op("rlfuse::ggpo", mutates_args=())
+@custom_op("ggpo")
 def ggpo_op(lp: Tensor, ref_lp: Tensor, rewards: Tensor, mask: Tensor, group_size: int,
             beta: float, clip_radius: Optional[float],
             num_tokens: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -42,7 +43,7 @@ def _(lp, ref_lp, rewards, mask, group_size, beta, clip_radius, num_tokens):
             lp.new_empty((B,), dtype=acc), lp.new_empty((), dtype=acc))
 
 
-@torch.library.custom_op("rlfuse::ggpo_backward", mutates_args=())
+@custom_op("ggpo_backward")
 def ggpo_backward_op(coef: Tensor, mask: Tensor, grad: Tensor, t_tok: Tensor,
                      dtype: torch.dtype) -> Tensor:
     """``dlp [B, T]`` of ``dtype``: ``-c_i M_it grad / t_tok`` (every scalar read on the

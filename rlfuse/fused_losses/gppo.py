@@ -11,10 +11,11 @@ from .. import reference
 from .._contract import aggregation_weights, check_bounds_args, check_gppo_args
 from .._dispatch import falls_back_to
 from .._types import LossOutput, compute_dtype
+from ._op import custom_op
 from .surrogate import surrogate_loss
 
 
-@torch.library.custom_op("rlfuse::gppo_bounds", mutates_args=())
+@custom_op("gppo_bounds")
 def gppo_bounds_op(old_logprobs: Tensor, geometry: str, topology: str,
                    delta: float) -> Tuple[Tensor, Tensor]:
     from ..kernels.gppo import gppo_bounds_kernel

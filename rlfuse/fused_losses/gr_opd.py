@@ -12,27 +12,28 @@ from .._contract import (aggregation_weights, check_advantage_inputs, check_gr_o
                          clamped_feedback, masked_mean)
 from .._dispatch import falls_back_to
 from .._types import LossOutput, compute_dtype
+from ._op import custom_op
 from .surrogate import surrogate_loss
 
 
-@torch.library.custom_op("rlfuse::gr_opd_advantages", mutates_args=())
+@custom_op("gr_opd_advantages")
 def gr_opd_advantages_op(old_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor,
                          group_size: int, gamma: float, lam: float, feedback_clip: float,
-                         adv_clip: float, std_eps: float) -> Tuple[Tensor, Tensor]:
-    """``(advantages [B], group_sums [G, GROUP_COLUMNS])`` in the compute dtype."""
+                         adv_clip: float, std_eps: float,
+                         acc: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """``(advantages [B], group_sums [G, GROUP_COLUMNS])`` computed in ``acc``."""
     from ..kernels.gr_opd import gr_opd_advantages_kernel
 
     return gr_opd_advantages_kernel(old_logprobs, teacher_logprobs, mask, group_size=group_size,
                                     gamma=gamma, lam=lam, feedback_clip=feedback_clip,
-                                    adv_clip=adv_clip, std_eps=std_eps)
+                                    adv_clip=adv_clip, std_eps=std_eps, acc=acc)
 
 
 @gr_opd_advantages_op.register_fake
 def _(old_logprobs, teacher_logprobs, mask, group_size, gamma, lam, feedback_clip, adv_clip,
-      std_eps):
+      std_eps, acc):
     from ..kernels.gr_opd import GROUP_COLUMNS
 
-    acc = compute_dtype(old_logprobs.dtype)
     B = old_logprobs.shape[0]
     return (old_logprobs.new_empty((B,), dtype=acc),
             old_logprobs.new_empty((B // group_size, len(GROUP_COLUMNS)), dtype=acc))
@@ -46,7 +47,8 @@ def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
     mask, hyper = check_advantage_inputs(
         old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
         feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps, validate=validate)
-    adv, _ = gr_opd_advantages_op(old_logprobs.detach(), teacher_logprobs.detach(), mask, *hyper)
+    adv, _ = gr_opd_advantages_op(old_logprobs.detach(), teacher_logprobs.detach(), mask, *hyper,
+                                  compute_dtype(old_logprobs.dtype, teacher_logprobs.dtype))
     return adv
 
 
@@ -61,16 +63,17 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
         lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
         advantages=advantages, num_sequences=num_sequences, validate=validate)
     cdt = info.compute_dtype
-    old = old_logprobs.detach()
+    old, teacher = old_logprobs.detach(), teacher_logprobs.detach()
+    acc = compute_dtype(cdt, old.dtype, teacher.dtype)   # the advantages' widest input
     if advantages is None:
         from ..kernels.gr_opd import GROUP_COLUMNS
 
-        adv, group_sums = gr_opd_advantages_op(old, teacher_logprobs.detach(), mask, *hyper)
+        adv, group_sums = gr_opd_advantages_op(old, teacher, mask, *hyper, acc)
         totals = dict(zip(GROUP_COLUMNS, group_sums.sum(0).unbind()))
         feedback_mean = totals["feedback"] / totals["tokens"].clamp_min(1)
     else:  # the metric alone, from [B, T] data
         adv = advantages.detach()
-        feedback_mean = masked_mean(clamped_feedback(old.to(cdt), teacher_logprobs.to(cdt), mask,
+        feedback_mean = masked_mean(clamped_feedback(old.to(acc), teacher.to(acc), mask,
                                                      hyper.feedback_clip), mask)
 
     weights = aggregation_weights(mask, "seq-mean-token-mean", cdt, num_sequences=num_sequences)

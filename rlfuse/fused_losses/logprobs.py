@@ -10,6 +10,7 @@ from .. import reference
 from .._contract import check_logprob_args
 from .._dispatch import falls_back_to
 from .._types import Logits, compute_dtype
+from ._op import custom_op
 
 
 def as_rows(logits: Tensor, targets: Tensor, mask: Optional[Tensor]):
@@ -30,7 +31,7 @@ def new_dlogits(logits: Tensor) -> Tensor:
     return empty(tuple(logits.shape), dtype=logits.dtype, device=logits.device)
 
 
-@torch.library.custom_op("rlfuse::token_logprobs", mutates_args=())
+@custom_op("token_logprobs")
 def token_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tensor], temperature: float,
                       with_entropy: bool, inplace_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy, stats)``: log-probs and entropy of the targets' shape (``entropy`` is
@@ -53,7 +54,7 @@ def _(logits, targets, mask, temperature, with_entropy, inplace_backward):
             logits.new_empty((targets.numel(), len(STAT_COLUMNS)), dtype=acc))
 
 
-@torch.library.custom_op("rlfuse::logits_grad_", mutates_args=("dlogits",))
+@custom_op("logits_grad_", mutates_args=("dlogits",))
 def logits_grad_op(dlogits: Tensor, logits: Optional[Tensor], targets: Tensor,
                    mask: Optional[Tensor], stats: Tensor, entropy: Optional[Tensor],
                    dlogp: Tensor, dentropy: Optional[Tensor], temperature: float) -> None:
@@ -116,7 +117,7 @@ token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                    return_entropy: bool = False, inplace_backward: bool = False,
                    mask: Optional[torch.Tensor] = None, validate: bool = True):
-    mask = check_logprob_args(logits, targets, temperature, mask, validate)
+    mask = check_logprob_args(logits, targets, temperature, mask, inplace_backward, validate)
     logp, entropy, _ = token_logprobs_op(logits, targets, mask, float(temperature),
                                          bool(return_entropy), bool(inplace_backward))
     return (logp, entropy) if return_entropy else logp

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .._contract import raise_on_overflow
 from .._types import Logits
+from ._op import custom_op
 from .logprobs import as_rows, policy_logprobs
 
 
@@ -36,7 +37,7 @@ def _sums_shape(rows) -> Tuple:
 # From log-probs
 # --------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("rlfuse::surrogate", mutates_args=())
+@custom_op("surrogate")
 def surrogate_op(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, row_scale: Tensor,
                  geometry: str, topology: str, delta: float) -> Tuple[Tensor, Tensor]:
     """``(loss, sums [B, SUM_COLUMNS])`` from learner log-probs ``lp [B, T]``; ``row_scale``: the
@@ -53,7 +54,7 @@ def _(lp, old_lp, adv, mask, row_scale, geometry, topology, delta):
     return row_scale.new_empty(()), row_scale.new_empty(_sums_shape(lp.shape[0]))
 
 
-@torch.library.custom_op("rlfuse::surrogate_backward", mutates_args=())
+@custom_op("surrogate_backward")
 def surrogate_backward_op(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor,
                           row_scale: Tensor, grad: Tensor, geometry: str, topology: str,
                           delta: float) -> Tensor:
@@ -90,7 +91,7 @@ surrogate_op.register_autograd(_surrogate_backward, setup_context=_surrogate_set
 # The single pass from logits
 # --------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("rlfuse::surrogate_logits", mutates_args=())
+@custom_op("surrogate_logits")
 def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: Tensor, adv: Tensor,
                         row_scale: Tensor, temperature: float, geometry: str, topology: str,
                         delta: float, write_dlogits: bool,
@@ -146,7 +147,7 @@ surrogate_logits_op.register_autograd(_surrogate_logits_backward,
                                       setup_context=_surrogate_logits_setup)
 
 
-@torch.library.custom_op("rlfuse::scale_rows_", mutates_args=("x",))
+@custom_op("scale_rows_", mutates_args=("x",))
 def scale_rows_op(x: Tensor, mask: Tensor, scale: Tensor) -> None:
     """``x[b, t] *= scale`` at the actor rows of ``x [B, T, V]``, in place; ``scale`` (0-dim) is
     read on the device, and a scale of 1 reads and writes nothing."""

@@ -138,7 +138,7 @@ def ggpo_fwd(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, rewards
     group_sums = empty((G, len(GROUP_COLUMNS)), dtype=acc, device=lp.device)
     if G == 0:
         return coef, group_sums
-    block_m, block_t = group_tile(T, group_size)
+    block_m, block_t, num_warps = group_tile(T, group_size)
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _ggpo_fwd_kernel[(G,)](
         lp, ref_lp, mask_u8, rewards,
@@ -148,7 +148,7 @@ def ggpo_fwd(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, rewards
         T, group_size,
         float(beta), math.inf if clip_radius is None else float(clip_radius),
         BLOCK_M=block_m, BLOCK_T=block_t, HAS_CLIP=clip_radius is not None,
-        ACC=tl_compute_dtype(lp.dtype),
+        ACC=tl_compute_dtype(lp.dtype), num_warps=num_warps,
     )
     return coef, group_sums
 

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .. import _contract
 from .._types import compute_dtype
-from .utils import constexpr_codes, empty
+from .utils import constexpr_codes, empty, fp64_parts
 
 # The region names the kernels know: GPPO's geometries, then PPO's fixed clip range.
 REGION_GEOMETRIES = _contract.GEOMETRIES + ("ppo_clip",)
@@ -87,16 +87,17 @@ def _binary_root_upper(mu, log_mu, log1m_mu, delta, S1: tl.constexpr):
 
 
 @triton.jit
-def region_bounds(old_lp, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
+def region_bounds(old_lp, delta_hi, delta_lo, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
     """fp64 ``(l, u)`` of the trust region of tokens with behavior log-probs ``old_lp``.
 
     mc: D = f(r); atomic: D = mu f(r); binary: the f-divergence of Bernoulli(mu) vs
     Bernoulli(mu r). Closed forms as in SPEC 4.2 (w = delta for mc, delta / mu for atomic); the
     binary kl and two_sided_log cells by ``_binary_root_*``. Lower bounds clamp at 0. With
     GEOMETRY == PPO_CLIP: the fixed range [1 - delta, 1 + delta]. An unknown code fails to
-    compile.
+    compile. ``delta = delta_hi + delta_lo`` in fp64 (``utils.fp64_parts``: on a GPU a float
+    argument is fp32).
     """
-    delta = tl.zeros_like(old_lp.to(tl.float64)) + delta
+    delta = (tl.zeros_like(old_lp.to(tl.float64)) + delta_hi) + delta_lo
     mu = tl.minimum(tl.maximum(tl.exp(old_lp.to(tl.float64)), MU_MIN), 1.0 - MU_MIN)
     one = tl.zeros_like(mu) + 1.0
     if GEOMETRY == PPO_CLIP:
@@ -162,13 +163,13 @@ def _gppo_bounds_kernel(
     # sizes
     N,
     # scalars
-    delta,
+    delta_hi, delta_lo,
     BLOCK: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < N
     old = tl.load(old_ptr + offs, mask=inside, other=0.0)
-    lo, hi = region_bounds(old, delta, GEOMETRY, TOPOLOGY)
+    lo, hi = region_bounds(old, delta_hi, delta_lo, GEOMETRY, TOPOLOGY)
     tl.store(lo_ptr + offs, lo.to(lo_ptr.dtype.element_ty), mask=inside)
     tl.store(hi_ptr + offs, hi.to(hi_ptr.dtype.element_ty), mask=inside)
 
@@ -187,7 +188,7 @@ def gppo_bounds_kernel(old_lp: torch.Tensor, geometry: str, topology: str, delta
         _gppo_bounds_kernel[(triton.cdiv(n, block),)](
             flat, lo, hi,
             n,
-            float(delta),
+            *fp64_parts(float(delta)),
             BLOCK=block, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         )
     return lo.view(old_lp.shape), hi.view(old_lp.shape)

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .._types import compute_dtype
 from .logprobs import mask_args
 from .utils import constexpr_codes, empty, group_tile, load_tile, tl_compute_dtype
 
@@ -74,16 +73,16 @@ def _gr_opd_adv_kernel(
 
 def gr_opd_advantages_kernel(old_lp: torch.Tensor, teacher_lp: torch.Tensor, mask: torch.Tensor, *,
                              group_size: int, gamma: float, lam: float, feedback_clip: float,
-                             adv_clip: float, std_eps: float):
-    """Returns ``(advantages [B], group_sums [G, N_GROUP_COLS])`` in the compute dtype."""
+                             adv_clip: float, std_eps: float, acc: torch.dtype):
+    """Returns ``(advantages [B], group_sums [G, N_GROUP_COLS])`` computed in ``acc`` (fp32 or
+    fp64)."""
     B, T = old_lp.shape
-    acc = compute_dtype(old_lp.dtype)
     G = B // group_size
     adv = empty((B,), dtype=acc, device=old_lp.device)
     group_sums = empty((G, len(GROUP_COLUMNS)), dtype=acc, device=old_lp.device)
     if B == 0:
         return adv, group_sums
-    block_m, block_t = group_tile(T, group_size)
+    block_m, block_t, num_warps = group_tile(T, group_size)
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _gr_opd_adv_kernel[(G,)](
         old_lp, teacher_lp, mask_u8,
@@ -92,6 +91,6 @@ def gr_opd_advantages_kernel(old_lp: torch.Tensor, teacher_lp: torch.Tensor, mas
         stride_mb, stride_mt,
         T, group_size,
         math.log(gamma), float(lam), float(feedback_clip), float(adv_clip), float(std_eps),
-        BLOCK_M=block_m, BLOCK_T=block_t, ACC=tl_compute_dtype(old_lp.dtype),
+        BLOCK_M=block_m, BLOCK_T=block_t, ACC=tl_compute_dtype(acc), num_warps=num_warps,
     )
     return adv, group_sums

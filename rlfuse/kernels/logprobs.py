@@ -25,9 +25,6 @@ STAT_COLUMNS = ("max", "log_sum")
 STAT_MAX, STAT_LOG_SUM = constexpr_codes(STAT_COLUMNS, *STAT_COLUMNS)
 N_STAT_COLS = tl.constexpr(len(STAT_COLUMNS))
 
-# A finite stand-in for -inf as the running max: keeps `m_old - m_new` finite when a whole block
-# of logits is -inf.
-_NEG_BIG = tl.constexpr(-3.0e38)
 # Below this, exp() is 0 in fp32 and fp64 alike.
 _LOG_TINY = tl.constexpr(-1.0e4)
 
@@ -43,20 +40,27 @@ def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.
     ``s' = a s`` and ``w' = a (w + (m - m') s)`` with ``a = exp(m - m')``. At the end
     ``entropy = lse - sum p z = log s - w / s``. Log-probs are then formed as
     ``(z - m) - log s``: no large number is rounded on the way, as in torch's log_softmax.
+
+    ``m`` starts at -inf, so logits of any size count (a finite stand-in would lose rows below
+    it). While every logit so far is -inf the shift is 0, not -inf - -inf. ``a (m - m')`` is
+    taken as 0 where ``a`` underflows: its limit, and it keeps ``0 * inf`` out when ``m - m'``
+    overflows (logits of +-1e38).
     """
-    m = tl.full((), _NEG_BIG, ACC)
+    m = tl.full((), float("-inf"), ACC)
     s = tl.zeros((), ACC)
     w = tl.zeros((), ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(ACC) * inv_temp
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(z - m_new)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - shift)
+        e = tl.exp(z - shift)
         if WITH_ENTROPY:
             # e == 0 wherever z - m_new is below _LOG_TINY, so the clamp changes nothing but
             # keeps 0 * -inf (a -inf logit or a padding lane) out of the sum.
-            w = alpha * (w + (m - m_new) * s) + tl.sum(e * tl.maximum(z - m_new, _LOG_TINY), axis=0)
+            moved = tl.where(alpha > 0, alpha * (m - shift), 0.0) * s
+            w = alpha * w + moved + tl.sum(e * tl.maximum(z - shift, _LOG_TINY), axis=0)
         s = alpha * s + tl.sum(e, axis=0)
         m = m_new
     log_s = tl.log(s)

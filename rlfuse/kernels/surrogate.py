@@ -24,7 +24,8 @@ from .._types import compute_dtype
 from .gppo import region_bounds, region_codes
 from .logprobs import (load_target_logit, mask_args, program_row, row_logsumexp,
                        row_write_dlogits, row_write_zeros)
-from .utils import constexpr_codes, empty, time_block, tl_compute_dtype, vocab_launch_config
+from .utils import (constexpr_codes, empty, fp64_parts, time_block, tl_compute_dtype,
+                    vocab_launch_config)
 
 # Columns of the per-row (from log-probs) and per-token (from logits) partial sums.
 SUM_COLUMNS = ("loss", "clip_low", "clip_high", "ratio", "neg_log_ratio", "overflow")
@@ -36,14 +37,21 @@ N_SUM_COLS = tl.constexpr(len(SUM_COLUMNS))
 @triton.jit
 def clipped_surrogate(log_ratio, adv, lo, hi):
     """(J, dJ/dlp, clipped_low, clipped_high, overflow) of tokens with the given log-ratios,
-    advantages and fp64 bounds. ``overflow``: the selected r A is not representable."""
+    advantages and fp64 bounds.
+
+    The bounds are rounded to the compute dtype first, as the reference holds them: a bound
+    beyond the dtype's range is inf, so its branch is never the clipped one. ``overflow``: the
+    selected J is not finite (r A of the unclipped branch, or a clipped bound times A).
+    """
+    lo = lo.to(log_ratio.dtype)
+    hi = hi.to(log_ratio.dtype)
     clipped_high = (adv > 0) & (log_ratio > tl.log(hi))
     clipped_low = (adv < 0) & (log_ratio < tl.log(lo))
     active = (adv != 0) & ~(clipped_high | clipped_low)
     dj = tl.where(active, tl.exp(tl.where(active, log_ratio, 0.0)) * adv, 0.0)
-    bound = tl.where(clipped_high, hi, tl.where(clipped_low, lo, 0.0)).to(dj.dtype)
+    bound = tl.where(clipped_high, hi, tl.where(clipped_low, lo, 0.0))
     j = tl.where(active, dj, bound * adv)
-    overflow = active & (tl.abs(dj) == float("inf"))
+    overflow = ~(tl.abs(j) < float("inf"))
     return j, dj, clipped_low, clipped_high, overflow
 
 
@@ -58,7 +66,7 @@ def _surrogate_fwd_kernel(
     # sizes
     T,
     # scalars
-    delta,
+    delta_hi, delta_lo,  # the region size delta = hi + lo in fp64
     BLOCK_T: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -74,7 +82,7 @@ def _surrogate_fwd_kernel(
         lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0).to(ACC)
         old = tl.load(old_ptr + b * stride_ob + cols * stride_ot, mask=actor, other=0.0).to(ACC)
         adv = tl.load(adv_ptr + b * stride_ab + cols * stride_at, mask=actor, other=0.0).to(ACC)
-        lo, hi = region_bounds(old, delta, GEOMETRY, TOPOLOGY)
+        lo, hi = region_bounds(old, delta_hi, delta_lo, GEOMETRY, TOPOLOGY)
         log_ratio = lp - old
         j, _, low, high, bad = clipped_surrogate(log_ratio, adv, lo, hi)
         loss += tl.where(actor, j, 0.0)
@@ -102,7 +110,7 @@ def _surrogate_bwd_kernel(
     # sizes
     T, n_t_blocks,
     # scalars
-    delta,
+    delta_hi, delta_lo,  # the region size delta = hi + lo in fp64
     BLOCK_T: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
 ):
     # dL/dlp_bt = -g row_scale[b] M_bt dJ/dlp_bt
@@ -114,7 +122,7 @@ def _surrogate_bwd_kernel(
     lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0).to(ACC)
     old = tl.load(old_ptr + b * stride_ob + cols * stride_ot, mask=actor, other=0.0).to(ACC)
     adv = tl.load(adv_ptr + b * stride_ab + cols * stride_at, mask=actor, other=0.0).to(ACC)
-    lo, hi = region_bounds(old, delta, GEOMETRY, TOPOLOGY)
+    lo, hi = region_bounds(old, delta_hi, delta_lo, GEOMETRY, TOPOLOGY)
     _, dj, _, _, _ = clipped_surrogate(lp - old, adv, lo, hi)
     scale = -tl.load(grad_ptr).to(ACC) * tl.load(row_scale_ptr + b).to(ACC)
     dlp = tl.where(actor, dj * scale, 0.0)
@@ -134,7 +142,7 @@ def _surrogate_logits_kernel(
     # sizes
     T, V,
     # scalars
-    inv_temp, delta,
+    inv_temp, delta_hi, delta_lo,
     BLOCK_V: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
     WRITE_DLOGITS: tl.constexpr,
 ):
@@ -146,11 +154,14 @@ def _surrogate_logits_kernel(
     out = sums_ptr + row * N_SUM_COLS
     if is_actor:
         row_ptr = logits_ptr + b * stride_lb + t * stride_lt
+        # z[y] is read before the logsumexp pass, whose block reductions (barriers) order it
+        # before any thread's dlogits store: in place, the write pass overwrites z[y].
+        z_y = load_target_logit(row_ptr, y, V, inv_temp, ACC)
         m, log_s, _ = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, False, ACC)
-        lp = (load_target_logit(row_ptr, y, V, inv_temp, ACC) - m) - log_s
+        lp = (z_y - m) - log_s
         old = tl.load(old_ptr + b * stride_ob + t * stride_ot).to(ACC)
         adv = tl.load(adv_ptr + b * stride_ab + t * stride_at).to(ACC)
-        lo, hi = region_bounds(old, delta, GEOMETRY, TOPOLOGY)
+        lo, hi = region_bounds(old, delta_hi, delta_lo, GEOMETRY, TOPOLOGY)
         log_ratio = lp - old
         j, dj, low, high, bad = clipped_surrogate(log_ratio, adv, lo, hi)
         row_scale = tl.load(row_scale_ptr + b).to(ACC)
@@ -193,7 +204,7 @@ def surrogate_fwd(lp, old_lp, adv, mask, row_scale, *, geometry, topology, delta
         lp.stride(0), lp.stride(1), old_lp.stride(0), old_lp.stride(1), *_adv_strides(adv),
         stride_mb, stride_mt,
         T,
-        float(delta),
+        *fp64_parts(float(delta)),
         BLOCK_T=time_block(T), GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         ACC=tl_compute_dtype(lp.dtype),
     )
@@ -216,7 +227,7 @@ def surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, *, geometry, topology,
         lp.stride(0), lp.stride(1), old_lp.stride(0), old_lp.stride(1), *_adv_strides(adv),
         stride_mb, stride_mt,
         T, n_t_blocks,
-        float(delta),
+        *fp64_parts(float(delta)),
         BLOCK_T=block_t, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         ACC=tl_compute_dtype(lp.dtype),
     )
@@ -247,7 +258,7 @@ def surrogate_logits(logits, targets, mask, old_lp, adv, row_scale, *, temperatu
         stride_mb, stride_mt, old_lp.stride(0), old_lp.stride(1), *_adv_strides(adv),
         *((dlogits.stride(0), dlogits.stride(1)) if write_dlogits else (0, 0)),
         T, V,
-        1.0 / temperature, float(delta),
+        1.0 / temperature, *fp64_parts(float(delta)),
         BLOCK_V=block_v, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits, num_warps=num_warps,
     )

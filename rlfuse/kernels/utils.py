@@ -2,7 +2,9 @@
 table, output allocation."""
 from __future__ import annotations
 
+import math
 import os
+import struct
 
 import torch
 import triton
@@ -54,10 +56,25 @@ def time_block(T: int) -> int:
 
 
 def group_tile(T: int, group_size: int):
-    """(BLOCK_M, BLOCK_T) of the [group rows, time] tile of a one-program-per-group kernel:
-    about 4096 elements."""
+    """(BLOCK_M, BLOCK_T, num_warps) of the [group rows, time] tile of a one-program-per-group
+    kernel: at most 4096 elements (BLOCK_T shrinks as groups grow, down to 1), and more warps
+    for large groups, so that a thread holds a few elements of each tile and of each per-row
+    vector (no register spill up to groups of 4096)."""
     block_m = triton.next_power_of_2(group_size)
-    return block_m, max(16, min(triton.next_power_of_2(max(T, 1)), 4096 // block_m))
+    block_t = max(1, min(triton.next_power_of_2(max(T, 1)), 4096 // block_m))
+    num_warps = 4 if block_m <= 256 else (8 if block_m <= 512 else 16)
+    return block_m, block_t, num_warps
+
+
+def fp64_parts(x: float):
+    """``x`` as ``(hi, lo)``, two fp32-representable floats whose fp64 sum is ``x`` to 48 bits:
+    Triton passes a Python float to a GPU kernel as fp32, so a kernel that computes in fp64
+    takes a hyper-parameter as ``hi + lo``."""
+    try:
+        hi = struct.unpack("f", struct.pack("f", x))[0]   # x rounded to fp32
+    except OverflowError:
+        hi = math.inf
+    return (hi, x - hi) if math.isfinite(hi) else (x, 0.0)  # beyond fp32: inf on a GPU
 
 
 @triton.jit

@@ -154,9 +154,9 @@ def clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tens
     selected branch is evaluated: a clipped token is the constant ``bound · A`` (zero gradient)
     and never exponentiates its log-ratio, so any log-ratio is safe there. Elsewhere
     ``J = r A`` and ``∂J/∂log r = r A``; a token with ``A = 0`` is 0 without evaluating r.
-    ``overflow`` marks the tokens whose selected ``r A`` is not representable in the dtype
-    (only possible for the unclipped branch of a negative advantage, or a positive one under an
-    infinite upper bound): the losses refuse them (``validate=True``) or report them.
+    ``overflow`` marks the tokens whose selected value is not representable in the dtype (the
+    unclipped ``r A`` of a negative advantage, or of a positive one under an upper bound beyond
+    the dtype's range): the losses refuse them (``validate=True``) or report them.
     """
     with torch.no_grad():
         clipped_high = mask & (adv > 0) & (log_ratio > hi.log())
@@ -165,7 +165,7 @@ def clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tens
         bound = torch.where(clipped_high, hi, torch.where(clipped_low, lo, torch.zeros_like(lo)))
     ratio = torch.exp(torch.where(ratio_used, log_ratio, torch.zeros_like(log_ratio)))
     value = torch.where(ratio_used, ratio * adv, bound * adv)
-    overflow = ratio_used & ~torch.isfinite(value.detach())
+    overflow = mask & ~torch.isfinite(value.detach())
     return Surrogate(value, ratio_used, clipped_low, clipped_high, overflow)
 
 
@@ -248,7 +248,8 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
     info, mask, delta, num_tokens, num_sequences = check_gppo_args(
         policy, old_logprobs, advantages, mask, geometry=geometry, topology=topology, delta=delta,
         agg=agg, num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
-    lo, hi = gppo_bounds(torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs)),
+    # fp64 bounds, rounded once to the compute dtype (a bound beyond its range becomes inf)
+    lo, hi = gppo_bounds(torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs)).double(),
                          geometry=geometry, topology=topology, delta=delta)
 
     cdt = info.compute_dtype

@@ -47,7 +47,7 @@ def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
     mask, (m, gamma, lam, feedback_clip, adv_clip, std_eps) = check_advantage_inputs(
         old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
         feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps, validate=validate)
-    cdt = compute_dtype(old_logprobs.dtype)
+    cdt = compute_dtype(old_logprobs.dtype, teacher_logprobs.dtype)
     with torch.no_grad():
         feedback = clamped_feedback(old_logprobs.to(cdt), teacher_logprobs.to(cdt), mask,
                                     feedback_clip)
@@ -104,17 +104,19 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     batch = info.shape[0]
 
     cdt = info.compute_dtype
+    acc = compute_dtype(cdt, old_logprobs.dtype, teacher_logprobs.dtype)  # widest input
     lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)
     old = torch.where(mask, old_logprobs.detach().to(cdt), 0.0)
     with torch.no_grad():
-        feedback = clamped_feedback(old, teacher_logprobs.to(cdt), mask, hyper.feedback_clip)
+        feedback = clamped_feedback(old_logprobs.to(acc), teacher_logprobs.to(acc), mask,
+                                    hyper.feedback_clip)
         if advantages is None:
             adv_seq = _advantages(feedback, mask, hyper.group_size, hyper.gamma, hyper.lam,
                                   hyper.adv_clip, hyper.std_eps)
         else:
-            adv_seq = advantages.to(cdt)
+            adv_seq = advantages.to(acc)
         feedback_mean = masked_mean(feedback, mask)
-        adv = torch.where(mask, adv_seq.unsqueeze(-1).expand(info.shape), 0.0)
+        adv = torch.where(mask, adv_seq.unsqueeze(-1).expand(info.shape), 0.0).to(cdt)
         lo = torch.full_like(lp, max(1.0 - eps, 0.0))
         hi = torch.full_like(lp, 1.0 + eps)
     sur = clipped_surrogate(lp - old, adv, lo, hi, mask)

@@ -39,9 +39,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     numbers per position (the row max and the log-sum of the shifted exponentials, whose sum is
     the logsumexp); the backward reads the logits once more and writes the gradient once.
     """
-    mask = check_logprob_args(logits, targets, temperature, mask, validate)
-    compute = compute_dtype(logits.dtype)
-    logp_all = torch.log_softmax(logits.to(compute) / temperature, dim=-1)
+    mask = check_logprob_args(logits, targets, temperature, mask, inplace_backward, validate)
+    z = logits.to(compute_dtype(logits.dtype))
+    if mask is not None:  # masked rows may hold NaN / inf: never let them into the arithmetic
+        z = torch.where(mask.unsqueeze(-1), z, torch.zeros_like(z))
+    logp_all = torch.log_softmax(z / temperature, dim=-1)
     safe_targets = targets.long().clamp(0, logits.shape[-1] - 1)
     if mask is not None:
         safe_targets = torch.where(mask, safe_targets, torch.zeros_like(safe_targets))
