@@ -151,6 +151,16 @@ def _drive():
             backward(rlfuse.gppo_loss(rlfuse.Logits(x, targets), old, adv_seq, mask,
                                       geometry=geometry, topology=topology, delta=0.1).loss)
 
+    # The group kernels hold a whole group: large groups must not spill either.
+    for group in (256, 1024):
+        lp = -torch.rand(group, 64, generator=g, requires_grad=True)   # a full tile
+        ones = torch.ones(group, 64, dtype=torch.bool)
+        rewards_g = torch.rand(group, generator=g)
+        for clip in (None, 0.25):
+            backward(rlfuse.ggpo_loss(lp, lp.detach(), rewards_g, ones, group_size=group,
+                                      beta=0.5, clip_radius=clip).loss)
+        rlfuse.gr_opd_advantages(lp.detach(), lp.detach() - 0.5, ones, group_size=group)
+
 
 def _resources(kernel) -> dict:
     """Registers and local memory per thread of the kernel's cubin (``cuobjdump``)."""

@@ -83,6 +83,11 @@ def _ggpo_fwd_kernel(
             s_clip += tl.sum(tl.minimum(tl.maximum(diff, -clip_radius), clip_radius), axis=1)
             clipped += tl.sum((actor & (tl.abs(diff) > clip_radius)).to(tl.int32), axis=1)
 
+    # Each row sum the loop carries is used once after it (the where: an exact copy, rows past
+    # m are 0): Triton 3.2-3.6's thread-locality pass asserts on a loop result with several
+    # uses once a group is large.
+    s = tl.where(row_valid, s, 0.0)
+    s_clip = tl.where(row_valid, s_clip, 0.0)
     r = tl.load(rewards_ptr + rows * stride_rw, mask=row_valid, other=0.0).to(ACC)
     m_f = tl.sum(row_valid.to(ACC), axis=0)  # m in the compute dtype
     log_ratio = s - s_ref

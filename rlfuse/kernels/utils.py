@@ -62,7 +62,7 @@ def group_tile(T: int, group_size: int):
     vector (no register spill up to groups of 4096)."""
     block_m = triton.next_power_of_2(group_size)
     block_t = max(1, min(triton.next_power_of_2(max(T, 1)), 4096 // block_m))
-    num_warps = 4 if block_m <= 256 else (8 if block_m <= 512 else 16)
+    num_warps = 4 if block_m <= 64 else (8 if block_m <= 256 else 16)
     return block_m, block_t, num_warps
 
 
