@@ -39,9 +39,10 @@ def run_loss(fn, policy_buffer, *, dtype, logits_targets=None, device="cpu", pad
 
 
 def check_three_way(fused_fn, ref_fn, policy_buffer, *, dtype, args64, args, device,
-                    logits_targets=None, metric_names=(), metric_scales=None, **kw):
+                    logits_targets=None, metric_names=(), metric_scales=None, loss_scale=None,
+                    grad_scale=None, **kw):
     """Fused and same-dtype reference against the float64 reference: loss, gradient, metrics
-    (``metric_scales``: see ``assert_three_way``'s ``scale``)."""
+    (``metric_scales``, ``loss_scale``, ``grad_scale``: see ``assert_three_way``'s ``scale``)."""
     fused = run_loss(fused_fn, policy_buffer, dtype=dtype, args=args, device=device,
                      logits_targets=logits_targets, **kw)
     ref = run_loss(ref_fn, policy_buffer, dtype=dtype, args=args, logits_targets=logits_targets,
@@ -50,9 +51,9 @@ def check_three_way(fused_fn, ref_fn, policy_buffer, *, dtype, args64, args, dev
                      logits_targets=logits_targets, **kw)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     assert fused[0].dtype == acc and fused[0].dim() == 0
-    assert_three_way(fused[0].cpu(), ref[0], ref64[0], "loss")
+    assert_three_way(fused[0].cpu(), ref[0], ref64[0], "loss", scale=loss_scale)
     assert fused[2].dtype == dtype
-    assert_three_way(fused[2].cpu(), ref[2], ref64[2], "gradient")
+    assert_three_way(fused[2].cpu(), ref[2], ref64[2], "gradient", scale=grad_scale)
     assert set(fused[1]) == set(ref64[1]) and set(metric_names) <= set(fused[1])
     for name in fused[1]:
         assert fused[1][name].dim() == 0 and not fused[1][name].requires_grad

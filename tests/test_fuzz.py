@@ -1,0 +1,191 @@
+"""Randomised parity: every loss in both policy forms against float64, over dtypes, layouts,
+masks, logit scales, upstream scales and hyper-parameter edges (hypothesis, bounded in time).
+
+The bar is the three-way rule of conftest: the fused error may exceed the error plain torch
+commits in the same dtype by a small factor, plus a few units of rounding (atol) of the terms
+that cancel in the result (``scale``), derived per result from float64 quantities:
+- a loss of the surrogate family: sum_bt w_b |J_bt| (its terms, r A of either sign, cancel),
+  with GR-OPD's advantages widened by their own conditioning (a group of close scores);
+- GGPO: sqrt(m - 1) max|lp| + max|r| / (beta sqrt(m - 1)), the sensitivity of the loss to the
+  sums of log-probs and to the rewards over beta;
+- dlogits: max |dL/dlp| / tau (the gradient g (1[v = y] - p) / tau cancels at p -> 1), and for
+  the entropy's gradient |dL/dH| (1/e + log V) / tau (p |log p| <= 1/e, p H <= log V);
+- log-probs, entropy, mean log-ratios: the log-probs' magnitude.
+"""
+import math
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rlfuse
+from rlfuse import reference
+from rlfuse._contract import AGGREGATIONS, GEOMETRIES, TOPOLOGIES, aggregation_weights
+from rlfuse.reference.gppo import clipped_surrogate
+
+from conftest import assert_three_way, fp32_exact
+from loss_harness import check_three_way, with_garbage
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow])
+
+dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64])
+
+
+@st.composite
+def batches(draw, *, min_group=1):
+    """(B, T, m, mask, generator): groups of m rows, masks from sparse to full (at least one
+    actor token per row, which every loss's defaults accept)."""
+    m = draw(st.integers(min_group, 4))
+    B = m * draw(st.integers(1, 3))
+    T = draw(st.integers(1, 7))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+    mask = torch.rand(B, T, generator=gen) >= draw(st.sampled_from([0.0, 0.3, 0.9]))
+    mask[torch.arange(B), torch.randint(0, T, (B,), generator=gen)] = True
+    return B, T, m, mask, gen
+
+
+@st.composite
+def policies(draw, B, T, gen, mask):
+    """A policy: log-probs, or logits of an odd or block-crossing vocabulary at several scales
+    and temperatures. Returns (buffer [B, T+1(, V)] in float64, targets or None, dtype,
+    temperature, float64 log-probs [B, T])."""
+    dtype = draw(dtypes)
+    if draw(st.booleans()):
+        buffer = -torch.rand(B, T + 1, generator=gen, dtype=torch.float64) * 6
+        buffer = buffer.to(dtype).double()   # float64 sees the same rounded inputs
+        return buffer, None, dtype, 1.0, buffer[:, :-1]
+    V = draw(st.sampled_from([1, 7, 37, 2049, 4099]))
+    logit_scale = draw(st.sampled_from([1.0, 30.0, 1e3]))
+    temperature = fp32_exact(draw(st.sampled_from([0.25, 1.0, 4.0])))
+    logits = torch.randn(B, T + 1, V, generator=gen, dtype=torch.float64) * logit_scale
+    logits = logits.to(dtype).double()
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    targets[~mask] = -100                    # masked targets out of range: never read
+    lp = reference.token_logprobs(logits[:, :-1], targets, temperature=temperature, mask=mask)
+    return logits, targets, dtype, temperature, lp
+
+
+def loss_gradient_scale(ref_fn, lp64, temperature, from_logits, args64, **kw):
+    """max |dL/dlp| (float64), over tau for a policy given as logits."""
+    lp = lp64.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(ref_fn(lp, *args64, **kw).loss, lp)
+    scale = g.abs().max().item()
+    return scale / temperature if from_logits else scale
+
+
+def surrogate_scale(lp64, old, adv, mask, lo, hi, agg, **counts):
+    """sum_bt w_b |J_bt| in float64: the size of the terms a surrogate loss adds up."""
+    adv = adv.unsqueeze(-1).expand(mask.shape) if adv.dim() == 1 else adv
+    old = torch.where(mask, old, 0.0)
+    sur = clipped_surrogate(torch.where(mask, lp64 - old, 0.0), torch.where(mask, adv, 0.0),
+                            lo, hi, mask)
+    weights = aggregation_weights(mask, agg, torch.float64, **counts)
+    return (sur.value.abs().sum(-1) * weights).sum().item()
+
+
+def run(fused_fn, ref_fn, policy, args64, *, loss_scale, metric_scales, **kw):
+    buffer, targets, dtype, temperature, lp64 = policy
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    args = tuple(a.to(acc) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args64)
+    grad_scale = loss_gradient_scale(ref_fn, lp64, temperature, targets is not None, args64,
+                                     **kw)
+    check_three_way(fused_fn, ref_fn, buffer, dtype=dtype, device=DEVICE, args=args,
+                    args64=args64, logits_targets=targets, temperature=temperature,
+                    metric_scales=metric_scales, loss_scale=max(1.0, loss_scale),
+                    grad_scale=max(1e-30, grad_scale), **kw)
+
+
+@FUZZ
+@given(data=st.data())
+def test_ggpo(data):
+    B, T, m, mask, gen = data.draw(batches(min_group=2))
+    policy = data.draw(policies(B, T, gen, mask))
+    ref = with_garbage(-torch.rand(B, T, generator=gen, dtype=torch.float64) * 6, mask)
+    rewards = torch.randn(B, generator=gen, dtype=torch.float64) * data.draw(
+        st.sampled_from([1.0, 100.0]))
+    beta = fp32_exact(data.draw(st.sampled_from([0.01, 0.5, 10.0])))
+    lp_max = torch.where(mask, policy[4], 0.0).abs().max().item() + 6
+    loss_scale = (math.sqrt(m - 1) * lp_max
+                  + rewards.abs().max().item() / (beta * math.sqrt(m - 1)))
+    run(rlfuse.ggpo_loss, reference.ggpo_loss, policy, (ref, rewards, mask),
+        loss_scale=loss_scale, metric_scales={"seq_logratio_mean": lp_max * T,
+                                              "gap": loss_scale},
+        group_size=m, beta=beta,
+        clip_radius=data.draw(st.sampled_from([None, 0.125, float("inf")])))
+
+
+@FUZZ
+@given(data=st.data())
+def test_gppo(data):
+    B, T, m, mask, gen = data.draw(batches())
+    policy = data.draw(policies(B, T, gen, mask))
+    old = with_garbage(-torch.rand(B, T, generator=gen, dtype=torch.float64) * 6, mask)
+    per_token = data.draw(st.booleans())
+    adv = torch.randn((B, T) if per_token else (B,), generator=gen, dtype=torch.float64)
+    region = dict(geometry=data.draw(st.sampled_from(GEOMETRIES)),
+                  topology=data.draw(st.sampled_from(TOPOLOGIES)),
+                  delta=fp32_exact(data.draw(st.sampled_from([1e-4, 0.04, 2.0]))))
+    agg = data.draw(st.sampled_from(AGGREGATIONS))
+    lo, hi = reference.gppo_bounds(torch.where(mask, old, 0.0), **region)
+    lp_max = torch.where(mask, policy[4], 0.0).abs().max().item() + 6
+    run(rlfuse.gppo_loss, reference.gppo_loss, policy, (old, adv, mask),
+        loss_scale=surrogate_scale(policy[4], old, adv, mask, lo, hi, agg),
+        metric_scales={"approx_kl": lp_max}, agg=agg, validate=False, **region)
+
+
+@FUZZ
+@given(data=st.data())
+def test_gr_opd(data):
+    B, T, m, mask, gen = data.draw(batches())
+    policy = data.draw(policies(B, T, gen, mask))
+    old = with_garbage(-torch.rand(B, T, generator=gen, dtype=torch.float64) * 6, mask)
+    teacher = with_garbage(-torch.rand(B, T, generator=gen, dtype=torch.float64) * 6, mask)
+    kw = dict(group_size=m, eps=fp32_exact(data.draw(st.sampled_from([0.01, 0.25, 0.9]))),
+              gamma=fp32_exact(data.draw(st.sampled_from([0.5, 1.0]))),
+              lam=fp32_exact(data.draw(st.sampled_from([0.0, 0.25]))))
+    adv = reference.gr_opd_advantages(old, teacher, mask, group_size=m, gamma=kw["gamma"],
+                                      lam=kw["lam"])
+    # A = (S - (1 - lam) mean S) / (std S + eps): an error d in the scores S moves A by up to
+    # (2 + |A|) d / std, so A's own scale is (2 + max|A|) max|S| / std
+    feedback = torch.where(mask, (teacher - old).clamp(-5, 5), 0.0)
+    weight = torch.where(mask, kw["gamma"] ** (mask.cumsum(-1) - 1.0), 0.0)
+    scores = (weight * feedback).sum(-1) / weight.sum(-1)
+    std = scores.reshape(-1, m).std(-1, correction=0).min().item() + 1e-6
+    adv_scale = (2 + adv.abs().max().item()) * (scores.abs().max().item() + 1) / std
+    lo = torch.full_like(old, max(1 - kw["eps"], 0.0))
+    loss_scale = surrogate_scale(policy[4], old, adv.abs() + adv_scale, mask, lo, 2 - lo,
+                                 "seq-mean-token-mean")
+    run(rlfuse.gr_opd_loss, reference.gr_opd_loss, policy, (old, teacher, mask),
+        loss_scale=loss_scale, metric_scales={"feedback_mean": 6.0, "adv_mean": adv_scale,
+                                              "adv_abs_mean": adv_scale}, **kw)
+
+
+@FUZZ
+@given(data=st.data())
+def test_upstream_scale_and_entropy(data):
+    """token_logprobs with entropy, both upstream gradients at scales from 1e-4 to 2^16."""
+    B, T, m, mask, gen = data.draw(batches())
+    logits, targets, dtype, temperature, lp64 = data.draw(
+        policies(B, T, gen, mask).filter(lambda p: p[1] is not None))
+    # fp16 holds gradients up to 65504: a loss scaler's 2^16 multiplies a mean over many tokens,
+    # here a sum, so fp16 takes its largest scale 2^10
+    top = 2.0 ** (10 if dtype == torch.float16 else 16)
+    g_lp, g_ent = (data.draw(st.sampled_from([1e-4, -1.0, 3.5, top])) for _ in range(2))
+    results = []
+    for lib, dt, dev in ((rlfuse, dtype, DEVICE), (reference, dtype, "cpu"),
+                         (reference, torch.float64, "cpu")):
+        x = logits[:, :-1].to(dt).to(dev).requires_grad_(True)
+        lp, ent = lib.token_logprobs(x, targets.to(dev), mask=mask.to(dev),
+                                     temperature=temperature, return_entropy=True)
+        (grad,) = torch.autograd.grad(g_lp * lp.sum() + g_ent * ent.sum(), x)
+        results.append([t.detach().cpu() for t in (lp, ent, grad)])
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    V = logits.shape[-1]
+    scales = (lp64.abs().max().item() + 1, lp64.abs().max().item() + 1,
+              (abs(g_lp) + abs(g_ent) * (1 / math.e + math.log(V))) / temperature)
+    for i, name in enumerate(("logp", "entropy", "dlogits")):
+        assert_three_way(*(r[i] for r in results), name, atol_dtype=acc if i < 2 else dtype,
+                         scale=max(1.0, scales[i]) if i < 2 else scales[i])

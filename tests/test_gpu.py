@@ -1,0 +1,209 @@
+"""What only a GPU shows: concurrency inside a row, several devices, streams, alignment, int64
+offsets at real sizes, approximate math, fp32 argument passing, determinism. Every test is
+marked ``gpu`` (skipped without CUDA; ``bench/gpu_check.sh`` runs them)."""
+import pytest
+import torch
+
+import rlfuse
+from rlfuse import reference
+
+from conftest import assert_three_way
+
+pytestmark = pytest.mark.gpu
+B, T, V, M = 4, 6, 8192 + 77, 2   # bf16: two 8192-wide blocks of 16 warps, a ragged tail
+
+
+def case(device, dtype=torch.bfloat16, *, seed=0, vocab=V, batch=B, time=T, scale=2.0):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, time, generator=gen) > 0.25
+    mask[:, 0] = True
+    logits = torch.randn(batch, time, vocab, generator=gen) * scale
+    targets = torch.randint(0, vocab, (batch, time), generator=gen)
+    targets[:, 0] = vocab - 1                                     # a target in the last block
+    old = torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None])[..., 0]
+    old = (old + 0.3 * torch.randn(batch, time, generator=gen, dtype=torch.float64)).float()
+    x = dict(logits=logits.to(dtype), targets=targets, mask=mask, old=old, ref=old - 0.1,
+             teacher=old - 0.4, adv=torch.randn(batch, generator=gen),
+             rewards=(torch.rand(batch, generator=gen) > 0.5).float())
+    return {k: v.to(device) for k, v in x.items()}
+
+
+def every_op(x, *, inplace=False):
+    """{name: (outputs, gradient w.r.t. the logits)} of every op from logits."""
+    results = {}
+
+    def run(name, fn):
+        leaf = x["logits"].clone().requires_grad_(True)
+        outs = fn(leaf)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        (grad,) = torch.autograd.grad(sum(o.sum() for o in outs if o.requires_grad), leaf)
+        results[name] = ([o.detach() for o in outs], grad)
+
+    policy = lambda leaf: rlfuse.Logits(leaf, x["targets"], 0.9, inplace)  # noqa: E731
+    run("token_logprobs", lambda leaf: rlfuse.token_logprobs(
+        leaf, x["targets"], mask=x["mask"], return_entropy=True, inplace_backward=inplace))
+    run("ggpo", lambda leaf: rlfuse.ggpo_loss(policy(leaf), x["ref"], x["rewards"], x["mask"],
+                                              group_size=M, beta=0.5).loss)
+    run("gppo", lambda leaf: rlfuse.gppo_loss(policy(leaf), x["old"], x["adv"], x["mask"],
+                                              geometry="kl", topology="binary").loss)
+    run("gr_opd", lambda leaf: rlfuse.gr_opd_loss(policy(leaf), x["old"], x["teacher"],
+                                                  x["mask"], group_size=M).loss)
+    return results
+
+
+def assert_equal_results(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        for u, v in zip(a[name][0], b[name][0]):
+            assert torch.equal(u.cpu(), v.cpu()), name
+        assert torch.equal(a[name][1].cpu(), b[name][1].cpu()), name
+
+
+def test_deterministic():
+    """Every op, forward and backward, twice: bit-identical (no atomics, fixed reduction
+    order)."""
+    x = case("cuda")
+    assert_equal_results(every_op(x), every_op(x))
+
+
+def test_inplace_equals_out_of_place_under_stress():
+    """The in-place single pass reads z[y] before its logsumexp pass and writes the row after:
+    1000 repetitions with the target in the last of two 16-warp blocks, bit-identical to the
+    out-of-place pass (a race on z[y] shows up as a wrong log-prob, loss or gradient)."""
+    x = case("cuda")
+    want = every_op(x)
+    for _ in range(1000):
+        leaf = x["logits"].clone().requires_grad_(True)
+        out = rlfuse.gppo_loss(rlfuse.Logits(leaf, x["targets"], 0.9, True), x["old"], x["adv"],
+                               x["mask"], geometry="kl", topology="binary")
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        assert torch.equal(out.loss.detach(), want["gppo"][0][0])
+        assert torch.equal(grad, want["gppo"][1])
+    assert_equal_results(every_op(x, inplace=True), want)
+
+
+def test_inplace_backward_real_vocabulary():
+    x = case("cuda", vocab=151936, batch=2, time=3, seed=1)
+    assert_equal_results(every_op(x, inplace=True), every_op(x))
+
+
+def test_second_device_while_the_first_is_current():
+    """Every op on cuda:1 while cuda:0 is current equals the cuda:0 result."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with torch.cuda.device(0):
+        on0 = every_op(case("cuda:0"))
+        on1 = every_op(case("cuda:1"))
+        for name, (outs, grad) in on1.items():
+            assert grad.device == torch.device("cuda:1"), name
+    assert_equal_results(on0, on1)
+
+
+def test_non_default_stream():
+    x = case("cuda")
+    want = every_op(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = every_op(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert_equal_results(got, want)
+
+
+def test_unaligned_logits():
+    """Logits at an element offset (not 16-byte aligned: no vectorised access may assume it)
+    equal an aligned copy."""
+    x = case("cuda")
+    storage = torch.empty(x["logits"].numel() + 1, dtype=x["logits"].dtype, device="cuda")
+    unaligned = storage[1:].view(x["logits"].shape)
+    unaligned.copy_(x["logits"])
+    assert unaligned.data_ptr() % 16 != 0
+    assert_equal_results(every_op(dict(x, logits=unaligned)), every_op(x))
+
+
+def test_real_size_single_pass_int64_offsets():
+    """B*T*V beyond 2**31: the single pass's dlogits offsets and the token_logprobs backward
+    past 2**31 elements. Rows are independent given the aggregation weights, so the last rows
+    are checked against the float64 reference on those rows alone (same global count)."""
+    Bn, Tn, Vn = 2, 8200, 151936
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(Bn, Tn, Vn, device="cuda", dtype=torch.bfloat16, generator=gen)
+    targets = torch.randint(0, Vn, (Bn, Tn), device="cuda", generator=gen)
+    mask = torch.ones(Bn, Tn, dtype=torch.bool, device="cuda")
+    old = torch.full((Bn, Tn), -12.0, device="cuda")
+    adv = torch.tensor([1.0, -1.0], device="cuda")
+    n_tok = float(Bn * Tn)
+    leaf = logits.requires_grad_(True)
+    out = rlfuse.gppo_loss(rlfuse.Logits(leaf, targets), old, adv, mask, num_tokens=n_tok)
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    for b in range(Bn):
+        rows = slice(Tn - 3, Tn)
+        sub = leaf.detach()[b:b + 1, rows].double().requires_grad_(True)
+        ref = reference.gppo_loss(rlfuse.Logits(sub, targets[b:b + 1, rows]),
+                                  old[b:b + 1, rows].double(), adv[b:b + 1].double(),
+                                  mask[b:b + 1, rows], num_tokens=n_tok)
+        (ref_grad,) = torch.autograd.grad(ref.loss, sub)
+        torch.testing.assert_close(grad[b:b + 1, rows].double(), ref_grad, rtol=2e-2,
+                                   atol=1e-9)
+
+
+@pytest.mark.parametrize("scale", [1e4, 30.0])
+def test_approximate_math_at_extremes(scale):
+    """+-1e4 logits and peaked rows at a large vocabulary, GGPO at beta = 0.01, under the
+    three-way rule: the GPU's exp2 / division / sqrt must not move the results beyond what
+    plain torch commits in the same dtype."""
+    x = case("cuda", torch.float32, vocab=151936, batch=4, time=2, seed=2, scale=scale)
+
+    def three_way(fn):
+        outs = []
+        for lib, dtype in ((rlfuse, torch.float32), (reference, torch.float32),
+                           (reference, torch.float64)):
+            leaf = x["logits"].to(dtype).clone().requires_grad_(True)
+            loss = fn(lib, leaf)
+            (grad,) = torch.autograd.grad(loss, leaf)
+            outs.append((loss.detach(), grad))
+        for i, name in enumerate(("loss", "gradient")):
+            assert_three_way(outs[0][i], outs[1][i], outs[2][i], name)
+
+    three_way(lambda lib, leaf: lib.token_logprobs(leaf, x["targets"], mask=x["mask"],
+                                                   return_entropy=True)[1].sum())
+    three_way(lambda lib, leaf: lib.ggpo_loss(
+        rlfuse.Logits(leaf, x["targets"]), x["ref"].to(leaf.dtype), x["rewards"].to(leaf.dtype),
+        x["mask"], group_size=M, beta=0.01).loss)
+    three_way(lambda lib, leaf: lib.gppo_loss(rlfuse.Logits(leaf, x["targets"]),
+                                              x["old"].to(leaf.dtype), x["adv"].to(leaf.dtype),
+                                              x["mask"]).loss)
+
+
+def test_fp64_hyper_parameters_on_the_gpu():
+    """As documented: a GPU kernel receives Python floats as fp32, so fp64 log-probs use
+    1/temperature rounded to fp32; the GPPO region size is passed as an fp64 pair and is
+    exact."""
+    x = case("cuda", torch.float64, vocab=300)
+    inv = torch.tensor(1 / 0.7, dtype=torch.float32).item()
+    got = rlfuse.token_logprobs(x["logits"], x["targets"], temperature=0.7)
+    torch.testing.assert_close(got, reference.token_logprobs(x["logits"], x["targets"],
+                                                             temperature=1 / inv),
+                               rtol=1e-12, atol=1e-12)
+    old = torch.linspace(-12, -1e-3, 64, dtype=torch.float64, device="cuda")
+    for geometry, topology in (("chi2", "atomic"), ("kl", "binary")):
+        got = rlfuse.gppo_bounds(old, geometry=geometry, topology=topology, delta=0.1)
+        want = reference.gppo_bounds(old.cpu(), geometry=geometry, topology=topology, delta=0.1)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("group_size", [256, 1024])
+def test_large_group_speed_smoke(group_size):
+    """A GGPO group kernel over groups of 256 / 1024 rows runs in well under a millisecond."""
+    import triton.testing
+
+    Bn, Tn = 4 * group_size, 512
+    lp = -torch.rand(Bn, Tn, device="cuda", requires_grad=True)
+    mask = torch.rand(Bn, Tn, device="cuda") > 0.2
+    rewards = torch.rand(Bn, device="cuda")
+    ms = triton.testing.do_bench(lambda: rlfuse.ggpo_loss(
+        lp, lp.detach() - 0.1, rewards, mask, group_size=group_size, beta=0.5,
+        validate=False).loss.backward())
+    assert ms < 1.0, ms
