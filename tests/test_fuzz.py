@@ -67,6 +67,17 @@ def policies(draw, B, T, gen, mask):
     return logits, targets, dtype, temperature, lp
 
 
+def draw_case(data, *, min_group=1):
+    """(B, T, m, mask, generator, policy) of a batch and a policy over it."""
+    B, T, m, mask, gen = data.draw(batches(min_group=min_group))
+    return B, T, m, mask, gen, data.draw(policies(B, T, gen, mask))
+
+
+def logprobs_like(gen, mask):
+    """Detached log-probs in [-6, 0] with NaN at masked positions (never to be read)."""
+    return with_garbage(-torch.rand(mask.shape, generator=gen, dtype=torch.float64) * 6, mask)
+
+
 def loss_gradient_scale(ref_fn, lp64, temperature, from_logits, args64, **kw):
     """max |dL/dlp| (float64), over tau for a policy given as logits."""
     lp = lp64.clone().requires_grad_(True)
@@ -101,9 +112,8 @@ def run(fused_fn, ref_fn, policy, args64, *, loss_scale, metric_scales, **kw):
 @FUZZ
 @given(data=st.data())
 def test_ggpo(data):
-    B, T, m, mask, gen = data.draw(batches(min_group=2))
-    policy = data.draw(policies(B, T, gen, mask))
-    ref = with_garbage(-torch.rand(B, T, generator=gen, dtype=torch.float64) * 6, mask)
+    B, T, m, mask, gen, policy = draw_case(data, min_group=2)
+    ref = logprobs_like(gen, mask)
     rewards = torch.randn(B, generator=gen, dtype=torch.float64) * data.draw(
         st.sampled_from([1.0, 100.0]))
     beta = fp32_exact(data.draw(st.sampled_from([0.01, 0.5, 10.0])))
@@ -120,9 +130,8 @@ def test_ggpo(data):
 @FUZZ
 @given(data=st.data())
 def test_gppo(data):
-    B, T, m, mask, gen = data.draw(batches())
-    policy = data.draw(policies(B, T, gen, mask))
-    old = with_garbage(-torch.rand(B, T, generator=gen, dtype=torch.float64) * 6, mask)
+    B, T, m, mask, gen, policy = draw_case(data)
+    old = logprobs_like(gen, mask)
     per_token = data.draw(st.booleans())
     adv = torch.randn((B, T) if per_token else (B,), generator=gen, dtype=torch.float64)
     region = dict(geometry=data.draw(st.sampled_from(GEOMETRIES)),
@@ -139,10 +148,8 @@ def test_gppo(data):
 @FUZZ
 @given(data=st.data())
 def test_gr_opd(data):
-    B, T, m, mask, gen = data.draw(batches())
-    policy = data.draw(policies(B, T, gen, mask))
-    old = with_garbage(-torch.rand(B, T, generator=gen, dtype=torch.float64) * 6, mask)
-    teacher = with_garbage(-torch.rand(B, T, generator=gen, dtype=torch.float64) * 6, mask)
+    B, T, m, mask, gen, policy = draw_case(data)
+    old, teacher = logprobs_like(gen, mask), logprobs_like(gen, mask)
     kw = dict(group_size=m, eps=fp32_exact(data.draw(st.sampled_from([0.01, 0.25, 0.9]))),
               gamma=fp32_exact(data.draw(st.sampled_from([0.5, 1.0]))),
               lam=fp32_exact(data.draw(st.sampled_from([0.0, 0.25]))))
