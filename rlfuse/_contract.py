@@ -11,6 +11,7 @@ only metadata is checked: nothing reads a tensor's values, so nothing syncs with
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -50,15 +51,28 @@ def policy_device(policy) -> Optional[torch.device]:
 
 def check_policy(policy) -> PolicyInfo:
     """A policy is learner log-probs ``[B, T]`` (floating tensor) or :class:`rlfuse.Logits` with
-    ``[B, T, V]`` logits. Only metadata is read here; the targets are checked with the mask."""
+    ``[B, S, V]`` logits whose rows ``[offset, offset + T)`` predict ``[B, T]`` targets. Only
+    metadata is read here; the targets' values are checked with the mask."""
     if isinstance(policy, Logits):
-        check_logits(policy.logits)
-        if policy.logits.dim() != 3:
-            raise ValueError(f"policy.logits: expected shape [B, T, V], got "
-                             f"{tuple(policy.logits.shape)}")
+        logits, targets = policy.logits, policy.targets
+        check_logits(logits)
+        if logits.dim() != 3:
+            raise ValueError(f"policy.logits: expected shape [B, S, V], got "
+                             f"{tuple(logits.shape)}")
+        check_tensor("policy.targets", targets, device=logits.device, floating=False)
+        if targets.dim() != 2 or targets.shape[0] != logits.shape[0]:
+            raise ValueError(f"policy.targets: expected shape [B, T] with B = "
+                             f"{logits.shape[0]} (the logits' batch), got {tuple(targets.shape)}")
+        offset, T = policy.offset, targets.shape[1]
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise TypeError(f"policy.offset: expected an int, got {type(offset).__name__}")
+        if offset < 0 or offset + T > logits.shape[1]:
+            raise ValueError(f"policy.offset: the logits' rows [offset, offset + T) = "
+                             f"[{offset}, {offset + T}) must lie within their "
+                             f"{logits.shape[1]} positions")
         if policy.inplace_backward:
-            check_no_overlap("policy.logits", policy.logits)
-        shape, device, dtype = policy.logits.shape[:2], policy.logits.device, policy.logits.dtype
+            check_no_overlap("policy.logits", logits)
+        shape, device, dtype = targets.shape, logits.device, logits.dtype
     elif isinstance(policy, torch.Tensor):
         check_tensor("policy", policy, floating=True)
         if policy.dim() != 2:
@@ -118,11 +132,20 @@ class GGPOArgs(NamedTuple):
     group_size: int
     beta: float
     clip_radius: Optional[float]
+    loss_scale: float
     num_tokens: Optional[float]
 
 
+def check_loss_scale(loss_scale) -> float:
+    """A finite number that multiplies the loss and every gradient."""
+    value = check_number("loss_scale", loss_scale)
+    if abs(value) == math.inf:
+        raise ValueError(f"loss_scale: expected a finite number, got {value}")
+    return value
+
+
 def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, clip_radius,
-                    num_tokens, validate) -> GGPOArgs:
+                    loss_scale, num_tokens, validate) -> GGPOArgs:
     info = check_policy(policy)
     batch, device = info.shape[0], info.device
     mask = check_token_tensors(mask, {"ref_logprobs": ref_logprobs}, shape=info.shape,
@@ -137,7 +160,7 @@ def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, cl
     check_logits_targets(policy, mask, validate)
     if validate:
         check_actor_tokens(mask, m, what="group")
-    return GGPOArgs(info, mask, m, beta, rho, num_tokens)
+    return GGPOArgs(info, mask, m, beta, rho, check_loss_scale(loss_scale), num_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,12 +196,13 @@ class GPPOArgs(NamedTuple):
     info: PolicyInfo
     mask: torch.Tensor             # bool
     delta: float
+    loss_scale: float
     num_tokens: Optional[float]
     num_sequences: Optional[float]
 
 
 def check_gppo_args(policy, old_logprobs, advantages, mask, *, geometry, topology, delta, agg,
-                    num_tokens, num_sequences, validate) -> GPPOArgs:
+                    loss_scale, num_tokens, num_sequences, validate) -> GPPOArgs:
     info = check_policy(policy)
     batch, device = info.shape[0], info.device
     mask = check_token_tensors(mask, {"old_logprobs": old_logprobs}, shape=info.shape,
@@ -198,7 +222,7 @@ def check_gppo_args(policy, old_logprobs, advantages, mask, *, geometry, topolog
         check_finite("advantages", per_token(advantages, info.shape), mask)
         if agg == "seq-mean-token-mean":
             check_actor_tokens(mask, 1, what="sequence")
-    return GPPOArgs(info, mask, delta, num_tokens, num_sequences)
+    return GPPOArgs(info, mask, delta, check_loss_scale(loss_scale), num_tokens, num_sequences)
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,12 +272,13 @@ class GROPDArgs(NamedTuple):
     mask: torch.Tensor             # bool
     hyper: AdvantageArgs
     eps: float
+    loss_scale: float
     num_sequences: Optional[float]
 
 
 def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
-                      eps, feedback_clip, adv_clip, std_eps, advantages, num_sequences,
-                      validate) -> GROPDArgs:
+                      eps, feedback_clip, adv_clip, std_eps, advantages, loss_scale,
+                      num_sequences, validate) -> GROPDArgs:
     info = check_policy(policy)
     batch, device = info.shape[0], info.device
     mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
@@ -269,7 +294,7 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
     check_logits_targets(policy, mask, validate)
     if validate:
         check_actor_tokens(mask, 1, what="sequence")
-    return GROPDArgs(info, mask, hyper, eps, num_sequences)
+    return GROPDArgs(info, mask, hyper, eps, check_loss_scale(loss_scale), num_sequences)
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,15 +23,19 @@ class LossOutput(NamedTuple):
 class Logits(NamedTuple):
     """A policy given as logits rather than log-probs.
 
-    ``logits[b, t]`` (``[B, T, V]``, any batch/time strides, ``stride(-1) == 1``) predicts
-    ``targets[b, t]`` (``[B, T]`` integer ids); log-probs are ``log_softmax(logits / temperature)``.
-    A loss that receives a ``Logits`` computes the log-probs itself and, in the fused path, writes
-    the gradient w.r.t. the logits without materialising a ``[B, T, V]`` fp32 temporary; with
-    ``inplace_backward=True`` it writes it into the logits' own buffer (only safe when nothing
-    else needs the logits after the backward; the reference ignores it).
+    ``logits [B, S, V]`` (any batch/time strides) may be a model's whole output:
+    ``logits[b, offset + t]`` predicts ``targets[b, t]`` (``[B, T]`` integer ids,
+    ``S >= offset + T``), so ``Logits(out.logits, input_ids[:, 1:])`` needs no slice. Log-probs
+    are ``log_softmax(logits / temperature)``. A loss that receives a ``Logits`` computes the
+    log-probs itself and, in the fused path, writes the gradient w.r.t. the whole ``logits``
+    (zero rows outside the window) without materialising a ``[B, T, V]`` fp32 temporary or a
+    slice's gradient buffer; with ``inplace_backward=True`` it writes it into the logits' own
+    buffer (only safe when nothing else needs the logits after the backward; the reference
+    ignores it). Pass ``offset`` by keyword.
     """
 
     logits: torch.Tensor
     targets: torch.Tensor
     temperature: float = 1.0
     inplace_backward: bool = False
+    offset: int = 0

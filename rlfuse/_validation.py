@@ -31,7 +31,7 @@ def check_tensor(name: str, x, *, shape: Optional[Sequence[int]] = None,
 def check_positive(name: str, value, *, allow_inf: bool = False) -> float:
     """A number > 0 (finite unless ``allow_inf``); returns it as a Python float."""
     value = check_number(name, value)
-    if not (value > 0) or (math.isinf(value) and not allow_inf):
+    if not (value > 0) or (value == math.inf and not allow_inf):
         bound = "> 0" if allow_inf else "finite and > 0"
         raise ValueError(f"{name}: expected a value {bound}, got {value}")
     return value
@@ -100,21 +100,22 @@ def check_choice(name: str, value, choices: Sequence[str]) -> str:
 
 
 def check_number(name: str, value) -> float:
-    """A real number (finite or not); returns it as a Python float."""
+    """A real number (finite or not); returns it as a Python float. (Comparisons only, no
+    ``math.isnan``: under ``torch.compile(dynamic=True)`` a float may be symbolic.)"""
     if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     try:
         value = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
-    if math.isnan(value):
+    if value != value:
         raise ValueError(f"{name}: expected a number, got nan")
     return value
 
 
 def check_nonnegative(name: str, value, *, allow_inf: bool = True) -> float:
     value = check_number(name, value)
-    if value < 0 or (math.isinf(value) and not allow_inf):
+    if value < 0 or (value == math.inf and not allow_inf):
         bound = ">= 0" if allow_inf else "finite and >= 0"
         raise ValueError(f"{name}: expected a value {bound}, got {value}")
     return value

@@ -176,26 +176,31 @@ def _op_cases(device):
     lp = x.lp[:, :-1].clone().requires_grad_(True)
     weights = torch.full((B,), 0.1, device=device)
     dlogits = torch.zeros(B, T, V, device=device)
-    stats = logprobs.token_logprobs_op(logits.detach(), x.targets, x.mask, 0.9, False, False)[2]
+    full = x.logits.clone().requires_grad_(True)      # a model's whole output: rows 1..T
+    stats = logprobs.token_logprobs_op(logits.detach(), x.targets, x.mask, 0.9, False, False,
+                                       0)[2]
     return {
-        "token_logprobs": [(logits, x.targets, x.mask, 0.9, True, False),
+        "token_logprobs": [(logits, x.targets, x.mask, 0.9, True, False, 0),
                            (logits.reshape(-1, V), x.targets.reshape(-1), None, 1.0, False,
-                            False)],
+                            False, 0),
+                           (full, x.targets, x.mask, 0.9, True, False, 1)],
         "logits_grad_": [(dlogits, logits.detach(), x.targets, x.mask, stats, None,
-                          torch.randn(B, T, device=device), None, 0.9)],
+                          torch.randn(B, T, device=device), None, 0.9, 0)],
         "surrogate": [(lp, x.old, x.adv, x.mask, weights, "chi2", "atomic", 0.04),
                       (lp, x.old, x.adv[:, None].expand(B, T), x.mask, weights, "ppo_clip",
                        "mc", 0.2)],
         "surrogate_backward": [(lp.detach(), x.old, x.adv, x.mask, weights,
                                 torch.tensor(2.0, device=device), "tv", "binary", 0.1)],
         "surrogate_logits": [(logits, x.targets, x.mask, x.old, x.adv, weights, 0.9, "kl",
-                              "binary", 0.1, True, False),
+                              "binary", 0.1, True, False, 0),
                              (logits.detach(), x.targets, x.mask, x.old, x.adv, weights, 1.0,
-                              "two_sided_log", "atomic", 0.1, False, False)],
+                              "two_sided_log", "atomic", 0.1, False, False, 0),
+                             (full, x.targets, x.mask, x.old, x.adv, weights, 0.9, "tv", "mc",
+                              0.1, True, False, 1)],
         "scale_rows_": [(torch.randn(B, T, V, device=device), x.mask,
-                         torch.tensor(0.5, device=device))],
-        "ggpo": [(lp, x.ref, x.rewards, x.mask, M, 0.5, None, None),
-                 (lp, x.ref, x.rewards, x.mask, M, 0.5, 0.1, 11.0)],
+                         torch.tensor(0.5, device=device), 0)],
+        "ggpo": [(lp, x.ref, x.rewards, x.mask, M, 0.5, None, 1.0, None),
+                 (lp, x.ref, x.rewards, x.mask, M, 0.5, 0.1, 0.25, 11.0)],
         "ggpo_backward": [(torch.randn(B, device=device), x.mask,
                            torch.tensor(1.5, device=device), torch.tensor(9.0, device=device),
                            torch.float64)],

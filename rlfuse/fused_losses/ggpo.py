@@ -16,24 +16,24 @@ from .logprobs import policy_logprobs
 
 @custom_op("ggpo")
 def ggpo_op(lp: Tensor, ref_lp: Tensor, rewards: Tensor, mask: Tensor, group_size: int,
-            beta: float, clip_radius: Optional[float],
+            beta: float, clip_radius: Optional[float], loss_scale: float,
             num_tokens: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, group_sums [G, GROUP_COLUMNS], coef [B], t_tok)`` from learner log-probs
-    ``lp [B, T]``: the group kernel's coefficients ``c_i`` and the token normaliser are what the
-    backward needs."""
+    ``lp [B, T]``: the group kernel's coefficients ``c_i`` and the token normaliser over the
+    loss scale (``T_tok / loss_scale``) are what the backward needs."""
     from ..kernels import ggpo as k
 
     coef, group_sums = k.ggpo_fwd(lp, ref_lp, mask, rewards, group_size, beta, clip_radius)
     if num_tokens is None:
-        t_tok = group_sums[:, k.GROUP_COLUMNS.index("tokens")].sum().clamp_min(1)
+        t_tok = group_sums[:, k.GROUP_COLUMNS.index("tokens")].sum().clamp_min(1) / loss_scale
     else:  # a fill, not a host-to-device copy
-        t_tok = torch.full((), num_tokens, dtype=coef.dtype, device=coef.device)
+        t_tok = torch.full((), num_tokens / loss_scale, dtype=coef.dtype, device=coef.device)
     loss = group_sums[:, k.GROUP_COLUMNS.index("loss")].sum() / t_tok
     return loss, group_sums, coef, t_tok
 
 
 @ggpo_op.register_fake
-def _(lp, ref_lp, rewards, mask, group_size, beta, clip_radius, num_tokens):
+def _(lp, ref_lp, rewards, mask, group_size, beta, clip_radius, loss_scale, num_tokens):
     from ..kernels.ggpo import GROUP_COLUMNS
 
     acc = compute_dtype(lp.dtype)
@@ -69,7 +69,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _group_sums, _coef, _t_tok):
     coef, mask, t_tok = ctx.saved_tensors
     dlp = ggpo_backward_op(coef, mask, grad_loss.to(coef.dtype), t_tok, ctx.lp_dtype)
-    return (dlp,) + (None,) * 7
+    return (dlp,) + (None,) * 8
 
 
 ggpo_op.register_autograd(_backward, setup_context=_setup_context)
@@ -92,12 +92,14 @@ def _metrics(group_sums: Tensor, batch: int):
 @falls_back_to(reference.ggpo_loss)
 def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, *,
               group_size: int, beta: float, clip_radius: Optional[float] = None,
-              num_tokens: Optional[float] = None, validate: bool = True) -> LossOutput:
-    info, mask, m, beta, clip_radius, num_tokens = check_ggpo_args(
+              loss_scale: float = 1.0, num_tokens: Optional[float] = None,
+              validate: bool = True) -> LossOutput:
+    info, mask, m, beta, clip_radius, loss_scale, num_tokens = check_ggpo_args(
         policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
-        clip_radius=clip_radius, num_tokens=num_tokens, validate=validate)
+        clip_radius=clip_radius, loss_scale=loss_scale, num_tokens=num_tokens, validate=validate)
     loss, group_sums, _, _ = ggpo_op(policy_logprobs(policy, mask), ref_logprobs.detach(),
-                                     rewards.detach(), mask, m, beta, clip_radius, num_tokens)
+                                     rewards.detach(), mask, m, beta, clip_radius, loss_scale,
+                                     num_tokens)
     return LossOutput(loss, _metrics(group_sums, info.shape[0]))
 
 
@@ -105,12 +107,13 @@ class GGPOLoss(torch.nn.Module):
     """``ggpo_loss`` with its hyper-parameters held by the module."""
 
     def __init__(self, *, group_size: int, beta: float, clip_radius: Optional[float] = None,
-                 validate: bool = True):
+                 loss_scale: float = 1.0, validate: bool = True):
         super().__init__()
         self.group_size, self.beta, self.clip_radius = group_size, beta, clip_radius
-        self.validate = validate
+        self.loss_scale, self.validate = loss_scale, validate
 
     def forward(self, policy, ref_logprobs, rewards, mask, *, num_tokens=None) -> LossOutput:
         return ggpo_loss(policy, ref_logprobs, rewards, mask, group_size=self.group_size,
-                         beta=self.beta, clip_radius=self.clip_radius, num_tokens=num_tokens,
+                         beta=self.beta, clip_radius=self.clip_radius,
+                         loss_scale=self.loss_scale, num_tokens=num_tokens,
                          validate=self.validate)

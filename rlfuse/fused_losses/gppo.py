@@ -52,13 +52,16 @@ def surrogate_metrics(totals, tokens: Tensor):
 @falls_back_to(reference.gppo_loss)
 def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               *, geometry: str = "chi2", topology: str = "atomic", delta: float = 0.04,
-              agg: str = "token-mean", num_tokens: Optional[float] = None,
-              num_sequences: Optional[float] = None, validate: bool = True) -> LossOutput:
-    info, mask, delta, num_tokens, num_sequences = check_gppo_args(
+              agg: str = "token-mean", loss_scale: float = 1.0,
+              num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
+              validate: bool = True) -> LossOutput:
+    info, mask, delta, loss_scale, num_tokens, num_sequences = check_gppo_args(
         policy, old_logprobs, advantages, mask, geometry=geometry, topology=topology, delta=delta,
-        agg=agg, num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
-    weights = aggregation_weights(mask, agg, info.compute_dtype, num_tokens=num_tokens,
-                                  num_sequences=num_sequences)
+        agg=agg, loss_scale=loss_scale, num_tokens=num_tokens, num_sequences=num_sequences,
+        validate=validate)
+    weights = loss_scale * aggregation_weights(mask, agg, info.compute_dtype,
+                                               num_tokens=num_tokens,
+                                               num_sequences=num_sequences)
     loss, totals = surrogate_loss(policy, old_logprobs.detach(), advantages.detach(), mask,
                                   weights, geometry=geometry, topology=topology, delta=delta,
                                   validate=validate)
@@ -69,14 +72,14 @@ class GPPOLoss(torch.nn.Module):
     """``gppo_loss`` with its hyper-parameters held by the module."""
 
     def __init__(self, *, geometry: str = "chi2", topology: str = "atomic", delta: float = 0.04,
-                 agg: str = "token-mean", validate: bool = True):
+                 agg: str = "token-mean", loss_scale: float = 1.0, validate: bool = True):
         super().__init__()
         self.geometry, self.topology, self.delta, self.agg = geometry, topology, delta, agg
-        self.validate = validate
+        self.loss_scale, self.validate = loss_scale, validate
 
     def forward(self, policy, old_logprobs, advantages, mask, *, num_tokens=None,
                 num_sequences=None) -> LossOutput:
         return gppo_loss(policy, old_logprobs, advantages, mask, geometry=self.geometry,
                          topology=self.topology, delta=self.delta, agg=self.agg,
-                         num_tokens=num_tokens, num_sequences=num_sequences,
-                         validate=self.validate)
+                         loss_scale=self.loss_scale, num_tokens=num_tokens,
+                         num_sequences=num_sequences, validate=self.validate)

@@ -57,11 +57,13 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
                 mask: torch.Tensor, *, group_size: int, gamma: float = 0.99, lam: float = 0.25,
                 eps: float = 0.2, feedback_clip: float = 5.0, adv_clip: float = 5.0,
                 std_eps: float = 1e-6, advantages: Optional[torch.Tensor] = None,
-                num_sequences: Optional[float] = None, validate: bool = True) -> LossOutput:
-    info, mask, hyper, eps, num_sequences = check_gr_opd_args(
+                loss_scale: float = 1.0, num_sequences: Optional[float] = None,
+                validate: bool = True) -> LossOutput:
+    info, mask, hyper, eps, loss_scale, num_sequences = check_gr_opd_args(
         policy, old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma,
         lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
-        advantages=advantages, num_sequences=num_sequences, validate=validate)
+        advantages=advantages, loss_scale=loss_scale, num_sequences=num_sequences,
+        validate=validate)
     cdt = info.compute_dtype
     old, teacher = old_logprobs.detach(), teacher_logprobs.detach()
     acc = compute_dtype(cdt, old.dtype, teacher.dtype)   # the advantages' widest input
@@ -76,7 +78,8 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
         feedback_mean = masked_mean(clamped_feedback(old.to(acc), teacher.to(acc), mask,
                                                      hyper.feedback_clip), mask)
 
-    weights = aggregation_weights(mask, "seq-mean-token-mean", cdt, num_sequences=num_sequences)
+    weights = loss_scale * aggregation_weights(mask, "seq-mean-token-mean", cdt,
+                                               num_sequences=num_sequences)
     loss, totals = surrogate_loss(policy, old, adv, mask, weights, geometry="ppo_clip",
                                   topology="mc", delta=eps, validate=validate)
     adv_c = adv.to(cdt)
@@ -96,11 +99,11 @@ class GROPDLoss(torch.nn.Module):
 
     def __init__(self, *, group_size: int, gamma: float = 0.99, lam: float = 0.25,
                  eps: float = 0.2, feedback_clip: float = 5.0, adv_clip: float = 5.0,
-                 std_eps: float = 1e-6, validate: bool = True):
+                 std_eps: float = 1e-6, loss_scale: float = 1.0, validate: bool = True):
         super().__init__()
         self.kwargs = dict(group_size=group_size, gamma=gamma, lam=lam, eps=eps,
                            feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
-                           validate=validate)
+                           loss_scale=loss_scale, validate=validate)
 
     def forward(self, policy, old_logprobs, teacher_logprobs, mask, *, advantages=None,
                 num_sequences=None) -> LossOutput:

@@ -33,19 +33,23 @@ def new_dlogits(logits: Tensor) -> Tensor:
 
 @custom_op("token_logprobs")
 def token_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tensor], temperature: float,
-                      with_entropy: bool, inplace_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                      with_entropy: bool, inplace_backward: bool,
+                      offset: int) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy, stats)``: log-probs and entropy of the targets' shape (``entropy`` is
-    empty without ``with_entropy``) and the per-row statistics the backward needs."""
+    empty without ``with_entropy``) and the per-row statistics the backward needs. The rows
+    ``[offset, offset + T)`` of ``logits [B, S, V]`` predict ``targets [B, T]``; the gradient
+    is that of the whole ``logits``."""
     from ..kernels.logprobs import token_logprobs_fwd
 
     logits3, targets3, mask3 = as_rows(logits, targets, mask)
-    logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, temperature, with_entropy)
+    logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, temperature, with_entropy,
+                                              offset)
     entropy = entropy.view(targets.shape) if with_entropy else logp.new_empty(0)
     return logp.view(targets.shape), entropy, stats
 
 
 @token_logprobs_op.register_fake
-def _(logits, targets, mask, temperature, with_entropy, inplace_backward):
+def _(logits, targets, mask, temperature, with_entropy, inplace_backward, offset):
     from ..kernels.logprobs import STAT_COLUMNS
 
     acc = compute_dtype(logits.dtype)
@@ -57,39 +61,41 @@ def _(logits, targets, mask, temperature, with_entropy, inplace_backward):
 @custom_op("logits_grad_", mutates_args=("dlogits",))
 def logits_grad_op(dlogits: Tensor, logits: Optional[Tensor], targets: Tensor,
                    mask: Optional[Tensor], stats: Tensor, entropy: Optional[Tensor],
-                   dlogp: Tensor, dentropy: Optional[Tensor], temperature: float) -> None:
-    """Writes the gradient w.r.t. the logits ``[B, T, V]`` into ``dlogits`` from the upstream
-    ``dlogp`` / ``dentropy`` ``[B, T]``; ``logits=None``: they are read from ``dlogits`` itself
-    (the in-place backward)."""
+                   dlogp: Tensor, dentropy: Optional[Tensor], temperature: float,
+                   offset: int) -> None:
+    """Writes the gradient w.r.t. the logits ``[B, S, V]`` into ``dlogits`` from the upstream
+    ``dlogp`` / ``dentropy`` ``[B, T]`` (rows outside ``[offset, offset + T)``: zeros);
+    ``logits=None``: they are read from ``dlogits`` itself (the in-place backward)."""
     from ..kernels.logprobs import token_logprobs_bwd
 
     token_logprobs_bwd(dlogits if logits is None else logits, targets, mask, temperature, stats,
-                       entropy, dlogp, dentropy, dlogits)
+                       entropy, dlogp, dentropy, dlogits, offset)
 
 
 @logits_grad_op.register_fake
-def _(dlogits, logits, targets, mask, stats, entropy, dlogp, dentropy, temperature):
+def _(dlogits, logits, targets, mask, stats, entropy, dlogp, dentropy, temperature, offset):
     return None
 
 
 def logits_backward(logits: Tensor, targets: Tensor, mask: Optional[Tensor], stats: Tensor,
                     entropy: Optional[Tensor], dlogp: Tensor, dentropy: Optional[Tensor],
-                    temperature: float, inplace: bool) -> Tensor:
-    """The gradient w.r.t. ``logits`` (``[B, T, V]`` or ``[N, V]``), written into a new buffer
-    or, ``inplace``, into the logits' own."""
+                    temperature: float, inplace: bool, offset: int) -> Tensor:
+    """The gradient w.r.t. the whole ``logits`` (``[B, S, V]`` or ``[N, V]``), written into a
+    new buffer or, ``inplace``, into the logits' own."""
     logits3, targets3, mask3 = as_rows(logits, targets, mask)
     dlogits = logits3 if inplace else new_dlogits(logits3)
     logits_grad_op(dlogits, None if inplace else logits3, targets3, mask3, stats, entropy,
                    dlogp.reshape(targets3.shape),
-                   None if dentropy is None else dentropy.reshape(targets3.shape), temperature)
+                   None if dentropy is None else dentropy.reshape(targets3.shape), temperature,
+                   offset)
     return dlogits.view(logits.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, targets, mask, temperature, with_entropy, inplace_backward = inputs
+    logits, targets, mask, temperature, with_entropy, inplace_backward, offset = inputs
     _, entropy, stats = output
     ctx.save_for_backward(logits, targets, mask, stats, entropy if with_entropy else None)
-    ctx.temperature, ctx.inplace = temperature, inplace_backward
+    ctx.temperature, ctx.inplace, ctx.offset = temperature, inplace_backward, offset
     ctx.mark_non_differentiable(stats)
     if not with_entropy:
         ctx.mark_non_differentiable(entropy)
@@ -101,13 +107,13 @@ def _backward(ctx, dlogp, dentropy, _dstats):
     if entropy is None:  # the empty placeholder output may still be handed a gradient
         dentropy = None
     if dlogp is None and dentropy is None:
-        return (None,) * 6
+        return (None,) * 7
     if dlogp is None:
         dlogp = torch.zeros(targets.shape, dtype=stats.dtype, device=stats.device)
     dlogits = logits_backward(logits, targets, mask, stats,
                               None if dentropy is None else entropy, dlogp, dentropy,
-                              ctx.temperature, ctx.inplace)
-    return dlogits, None, None, None, None, None
+                              ctx.temperature, ctx.inplace, ctx.offset)
+    return dlogits, None, None, None, None, None, None
 
 
 token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -119,7 +125,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
                    mask: Optional[torch.Tensor] = None, validate: bool = True):
     mask = check_logprob_args(logits, targets, temperature, mask, inplace_backward, validate)
     logp, entropy, _ = token_logprobs_op(logits, targets, mask, float(temperature),
-                                         bool(return_entropy), bool(inplace_backward))
+                                         bool(return_entropy), bool(inplace_backward), 0)
     return (logp, entropy) if return_entropy else logp
 
 
@@ -130,6 +136,6 @@ def policy_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
     if isinstance(policy, Logits):
         logp, _, _ = token_logprobs_op(policy.logits, policy.targets, mask,
                                        float(policy.temperature), False,
-                                       bool(policy.inplace_backward))
+                                       bool(policy.inplace_backward), int(policy.offset))
         return logp
     return policy

@@ -94,11 +94,13 @@ surrogate_op.register_autograd(_surrogate_backward, setup_context=_surrogate_set
 @custom_op("surrogate_logits")
 def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: Tensor, adv: Tensor,
                         row_scale: Tensor, temperature: float, geometry: str, topology: str,
-                        delta: float, write_dlogits: bool,
-                        inplace: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(loss, sums [B*T, SUM_COLUMNS], dlogits)`` in one pass over ``logits [B, T, V]``.
+                        delta: float, write_dlogits: bool, inplace: bool,
+                        offset: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(loss, sums [B*T, SUM_COLUMNS], dlogits)`` in one pass over ``logits [B, S, V]``, whose
+    rows ``[offset, offset + T)`` predict ``targets [B, T]``.
 
-    ``dlogits`` (for an upstream gradient of 1) is a new ``[B, T, V]`` buffer, or empty: without
+    ``dlogits`` (for an upstream gradient of 1) is a new ``[B, S, V]`` buffer (zero rows outside
+    the window), or empty: without
     ``write_dlogits`` (the loss alone, one read of the logits) or ``inplace``, where it is
     written into the logits' own buffer (``stride(-1) == 1`` required), which the op does not
     return: an op's outputs never alias its inputs.
@@ -108,7 +110,7 @@ def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: T
     dlogits, sums = surrogate_logits(
         logits, targets, mask, old_lp, adv, row_scale, temperature=temperature,
         geometry=geometry, topology=topology, delta=delta, write_dlogits=write_dlogits,
-        dlogits=logits if inplace and write_dlogits else None)
+        dlogits=logits if inplace and write_dlogits else None, offset=offset)
     if dlogits is None or inplace:
         dlogits = logits.new_empty(0)
     return -_column(sums, "loss").sum(), sums, dlogits
@@ -116,18 +118,18 @@ def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: T
 
 @surrogate_logits_op.register_fake
 def _(logits, targets, mask, old_lp, adv, row_scale, temperature, geometry, topology, delta,
-      write_dlogits, inplace):
-    B, T, V = logits.shape
-    dlogits_shape = (B, T, V) if write_dlogits and not inplace else (0,)
-    return (row_scale.new_empty(()), row_scale.new_empty(_sums_shape(B * T)),
+      write_dlogits, inplace, offset):
+    dlogits_shape = logits.shape if write_dlogits and not inplace else (0,)
+    return (row_scale.new_empty(()), row_scale.new_empty(_sums_shape(targets.numel())),
             logits.new_empty(dlogits_shape))
 
 
 def _surrogate_logits_setup(ctx, inputs, output):
-    logits, mask, inplace = inputs[0], inputs[2], inputs[-1]
+    logits, mask, inplace, offset = inputs[0], inputs[2], inputs[-2], inputs[-1]
     _, sums, dlogits = output
     ctx.save_for_backward(logits if inplace else dlogits, mask)
     ctx.mark_non_differentiable(sums, dlogits)
+    ctx.offset = offset
     ctx.backward_done = False
 
 
@@ -139,8 +141,8 @@ def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
             "(retain_graph=True). Compute the loss again for a second backward.")
     ctx.backward_done = True
     dlogits, mask = ctx.saved_tensors
-    scale_rows_op(dlogits, mask, grad_loss)
-    return (dlogits.view(dlogits.shape),) + (None,) * 11
+    scale_rows_op(dlogits, mask, grad_loss, ctx.offset)
+    return (dlogits.view(dlogits.shape),) + (None,) * 12
 
 
 surrogate_logits_op.register_autograd(_surrogate_logits_backward,
@@ -148,16 +150,17 @@ surrogate_logits_op.register_autograd(_surrogate_logits_backward,
 
 
 @custom_op("scale_rows_", mutates_args=("x",))
-def scale_rows_op(x: Tensor, mask: Tensor, scale: Tensor) -> None:
-    """``x[b, t] *= scale`` at the actor rows of ``x [B, T, V]``, in place; ``scale`` (0-dim) is
-    read on the device, and a scale of 1 reads and writes nothing."""
+def scale_rows_op(x: Tensor, mask: Tensor, scale: Tensor, offset: int) -> None:
+    """``x[b, s] *= scale`` at the actor rows of ``x [B, S, V]`` (rows ``[offset, offset + T)``
+    go with ``mask [B, T]``), in place; ``scale`` (0-dim) is read on the device, and a scale of
+    1 reads and writes nothing."""
     from ..kernels.logprobs import scale_rows_
 
-    scale_rows_(x, mask, scale)
+    scale_rows_(x, mask, scale, offset)
 
 
 @scale_rows_op.register_fake
-def _(x, mask, scale):
+def _(x, mask, scale, offset):
     return None
 
 
@@ -176,7 +179,8 @@ def surrogate_loss(policy, old_lp: Tensor, adv: Tensor, mask: Tensor, row_scale:
         write = policy.logits.requires_grad and torch.is_grad_enabled()
         inplace = bool(policy.inplace_backward) and logits is policy.logits
         loss, sums, _ = surrogate_logits_op(logits, targets, mask, old_lp, adv, row_scale,
-                                            float(policy.temperature), *region, write, inplace)
+                                            float(policy.temperature), *region, write, inplace,
+                                            int(policy.offset))
     else:
         loss, sums = surrogate_op(policy_logprobs(policy, mask), old_lp, adv, mask, row_scale,
                                   *region)

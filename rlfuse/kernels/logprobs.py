@@ -105,18 +105,34 @@ def row_write_zeros(drow_ptr, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt, stride_mb, stride_mt,
-                HAS_MASK: tl.constexpr):
-    """(row, b, t, target id, is_actor) of the row this program handles (one per (b, t), a 1-D
-    grid: no grid-dimension limit); without a mask every row is an actor."""
+def program_token(mask_ptr, T, S, offset, stride_mb, stride_mt, HAS_MASK: tl.constexpr):
+    """(token, b, s, t, in_window, is_actor) of the row this program handles: one program per
+    row s of batch b of ``[B, S, V]`` logits (a 1-D grid: no grid-dimension limit). Row s
+    predicts the token t = s - offset of the ``[B, T]`` inputs (``token = b T + t``); a row
+    outside the window [offset, offset + T) is no actor (its t is clamped to 0 and must not be
+    used), nor is a masked one."""
     row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    t = row % T
-    y = tl.load(targets_ptr + b * stride_yb + t * stride_yt).to(tl.int64)
-    is_actor = (y == y)  # a scalar True
+    b = row // S
+    s = row % S
+    t = s - offset
+    in_window = (t >= 0) & (t < T)
+    t = tl.where(in_window, t, 0)
+    is_actor = in_window
     if HAS_MASK:
-        is_actor = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
-    return row, b, t, y, is_actor
+        is_actor = in_window & (tl.load(mask_ptr + b * stride_mb + t * stride_mt, mask=in_window,
+                                        other=0) != 0)
+    return b * T + t, b, s, t, in_window, is_actor
+
+
+@triton.jit
+def program_row(targets_ptr, mask_ptr, T, S, offset, stride_yb, stride_yt, stride_mb, stride_mt,
+                HAS_MASK: tl.constexpr):
+    """(token, b, s, target id, in_window, is_actor): ``program_token`` and the target of the
+    row (read only for actor rows)."""
+    token, b, s, t, in_window, is_actor = program_token(mask_ptr, T, S, offset, stride_mb,
+                                                        stride_mt, HAS_MASK)
+    y = tl.load(targets_ptr + b * stride_yb + t * stride_yt, mask=is_actor, other=0)
+    return token, b, s, y.to(tl.int64), in_window, is_actor
 
 
 @triton.jit
@@ -141,8 +157,8 @@ def _token_logprobs_fwd_kernel(
     inv_temp,
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
 ):
-    row, b, t, y, is_actor = program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt,
-                                         stride_mb, stride_mt, HAS_MASK)
+    row, b, t, y, _, is_actor = program_row(targets_ptr, mask_ptr, T, T, 0, stride_yb, stride_yt,
+                                            stride_mb, stride_mt, HAS_MASK)
     logp = tl.zeros((), ACC)
     m = tl.zeros((), ACC)
     log_s = tl.zeros((), ACC)
@@ -161,21 +177,22 @@ def _token_logprobs_fwd_kernel(
 @triton.jit
 def _token_logprobs_bwd_kernel(
     # pointers
-    logits_ptr, targets_ptr, mask_ptr,  # [B, T, V], [B, T], [B, T] (uint8) or None
+    logits_ptr, targets_ptr, mask_ptr,  # [B, S, V], [B, T], [B, T] (uint8) or None
     stats_ptr, entropy_ptr,             # saved by the forward: [B*T, 2], [B*T] (if WITH_ENTROPY)
     dlogp_ptr, dentropy_ptr,            # [B*T] upstream gradients; dentropy only if WITH_ENTROPY
-    dlogits_ptr,                        # [B, T, V] output (may alias logits)
+    dlogits_ptr,                        # [B, S, V] output (may alias logits)
     # strides
     stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_db, stride_dt,
     # sizes
-    T, V,
+    T, S, offset, V,
     # scalars
     inv_temp,
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
 ):
-    row, b, t, y, is_actor = program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt,
-                                         stride_mb, stride_mt, HAS_MASK)
-    drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
+    # One program per row of the whole [B, S] logits: rows outside the window get zeros.
+    row, b, s, y, _, is_actor = program_row(targets_ptr, mask_ptr, T, S, offset, stride_yb,
+                                            stride_yt, stride_mb, stride_mt, HAS_MASK)
+    drow_ptr = dlogits_ptr + b * stride_db + s * stride_dt
     if is_actor:
         g = tl.load(dlogp_ptr + row).to(ACC)
         h = tl.zeros((), ACC)
@@ -185,7 +202,7 @@ def _token_logprobs_bwd_kernel(
             entropy = tl.load(entropy_ptr + row).to(ACC)
         m = tl.load(stats_ptr + N_STAT_COLS * row + STAT_MAX).to(ACC)
         log_s = tl.load(stats_ptr + N_STAT_COLS * row + STAT_LOG_SUM).to(ACC)
-        row_write_dlogits(logits_ptr + b * stride_lb + t * stride_lt, drow_ptr, V, y, inv_temp,
+        row_write_dlogits(logits_ptr + b * stride_lb + s * stride_lt, drow_ptr, V, y, inv_temp,
                           m, log_s, entropy, g, h, BLOCK_V, WITH_ENTROPY, ACC)
     else:
         row_write_zeros(drow_ptr, V, BLOCK_V)
@@ -194,22 +211,19 @@ def _token_logprobs_bwd_kernel(
 @triton.jit
 def _scale_rows_kernel(
     # pointers
-    x_ptr, mask_ptr, scale_ptr,  # [B, T, V] in and out, [B, T] uint8, 0-dim
+    x_ptr, mask_ptr, scale_ptr,  # [B, S, V] in and out, [B, T] uint8, 0-dim
     # strides
     stride_xb, stride_xt, stride_mb, stride_mt,
     # sizes
-    T, V,
+    T, S, offset, V,
     BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):
-    # x[b, t] *= scale at actor rows, in the compute dtype; the scale is read on the device, and
-    # when it is 1 no row is read or written.
-    row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    t = row % T
+    # x[b, s] *= scale at actor rows (the others hold zeros), in the compute dtype; the scale is
+    # read on the device, and when it is 1 no row is read or written.
+    _, b, s, _, _, is_actor = program_token(mask_ptr, T, S, offset, stride_mb, stride_mt, True)
     scale = tl.load(scale_ptr).to(ACC)
-    is_actor = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
     if (scale != 1.0) & is_actor:
-        row_ptr = x_ptr + b * stride_xb + t * stride_xt
+        row_ptr = x_ptr + b * stride_xb + s * stride_xt
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             x = tl.load(row_ptr + cols, mask=cols < V).to(ACC)
@@ -225,12 +239,15 @@ def mask_args(mask: Optional[torch.Tensor]):
 
 
 def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
-                       temperature: float, with_entropy: bool):
-    """Launches the forward on ``logits [B, T, V]`` (``stride(-1) == 1``), ``targets [B, T]``,
-    ``mask [B, T]`` bool or None. Returns ``(logp [B, T], stats [B*T, 2], entropy [B, T] or None)``
-    (``stats``: the row max and log-sum of each row, what the backward needs)
-    in the compute dtype (fp32, or fp64 for fp64 logits)."""
-    B, T, V = logits.shape
+                       temperature: float, with_entropy: bool, offset: int = 0):
+    """Launches the forward on the rows ``[offset, offset + T)`` of ``logits [B, S, V]``
+    (``stride(-1) == 1``), which predict ``targets [B, T]``; ``mask [B, T]`` bool or None.
+    Returns ``(logp [B, T], stats [B*T, 2], entropy [B, T] or None)`` (``stats``: the row max
+    and log-sum of each row, what the backward needs) in the compute dtype (fp32, or fp64 for
+    fp64 logits)."""
+    B, T = targets.shape
+    logits = logits[:, offset:offset + T]     # the window: a view, read in place
+    V = logits.shape[2]
     acc = compute_dtype(logits.dtype)
     logp = empty((B, T), dtype=acc, device=logits.device)
     stats = empty((B * T, len(STAT_COLUMNS)), dtype=acc, device=logits.device)
@@ -255,26 +272,29 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
 def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
                        temperature: float, stats: torch.Tensor, entropy: Optional[torch.Tensor],
                        dlogp: torch.Tensor, dentropy: Optional[torch.Tensor],
-                       dlogits: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Launches the backward; ``dlogp``/``dentropy`` are ``[B, T]`` (``dentropy`` None when the
-    entropy gets no gradient). Writes into ``dlogits`` when given (it may be ``logits`` itself),
-    else into a new tensor of the logits' dtype and shape."""
-    B, T, V = logits.shape
+                       dlogits: Optional[torch.Tensor] = None, offset: int = 0) -> torch.Tensor:
+    """Launches the backward over the whole ``logits [B, S, V]``, whose rows
+    ``[offset, offset + T)`` predict ``targets [B, T]`` (the others get zeros); ``dlogp`` /
+    ``dentropy`` are ``[B, T]`` (``dentropy`` None when the entropy gets no gradient). Writes
+    into ``dlogits`` when given (it may be ``logits`` itself), else into a new tensor of the
+    logits' dtype and shape."""
+    B, S, V = logits.shape
+    T = targets.shape[1]
     if dlogits is None:
-        dlogits = empty((B, T, V), dtype=logits.dtype, device=logits.device)
-    if B * T == 0:
+        dlogits = empty((B, S, V), dtype=logits.dtype, device=logits.device)
+    if B * S == 0:
         return dlogits
     with_entropy = dentropy is not None
     block_v, num_warps = vocab_launch_config(V, logits.element_size())
     mask_u8, stride_mb, stride_mt = mask_args(mask)
-    _token_logprobs_bwd_kernel[(B * T,)](
+    _token_logprobs_bwd_kernel[(B * S,)](
         logits, targets, mask_u8,
         stats, entropy if with_entropy else None,
         dlogp.contiguous(), dentropy.contiguous() if with_entropy else None,
         dlogits,
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
         stride_mb, stride_mt, dlogits.stride(0), dlogits.stride(1),
-        T, V,
+        T, S, offset, V,
         1.0 / temperature,
         BLOCK_V=block_v, HAS_MASK=mask is not None, WITH_ENTROPY=with_entropy,
         ACC=tl_compute_dtype(logits.dtype), num_warps=num_warps,
@@ -282,17 +302,19 @@ def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
     return dlogits
 
 
-def scale_rows_(x: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor) -> None:
-    """Multiplies the actor rows of ``x [B, T, V]`` (``stride(-1) == 1``) by the 0-dim ``scale``
-    in place, without reading ``scale`` on the host: a scale of 1 costs no pass over ``x``."""
-    B, T, V = x.shape
-    if B * T == 0:
+def scale_rows_(x: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor, offset: int = 0) -> None:
+    """Multiplies the actor rows of ``x [B, S, V]`` (``stride(-1) == 1``; rows
+    ``[offset, offset + T)`` go with ``mask [B, T]``) by the 0-dim ``scale`` in place, without
+    reading ``scale`` on the host: a scale of 1 costs no pass over ``x``."""
+    B, S, V = x.shape
+    T = mask.shape[1]
+    if B * S == 0:
         return
     block_v, num_warps = vocab_launch_config(V, x.element_size())
     mask_u8, stride_mb, stride_mt = mask_args(mask)
-    _scale_rows_kernel[(B * T,)](
+    _scale_rows_kernel[(B * S,)](
         x, mask_u8, scale,
         x.stride(0), x.stride(1), stride_mb, stride_mt,
-        T, V,
+        T, S, offset, V,
         BLOCK_V=block_v, ACC=tl_compute_dtype(x.dtype), num_warps=num_warps,
     )

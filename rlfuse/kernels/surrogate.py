@@ -132,28 +132,31 @@ def _surrogate_bwd_kernel(
 @triton.jit
 def _surrogate_logits_kernel(
     # pointers
-    logits_ptr, targets_ptr, mask_ptr,  # [B, T, V], [B, T], [B, T] uint8
+    logits_ptr, targets_ptr, mask_ptr,  # [B, S, V], [B, T], [B, T] uint8
     old_ptr, adv_ptr, row_scale_ptr,    # [B, T], [B, T] or [B] (stride_at = 0), [B]
-    dlogits_ptr,                        # [B, T, V] out (may alias logits)
+    dlogits_ptr,                        # [B, S, V] out (may alias logits)
     sums_ptr,                           # [B*T, N_SUM_COLS] out
     # strides
     stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
     stride_ob, stride_ot, stride_ab, stride_at, stride_db, stride_dt,
     # sizes
-    T, V,
+    T, S, offset, V,
     # scalars
     inv_temp, delta_hi, delta_lo,
     BLOCK_V: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
     WRITE_DLOGITS: tl.constexpr,
 ):
-    # One row: lse = m + log s by the online pass, lp = (z_y - m) - log s, the surrogate, then
+    # One row s of the [B, S] logits (rows outside the window [offset, offset + T) only get
+    # zeros): lse = m + log s by the online pass, lp = (z_y - m) - log s, the surrogate, then
     # dL/dlogits = g (onehot(y) - p) / tau with g = dL/dlp = -row_scale[b] dJ/dlp (for an upstream
-    # gradient of 1; the autograd Function rescales otherwise).
-    row, b, t, y, is_actor = program_row(targets_ptr, mask_ptr, T, stride_yb, stride_yt,
-                                         stride_mb, stride_mt, True)
-    out = sums_ptr + row * N_SUM_COLS
+    # gradient of 1; the backward rescales otherwise).
+    token, b, s, y, in_window, is_actor = program_row(targets_ptr, mask_ptr, T, S, offset,
+                                                      stride_yb, stride_yt, stride_mb, stride_mt,
+                                                      True)
+    t = token - b * T
+    out = sums_ptr + token * N_SUM_COLS
     if is_actor:
-        row_ptr = logits_ptr + b * stride_lb + t * stride_lt
+        row_ptr = logits_ptr + b * stride_lb + s * stride_lt
         # z[y] is read before the logsumexp pass, whose block reductions (barriers) order it
         # before any thread's dlogits store: in place, the write pass overwrites z[y].
         z_y = load_target_logit(row_ptr, y, V, inv_temp, ACC)
@@ -166,7 +169,7 @@ def _surrogate_logits_kernel(
         j, dj, low, high, bad = clipped_surrogate(log_ratio, adv, lo, hi)
         row_scale = tl.load(row_scale_ptr + b).to(ACC)
         if WRITE_DLOGITS:
-            row_write_dlogits(row_ptr, dlogits_ptr + b * stride_db + t * stride_dt, V, y,
+            row_write_dlogits(row_ptr, dlogits_ptr + b * stride_db + s * stride_dt, V, y,
                               inv_temp, m, log_s, 0.0, -row_scale * dj, 0.0, BLOCK_V, False,
                               ACC)
         tl.store(out + SUM_LOSS, j * row_scale)
@@ -177,9 +180,10 @@ def _surrogate_logits_kernel(
         tl.store(out + SUM_OVERFLOW, bad.to(ACC))
     else:
         if WRITE_DLOGITS:
-            row_write_zeros(dlogits_ptr + b * stride_db + t * stride_dt, V, BLOCK_V)
-        for col in tl.static_range(N_SUM_COLS):
-            tl.store(out + col, tl.zeros((), ACC))
+            row_write_zeros(dlogits_ptr + b * stride_db + s * stride_dt, V, BLOCK_V)
+        if in_window:
+            for col in tl.static_range(N_SUM_COLS):
+                tl.store(out + col, tl.zeros((), ACC))
 
 
 def _adv_strides(adv: torch.Tensor):
@@ -235,21 +239,26 @@ def surrogate_bwd(lp, old_lp, adv, mask, row_scale, grad, *, geometry, topology,
 
 
 def surrogate_logits(logits, targets, mask, old_lp, adv, row_scale, *, temperature,
-                     geometry, topology, delta, write_dlogits=True, dlogits=None):
-    """The single pass from ``logits [B, T, V]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])``
-    with ``dlogits`` for an upstream gradient of 1, written into ``dlogits`` when given (None
-    without ``write_dlogits``: the loss alone, one read of the logits)."""
-    B, T, V = logits.shape
+                     geometry, topology, delta, write_dlogits=True, dlogits=None, offset=0):
+    """The single pass from ``logits [B, S, V]``, whose rows ``[offset, offset + T)`` predict
+    ``targets [B, T]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])`` with ``dlogits`` of the
+    whole ``[B, S, V]`` (zero rows outside the window) for an upstream gradient of 1, written
+    into ``dlogits`` when given (None without ``write_dlogits``: the loss alone, one read of
+    the window)."""
+    B, T = targets.shape
+    if not write_dlogits:
+        logits, offset = logits[:, offset:offset + T], 0   # only the window is read
+    S, V = logits.shape[1:]
     geometry_code, topology_code = region_codes(geometry, topology)
     acc = compute_dtype(logits.dtype)
     if dlogits is None and write_dlogits:
-        dlogits = empty((B, T, V), dtype=logits.dtype, device=logits.device)
+        dlogits = empty((B, S, V), dtype=logits.dtype, device=logits.device)
     sums = empty((B * T, len(SUM_COLUMNS)), dtype=acc, device=logits.device)
-    if B * T == 0:
+    if B * S == 0:
         return dlogits, sums
     block_v, num_warps = vocab_launch_config(V, logits.element_size())
     mask_u8, stride_mb, stride_mt = mask_args(mask)
-    _surrogate_logits_kernel[(B * T,)](
+    _surrogate_logits_kernel[(B * S,)](
         logits, targets, mask_u8,
         old_lp, adv, row_scale,
         dlogits,
@@ -257,7 +266,7 @@ def surrogate_logits(logits, targets, mask, old_lp, adv, row_scale, *, temperatu
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
         stride_mb, stride_mt, old_lp.stride(0), old_lp.stride(1), *_adv_strides(adv),
         *((dlogits.stride(0), dlogits.stride(1)) if write_dlogits else (0, 0)),
-        T, V,
+        T, S, offset, V,
         1.0 / temperature, *fp64_parts(float(delta)),
         BLOCK_V=block_v, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits, num_warps=num_warps,

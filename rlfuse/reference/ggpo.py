@@ -13,7 +13,8 @@ from .logprobs import policy_logprobs
 
 def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, *,
               group_size: int, beta: float, clip_radius: Optional[float] = None,
-              num_tokens: Optional[float] = None, validate: bool = True) -> LossOutput:
+              loss_scale: float = 1.0, num_tokens: Optional[float] = None,
+              validate: bool = True) -> LossOutput:
     """GGPO: the stable Gibbs (log-mean-exp) gap of KL-adjusted rewards.
 
     Args:
@@ -25,6 +26,8 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
         group_size: ``m >= 2``; rows ``[g m, (g + 1) m)`` form group ``g``.
         beta: KL weight ``> 0`` (a runtime kernel argument: changing it does not recompile).
         clip_radius: ``ρ`` (> 0, may be ``inf``) selects the clipped branch.
+        loss_scale: multiplies the loss and every gradient, inside the kernels (e.g.
+            ``1 / gradient_accumulation_steps``): no pass over a gradient to rescale it.
         num_tokens: the token count ``T_tok`` of the whole minibatch (for gradient accumulation
             and data parallelism); default: ``mask.sum()``.
         validate: check the values of the ``[B, T]`` inputs (0/1 mask, finite values at actor
@@ -64,9 +67,9 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
     token-gradient kernel; from ``Logits`` the log-prob pass over the logits, the group kernel
     and one backward pass that writes ``dlogits``: two reads and one write of the logits.
     """
-    info, mask, m, beta, rho, num_tokens = check_ggpo_args(
+    info, mask, m, beta, rho, loss_scale, num_tokens = check_ggpo_args(
         policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
-        clip_radius=clip_radius, num_tokens=num_tokens, validate=validate)
+        clip_radius=clip_radius, loss_scale=loss_scale, num_tokens=num_tokens, validate=validate)
     batch, device = info.shape[0], info.device
 
     cdt = info.compute_dtype
@@ -85,7 +88,7 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
     norm = math.sqrt(m - 1)
 
     if rho is None:
-        loss = m * gap.sum() / (norm * t_tok)
+        loss = loss_scale * m * gap.sum() / (norm * t_tok)
         q = torch.softmax(z.detach(), -1)
         clip_frac = torch.zeros((), dtype=cdt, device=device)
     else:
@@ -95,7 +98,7 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
             q = torch.softmax(reward_z - centred(d.sum(-1)), -1)
             c = ((m * q - 1.0) / norm).reshape(-1)
             clip_frac = masked_mean((log_ratio.abs() > rho).to(cdt), mask)
-        loss = -(c * s).sum() / t_tok
+        loss = -loss_scale * (c * s).sum() / t_tok
 
     with torch.no_grad():
         metrics = {

@@ -204,8 +204,9 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
 
 def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
               geometry: str = "chi2", topology: str = "atomic", delta: float = 0.04,
-              agg: str = "token-mean", num_tokens: Optional[float] = None,
-              num_sequences: Optional[float] = None, validate: bool = True) -> LossOutput:
+              agg: str = "token-mean", loss_scale: float = 1.0,
+              num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
+              validate: bool = True) -> LossOutput:
     """GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust region.
 
     Args:
@@ -218,6 +219,8 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
         delta: region size ``> 0`` (a runtime kernel argument).
         agg: ``token-mean`` (default), ``seq-mean-token-mean``, ``seq-mean-token-sum``,
             ``seq-mean-token-sum-norm`` (verl's names and divisors, see :func:`aggregate`).
+        loss_scale: multiplies the loss and every gradient, inside the kernels (e.g.
+            ``1 / gradient_accumulation_steps``): no pass over a gradient to rescale it.
         num_tokens, num_sequences: global counts for gradient accumulation / data parallelism
             (default: the local ones; the count an ``agg`` does not use is ignored).
         validate: check the values of the ``[B, T]`` inputs and refuse an overflowing ``r A``
@@ -245,9 +248,10 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
     Fused (``rlfuse.gppo_loss``): from log-probs one forward and one backward kernel; from
     ``Logits`` one kernel computes the log-probs, the loss and ``dlogits`` in a single pass.
     """
-    info, mask, delta, num_tokens, num_sequences = check_gppo_args(
+    info, mask, delta, loss_scale, num_tokens, num_sequences = check_gppo_args(
         policy, old_logprobs, advantages, mask, geometry=geometry, topology=topology, delta=delta,
-        agg=agg, num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
+        agg=agg, loss_scale=loss_scale, num_tokens=num_tokens, num_sequences=num_sequences,
+        validate=validate)
     # fp64 bounds, rounded once to the compute dtype (a bound beyond its range becomes inf)
     lo, hi = gppo_bounds(torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs)).double(),
                          geometry=geometry, topology=topology, delta=delta)
@@ -258,7 +262,8 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
     adv = torch.where(mask, per_token(advantages, info.shape).detach().to(cdt), 0.0)
     log_ratio = lp - old
     sur = clipped_surrogate(log_ratio, adv, lo.to(cdt), hi.to(cdt), mask)
-    loss = -aggregate(sur.value, mask, agg, num_tokens=num_tokens, num_sequences=num_sequences)
+    loss = -loss_scale * aggregate(sur.value, mask, agg, num_tokens=num_tokens,
+                                   num_sequences=num_sequences)
 
     with torch.no_grad():
         metrics = {

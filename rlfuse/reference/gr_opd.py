@@ -58,7 +58,8 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
                 mask: torch.Tensor, *, group_size: int, gamma: float = 0.99, lam: float = 0.25,
                 eps: float = 0.2, feedback_clip: float = 5.0, adv_clip: float = 5.0,
                 std_eps: float = 1e-6, advantages: Optional[torch.Tensor] = None,
-                num_sequences: Optional[float] = None, validate: bool = True) -> LossOutput:
+                loss_scale: float = 1.0, num_sequences: Optional[float] = None,
+                validate: bool = True) -> LossOutput:
     """GR-OPD: PPO on the student's tokens with the group-relative teacher credit ``A_i``.
 
     Args:
@@ -73,6 +74,8 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
         eps: PPO clip range ``[1 − eps, 1 + eps]``.
         advantages: precomputed ``[B]`` advantages (from ``gr_opd_advantages`` on the whole
             rollout); ``teacher_logprobs`` then only feeds the ``feedback_mean`` metric.
+        loss_scale: multiplies the loss and every gradient, inside the kernels (e.g.
+            ``1 / gradient_accumulation_steps``): no pass over a gradient to rescale it.
         num_sequences: the global number of responses ``B`` (default: the local one).
         validate: check the values of the ``[B, T]`` inputs and refuse an overflowing ``ρ A``
             (host syncs); shapes, dtypes and devices are always checked.
@@ -97,10 +100,11 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     Fused (``rlfuse.gr_opd_loss``): the advantage kernel, then GPPO's surrogate kernels with the
     fixed region ``[1 − ε, 1 + ε]``; from ``Logits`` one single pass over the logits.
     """
-    info, mask, hyper, eps, num_sequences = check_gr_opd_args(
+    info, mask, hyper, eps, loss_scale, num_sequences = check_gr_opd_args(
         policy, old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma,
         lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
-        advantages=advantages, num_sequences=num_sequences, validate=validate)
+        advantages=advantages, loss_scale=loss_scale, num_sequences=num_sequences,
+        validate=validate)
     batch = info.shape[0]
 
     cdt = info.compute_dtype
@@ -120,7 +124,8 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
         lo = torch.full_like(lp, max(1.0 - eps, 0.0))
         hi = torch.full_like(lp, 1.0 + eps)
     sur = clipped_surrogate(lp - old, adv, lo, hi, mask)
-    loss = -aggregate(sur.value, mask, "seq-mean-token-mean", num_sequences=num_sequences)
+    loss = -loss_scale * aggregate(sur.value, mask, "seq-mean-token-mean",
+                                   num_sequences=num_sequences)
 
     with torch.no_grad():
         metrics = {

@@ -66,6 +66,8 @@ def policy_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
     """The learner log-probs ``[B, T]`` of a policy given as log-probs or as ``Logits`` (whose
     arguments the loss has already checked, as far as its ``validate`` asked)."""
     if isinstance(policy, Logits):
-        return token_logprobs(policy.logits, policy.targets, temperature=policy.temperature,
+        T = policy.targets.shape[1]
+        window = policy.logits[:, policy.offset:policy.offset + T]
+        return token_logprobs(window, policy.targets, temperature=policy.temperature,
                               mask=mask, validate=False)
     return policy
