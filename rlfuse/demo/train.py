@@ -118,9 +118,10 @@ def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed:
         record = {"step": step, **stats, "groups": 0, "loss": None, "metrics": {}, "tokens": 0}
         if batch is not None:           # else: no mixed group left for this step
             logits = next_token_logits(policy, batch.sequences)
-            # logits[:, t] predicts token t + 1: the response window is a strided view, no copy.
-            response_logits = logits[:, batch.prompt_len - 1:-1]
-            out = algo.loss(lib, lib.Logits(response_logits, batch.responses), batch)
+            # logits[:, t] predicts token t + 1: the model's whole output goes in, its rows
+            # prompt_len - 1 ... predict the response (no slice, no slice gradient buffer).
+            out = algo.loss(lib, lib.Logits(logits, batch.responses,
+                                            offset=batch.prompt_len - 1), batch)
             optimizer.zero_grad()
             out.loss.backward()
             optimizer.step()

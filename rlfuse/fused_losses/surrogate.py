@@ -129,11 +129,14 @@ def _surrogate_logits_setup(ctx, inputs, output):
     _, sums, dlogits = output
     ctx.save_for_backward(logits if inplace else dlogits, mask)
     ctx.mark_non_differentiable(sums, dlogits)
+    ctx.set_materialize_grads(False)   # no zero-filled [B, S, V] "gradient" of dlogits
     ctx.offset = offset
     ctx.backward_done = False
 
 
 def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
+    if grad_loss is None:
+        return (None,) * 13
     if ctx.backward_done:
         raise RuntimeError(
             "rlfuse: a GPPO / GR-OPD loss from Logits writes its gradient in the forward and "
