@@ -1,12 +1,12 @@
 """rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD losses."""
 from . import reference
 from ._dispatch import use_kernels
-from ._types import Logits, LossOutput
+from ._types import LinearHead, Logits, LossOutput
 from .fused_losses import (GGPOLoss, GPPOLoss, GROPDLoss, ggpo_loss, gppo_bounds, gppo_loss,
-                           gr_opd_advantages, gr_opd_loss, token_logprobs)
+                           gr_opd_advantages, gr_opd_loss, policy_logprobs, token_logprobs)
 from .reference import group_advantages  # plain torch on [B]-sized data: one implementation
 
-__all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "Logits", "LossOutput", "ggpo_loss", "gppo_bounds",
-           "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages", "reference",
-           "token_logprobs", "use_kernels"]
+__all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "LinearHead", "Logits", "LossOutput", "ggpo_loss",
+           "gppo_bounds", "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages",
+           "policy_logprobs", "reference", "token_logprobs", "use_kernels"]
 __version__ = "0.1.0"

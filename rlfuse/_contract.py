@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ._types import Logits, compute_dtype
+from ._types import LinearHead, Logits, compute_dtype
 from ._validation import (check_actor_tokens, check_choice, check_finite, check_group_size,
                           check_logits, check_mask, check_no_overlap, check_nonnegative,
                           check_number, check_positive, check_sequence_tensor, check_targets,
@@ -42,58 +42,103 @@ class PolicyInfo(NamedTuple):
 
 
 def policy_device(policy) -> Optional[torch.device]:
-    """The device of a policy (log-probs or ``Logits``) or of a tensor; None for anything else
-    (the checks then say what was expected)."""
+    """The device of a policy (log-probs, ``Logits`` or ``LinearHead``) or of a tensor; None
+    for anything else (the checks then say what was expected)."""
     if isinstance(policy, Logits):
         policy = policy.logits
+    elif isinstance(policy, LinearHead):
+        policy = policy.hidden
     return policy.device if isinstance(policy, torch.Tensor) else None
 
 
+def _check_window(targets, offset, *, batch: int, rows: int, device) -> None:
+    """``targets [B, T]`` (integers) predicted by the rows ``[offset, offset + T)`` of ``rows``
+    positions."""
+    check_tensor("policy.targets", targets, device=device, floating=False)
+    if targets.dim() != 2 or targets.shape[0] != batch:
+        raise ValueError(f"policy.targets: expected shape [B, T] with B = {batch} (the "
+                         f"policy's batch), got {tuple(targets.shape)}")
+    T = targets.shape[1]
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"policy.offset: expected an int, got {type(offset).__name__}")
+    if offset < 0 or offset + T > rows:
+        raise ValueError(f"policy.offset: the rows [offset, offset + T) = [{offset}, "
+                         f"{offset + T}) must lie within the policy's {rows} positions")
+
+
+def _check_linear_head(head: LinearHead) -> None:
+    hidden, weight, bias = head.hidden, head.weight, head.bias
+    check_tensor("policy.hidden", hidden, floating=True)
+    if hidden.dim() != 3:
+        raise ValueError(f"policy.hidden: expected shape [B, S, H], got {tuple(hidden.shape)}")
+    check_tensor("policy.weight", weight, device=hidden.device, floating=True)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"policy.weight: expected shape [V, H] with H = {hidden.shape[-1]} "
+                         f"(the hidden size) and V >= 1, got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"policy.weight: expected the hidden states' dtype {hidden.dtype}, got "
+                        f"{weight.dtype}")
+    if bias is not None:
+        check_tensor("policy.bias", bias, shape=(weight.shape[0],), device=hidden.device,
+                     floating=True)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"policy.bias: expected the hidden states' dtype {hidden.dtype}, "
+                            f"got {bias.dtype}")
+    if head.chunk_tokens is not None and (isinstance(head.chunk_tokens, bool) or not isinstance(
+            head.chunk_tokens, int) or head.chunk_tokens <= 0):
+        raise ValueError(f"policy.chunk_tokens: expected None or an int > 0, got "
+                         f"{head.chunk_tokens!r}")
+
+
 def check_policy(policy) -> PolicyInfo:
-    """A policy is learner log-probs ``[B, T]`` (floating tensor) or :class:`rlfuse.Logits` with
-    ``[B, S, V]`` logits whose rows ``[offset, offset + T)`` predict ``[B, T]`` targets. Only
-    metadata is read here; the targets' values are checked with the mask."""
+    """A policy is learner log-probs ``[B, T]`` (floating tensor), :class:`rlfuse.Logits` with
+    ``[B, S, V]`` logits or :class:`rlfuse.LinearHead` with ``[B, S, H]`` hidden states, whose
+    rows ``[offset, offset + T)`` predict ``[B, T]`` targets. Only metadata is read here; the
+    targets' values are checked with the mask."""
     if isinstance(policy, Logits):
-        logits, targets = policy.logits, policy.targets
+        logits = policy.logits
         check_logits(logits)
         if logits.dim() != 3:
             raise ValueError(f"policy.logits: expected shape [B, S, V], got "
                              f"{tuple(logits.shape)}")
-        check_tensor("policy.targets", targets, device=logits.device, floating=False)
-        if targets.dim() != 2 or targets.shape[0] != logits.shape[0]:
-            raise ValueError(f"policy.targets: expected shape [B, T] with B = "
-                             f"{logits.shape[0]} (the logits' batch), got {tuple(targets.shape)}")
-        offset, T = policy.offset, targets.shape[1]
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise TypeError(f"policy.offset: expected an int, got {type(offset).__name__}")
-        if offset < 0 or offset + T > logits.shape[1]:
-            raise ValueError(f"policy.offset: the logits' rows [offset, offset + T) = "
-                             f"[{offset}, {offset + T}) must lie within their "
-                             f"{logits.shape[1]} positions")
+        _check_window(policy.targets, policy.offset, batch=logits.shape[0],
+                      rows=logits.shape[1], device=logits.device)
         if policy.inplace_backward:
             check_no_overlap("policy.logits", logits)
-        shape, device, dtype = targets.shape, logits.device, logits.dtype
+        shape, device, dtype = policy.targets.shape, logits.device, logits.dtype
+    elif isinstance(policy, LinearHead):
+        _check_linear_head(policy)
+        hidden = policy.hidden
+        _check_window(policy.targets, policy.offset, batch=hidden.shape[0],
+                      rows=hidden.shape[1], device=hidden.device)
+        shape, device, dtype = policy.targets.shape, hidden.device, hidden.dtype
     elif isinstance(policy, torch.Tensor):
         check_tensor("policy", policy, floating=True)
         if policy.dim() != 2:
             raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or "
-                             f"rlfuse.Logits), got shape {tuple(policy.shape)}")
+                             f"rlfuse.Logits / rlfuse.LinearHead), got shape "
+                             f"{tuple(policy.shape)}")
         shape, device, dtype = policy.shape, policy.device, policy.dtype
     else:
-        raise TypeError(f"policy: expected a [B, T] tensor of log-probs or rlfuse.Logits, "
-                        f"got {type(policy).__name__}")
+        raise TypeError(f"policy: expected a [B, T] tensor of log-probs, rlfuse.Logits or "
+                        f"rlfuse.LinearHead, got {type(policy).__name__}")
     return PolicyInfo(tuple(shape), device, compute_dtype(dtype))
 
 
-def check_logits_targets(policy, mask: torch.Tensor, validate: bool) -> None:
-    """The targets of a ``Logits`` policy: integer ``[B, T]``; in range where unmasked."""
-    if isinstance(policy, Logits):
+def vocab_size(policy) -> int:
+    return policy.logits.shape[-1] if isinstance(policy, Logits) else policy.weight.shape[0]
+
+
+def check_logits_targets(policy, mask: Optional[torch.Tensor], shape, validate: bool) -> None:
+    """The temperature and the targets of a ``Logits`` / ``LinearHead`` policy: integer
+    ``shape``; with ``validate``, in range where unmasked (everywhere without a mask)."""
+    if isinstance(policy, (Logits, LinearHead)):
         check_positive("policy.temperature", policy.temperature)
+        device = policy_device(policy)
         if validate:
-            check_targets(policy.targets, mask.shape, policy.logits.shape[-1], mask.device, mask)
+            check_targets(policy.targets, shape, vocab_size(policy), device, mask)
         else:
-            check_tensor("targets", policy.targets, shape=mask.shape, device=mask.device,
-                         floating=False)
+            check_tensor("targets", policy.targets, shape=shape, device=device, floating=False)
 
 
 def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -157,7 +202,7 @@ def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, cl
                                                           allow_inf=True)
     if num_tokens is not None:
         num_tokens = check_positive("num_tokens", num_tokens)
-    check_logits_targets(policy, mask, validate)
+    check_logits_targets(policy, mask, mask.shape, validate)
     if validate:
         check_actor_tokens(mask, m, what="group")
     return GGPOArgs(info, mask, m, beta, rho, check_loss_scale(loss_scale), num_tokens)
@@ -217,7 +262,7 @@ def check_gppo_args(policy, old_logprobs, advantages, mask, *, geometry, topolog
         num_tokens = check_positive("num_tokens", num_tokens)
     if num_sequences is not None:
         num_sequences = check_positive("num_sequences", num_sequences)
-    check_logits_targets(policy, mask, validate)
+    check_logits_targets(policy, mask, mask.shape, validate)
     if validate:
         check_finite("advantages", per_token(advantages, info.shape), mask)
         if agg == "seq-mean-token-mean":
@@ -291,7 +336,7 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
                               validate=validate)
     if num_sequences is not None:
         num_sequences = check_positive("num_sequences", num_sequences)
-    check_logits_targets(policy, mask, validate)
+    check_logits_targets(policy, mask, mask.shape, validate)
     if validate:
         check_actor_tokens(mask, 1, what="sequence")
     return GROPDArgs(info, mask, hyper, eps, check_loss_scale(loss_scale), num_sequences)

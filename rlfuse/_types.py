@@ -1,7 +1,7 @@
 """The small value types of the public API."""
 from __future__ import annotations
 
-from typing import Dict, NamedTuple
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
@@ -39,3 +39,25 @@ class Logits(NamedTuple):
     temperature: float = 1.0
     inplace_backward: bool = False
     offset: int = 0
+
+
+class LinearHead(NamedTuple):
+    """A policy given as the last hidden state and the output head: ``logits = hidden @
+    weight.T + bias``, never materialised beyond one chunk of tokens in the fused path.
+
+    ``hidden [B, S, H]`` (row ``offset + t`` predicts ``targets[:, t]``, ``targets [B, T]``),
+    ``weight [V, H]`` (the ``lm_head`` weight, tied to the embedding or not), ``bias [V]`` or
+    None, all of one floating dtype and device. Gradients go to whichever of ``hidden``,
+    ``weight``, ``bias`` require them (``weight``'s accumulated in fp32 over the chunks).
+    ``chunk_tokens``: tokens per chunk (default: a 1 GiB budget of chunk logits, or the bytes
+    in the environment variable ``RLFUSE_CHUNK_BYTES``). Pass ``offset`` and ``chunk_tokens`` by
+    keyword.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    temperature: float = 1.0
+    offset: int = 0
+    chunk_tokens: Optional[int] = None

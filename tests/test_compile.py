@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import rlfuse
-from rlfuse.fused_losses import ggpo, gppo, gr_opd, logprobs, surrogate
+from rlfuse.fused_losses import ggpo, gppo, gr_opd, linear_head, logprobs, surrogate
 
-B, T, V, M = 4, 5, 37, 2   # an odd vocabulary; two groups of two
+B, T, V, M, H = 4, 5, 37, 2, 8   # an odd vocabulary; two groups of two; hidden size 8
 
 
 def make_inputs(device, seed=0, *, batch=B, time=T):
@@ -25,13 +25,21 @@ def make_inputs(device, seed=0, *, batch=B, time=T):
              lp=torch.cat([old + 0.3 * torch.randn(batch, time, generator=gen), old[:, :1]], 1),
              targets=torch.randint(0, V, (batch, time), generator=gen), mask=mask, old=old,
              ref=old - 0.2 * rand(batch, time), teacher=old - rand(batch, time),
-             adv=torch.randn(batch, generator=gen), rewards=(rand(batch) > 0.5).float())
+             adv=torch.randn(batch, generator=gen), rewards=(rand(batch) > 0.5).float(),
+             hidden=torch.randn(batch, time + 1, H, generator=gen),         # head: rows 1..T
+             weight=torch.randn(V, H, generator=gen) * 0.5, bias=0.1 * torch.randn(V, generator=gen))
     return SimpleNamespace(**{k: v.to(device) for k, v in x.items()})
 
 
 def policy_of(leaf, x, form, **kw):
-    view = leaf[:, :-1]
-    return rlfuse.Logits(view, x.targets, 0.9, **kw) if form == "logits" else view
+    """The policy of a leaf: log-probs (a [:, :-1] view), logits (the whole [B, T+1, V], rows
+    0..T-1 used) or a linear head over hidden states (rows 1..T, chunks of 7 tokens)."""
+    if form == "head":
+        return rlfuse.LinearHead(leaf, x.weight, x.targets, x.bias, 0.9, offset=1,
+                                 chunk_tokens=7)
+    if form == "logits":
+        return rlfuse.Logits(leaf, x.targets, 0.9, **kw)
+    return leaf[:, :-1]
 
 
 def _loss(out):
@@ -44,26 +52,31 @@ STEPS = {
         lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
             *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
                                    return_entropy=True, validate=False))),
-    "ggpo": (("logprobs", "logits"), lambda leaf, x, form: _loss(rlfuse.ggpo_loss(
+    "policy_logprobs": (("logits", "head"), lambda leaf, x, form: (
+        lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
+            *rlfuse.policy_logprobs(policy_of(leaf, x, form), return_entropy=True,
+                                    validate=False))),
+    "ggpo": (("logprobs", "logits", "head"), lambda leaf, x, form: _loss(rlfuse.ggpo_loss(
         policy_of(leaf, x, form), x.ref, x.rewards, x.mask, group_size=M, beta=0.5,
         validate=False))),
     "ggpo_clipped": (("logprobs",), lambda leaf, x, form: _loss(rlfuse.ggpo_loss(
         policy_of(leaf, x, form), x.ref, x.rewards, x.mask, group_size=M, beta=0.5,
         clip_radius=0.1, num_tokens=11.0, validate=False))),
-    "gppo": (("logprobs", "logits"), lambda leaf, x, form: _loss(rlfuse.gppo_loss(
+    "gppo": (("logprobs", "logits", "head"), lambda leaf, x, form: _loss(rlfuse.gppo_loss(
         policy_of(leaf, x, form), x.old, x.adv, x.mask, geometry="kl", topology="binary",
         delta=0.1, agg="seq-mean-token-mean", validate=False))),
     "gppo_inplace": (("logits",), lambda leaf, x, form: _loss(rlfuse.gppo_loss(
         policy_of(leaf, x, form, inplace_backward=True), x.old, x.adv, x.mask,
         validate=False))),
-    "gr_opd": (("logprobs", "logits"), lambda leaf, x, form: _loss(rlfuse.gr_opd_loss(
+    "gr_opd": (("logprobs", "logits", "head"), lambda leaf, x, form: _loss(rlfuse.gr_opd_loss(
         policy_of(leaf, x, form), x.old, x.teacher, x.mask, group_size=M, validate=False))),
 }
 CASES = [(name, form) for name, (forms, _) in STEPS.items() for form in forms]
 
 
 def run_step(step, x, form, dtype=torch.float32):
-    leaf = (x.logits if form == "logits" else x.lp).to(dtype).clone().requires_grad_(True)
+    leaf = {"logits": x.logits, "head": x.hidden}.get(form, x.lp)
+    leaf = leaf.to(dtype).clone().requires_grad_(True)
     scalar, outputs = step(leaf, x, form)
     (grad,) = torch.autograd.grad(scalar * 1.5, leaf)
     return scalar.detach(), {k: v.detach() for k, v in outputs.items()}, grad
@@ -177,6 +190,10 @@ def _op_cases(device):
     weights = torch.full((B,), 0.1, device=device)
     dlogits = torch.zeros(B, T, V, device=device)
     full = x.logits.clone().requires_grad_(True)      # a model's whole output: rows 1..T
+    hidden = x.hidden.clone().requires_grad_(True)
+    weight = x.weight.clone().requires_grad_(True)
+    _, head_entropy, head_stats = linear_head.linear_logprobs_op(
+        hidden.detach(), x.weight, x.bias, x.targets, x.mask, 0.9, 1, 7, False, True)
     stats = logprobs.token_logprobs_op(logits.detach(), x.targets, x.mask, 0.9, False, False,
                                        0)[2]
     return {
@@ -205,6 +222,16 @@ def _op_cases(device):
                            torch.tensor(1.5, device=device), torch.tensor(9.0, device=device),
                            torch.float64)],
         "gppo_bounds": [(x.old, "kl", "binary", 0.1)],
+        "linear_logprobs": [(hidden, x.weight, x.bias, x.targets, x.mask, 0.9, 1, 7, False, True),
+                            (hidden, weight, None, x.targets, None, 1.0, 0, 3, False, False)],
+        "linear_logprobs_backward": [(hidden.detach(), x.weight, x.bias, x.targets, x.mask,
+                                      head_stats, head_entropy, torch.randn(B, T, device=device),
+                                      torch.randn(B, T, device=device), 0.9, 1, 7, False,
+                                      [True, True, True])],
+        "linear_surrogate": [(hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, weights,
+                              0.9, "chi2", "atomic", 0.04, 1, 7, False, [True, True, False]),
+                             (hidden, weight, None, x.targets, x.mask, x.old, x.adv, weights,
+                              1.0, "ppo_clip", "mc", 0.2, 0, 3, True, [True, True, False])],
         "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6,
                                torch.float64)],
     }
@@ -214,7 +241,10 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "surrogate": surrogate.surrogate_op, "surrogate_backward": surrogate.surrogate_backward_op,
        "surrogate_logits": surrogate.surrogate_logits_op, "scale_rows_": surrogate.scale_rows_op,
        "ggpo": ggpo.ggpo_op, "ggpo_backward": ggpo.ggpo_backward_op,
-       "gppo_bounds": gppo.gppo_bounds_op, "gr_opd_advantages": gr_opd.gr_opd_advantages_op}
+       "gppo_bounds": gppo.gppo_bounds_op, "gr_opd_advantages": gr_opd.gr_opd_advantages_op,
+       "linear_logprobs": linear_head.linear_logprobs_op,
+       "linear_logprobs_backward": linear_head.linear_logprobs_backward_op,
+       "linear_surrogate": linear_head.linear_surrogate_op}
 ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")
 

@@ -11,7 +11,7 @@ from .._contract import check_ggpo_args
 from .._dispatch import falls_back_to
 from .._types import LossOutput, compute_dtype
 from ._op import custom_op
-from .logprobs import policy_logprobs
+from .logprobs import learner_logprobs
 
 
 @custom_op("ggpo")
@@ -97,7 +97,8 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
     info, mask, m, beta, clip_radius, loss_scale, num_tokens = check_ggpo_args(
         policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
         clip_radius=clip_radius, loss_scale=loss_scale, num_tokens=num_tokens, validate=validate)
-    loss, group_sums, _, _ = ggpo_op(policy_logprobs(policy, mask), ref_logprobs.detach(),
+    loss, group_sums, _, _ = ggpo_op(learner_logprobs(policy, mask, gather=validate),
+                                     ref_logprobs.detach(),
                                      rewards.detach(), mask, m, beta, clip_radius, loss_scale,
                                      num_tokens)
     return LossOutput(loss, _metrics(group_sums, info.shape[0]))

@@ -7,10 +7,11 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._contract import check_logprob_args
+from .._contract import check_logits_targets, check_logprob_args, check_policy
 from .._dispatch import falls_back_to
-from .._types import Logits, compute_dtype
+from .._types import LinearHead, Logits, compute_dtype
 from ._op import custom_op
+from .linear_head import chunk_tokens_for, linear_logprobs_op
 
 
 def as_rows(logits: Tensor, targets: Tensor, mask: Optional[Tensor]):
@@ -129,13 +130,43 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     return (logp, entropy) if return_entropy else logp
 
 
-def policy_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
-    """The learner log-probs ``[B, T]`` of a policy given as log-probs or as ``Logits`` (whose
-    arguments the loss has already checked); the loss's gradient reaches the logits through one
-    backward pass over them."""
-    if isinstance(policy, Logits):
-        logp, _, _ = token_logprobs_op(policy.logits, policy.targets, mask,
-                                       float(policy.temperature), False,
-                                       bool(policy.inplace_backward), int(policy.offset))
-        return logp
+def window_logprobs(policy, mask: Optional[torch.Tensor], *, gather: bool,
+                    return_entropy: bool = False):
+    """``(logp, entropy)`` ``[B, T]`` (entropy empty unless ``return_entropy``) of a ``Logits``
+    or ``LinearHead`` policy, whose arguments the caller has checked; ``gather``: a
+    ``LinearHead`` forms the logits of the actor rows only (reads the mask on the host)."""
+    temperature = float(policy.temperature)
+    if isinstance(policy, LinearHead):
+        chunk = chunk_tokens_for(policy.weight.shape[0], policy.weight.element_size(),
+                                 policy.chunk_tokens)
+        logp, entropy, _ = linear_logprobs_op(policy.hidden, policy.weight, policy.bias,
+                                              policy.targets, mask, temperature,
+                                              int(policy.offset), chunk, gather,
+                                              bool(return_entropy))
+    else:
+        logp, entropy, _ = token_logprobs_op(policy.logits, policy.targets, mask, temperature,
+                                             bool(return_entropy), bool(policy.inplace_backward),
+                                             int(policy.offset))
+    return logp, entropy
+
+
+def learner_logprobs(policy, mask: torch.Tensor, *, gather: bool = False) -> torch.Tensor:
+    """The learner log-probs ``[B, T]`` of any policy form (checked by the loss); the loss's
+    gradient reaches logits or head through one backward pass over them."""
+    if isinstance(policy, (Logits, LinearHead)):
+        return window_logprobs(policy, mask, gather=gather)[0]
+    return policy
+
+
+@falls_back_to(reference.policy_logprobs)
+def policy_logprobs(policy, *, return_entropy: bool = False, validate: bool = True):
+    info = check_policy(policy)
+    if isinstance(policy, (Logits, LinearHead)):
+        check_logits_targets(policy, None, info.shape, validate)
+        logp, entropy = window_logprobs(policy, None, gather=False,
+                                        return_entropy=return_entropy)
+        return (logp, entropy) if return_entropy else logp
+    if return_entropy:
+        raise ValueError("return_entropy: a policy given as log-probs has no entropy; pass "
+                         "rlfuse.Logits or rlfuse.LinearHead")
     return policy

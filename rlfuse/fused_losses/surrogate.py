@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 from .._contract import raise_on_overflow
-from .._types import Logits
+from .._types import LinearHead, Logits
 from ._op import custom_op
-from .logprobs import as_rows, policy_logprobs
+from .linear_head import chunk_tokens_for, linear_surrogate_op
+from .logprobs import as_rows, learner_logprobs
 
 
 def _column(sums: Tensor, name: str) -> Tensor:
@@ -177,7 +178,17 @@ def surrogate_loss(policy, old_lp: Tensor, adv: Tensor, mask: Tensor, row_scale:
     """``(loss, {column: total})`` of the clipped surrogate for either policy form; with
     ``validate`` an overflowing ``r A`` raises (one host sync)."""
     region = (geometry, topology, float(delta))
-    if isinstance(policy, Logits) and policy.logits.dtype != torch.float16:
+    if isinstance(policy, LinearHead) and policy.hidden.dtype != torch.float16:
+        grad = torch.is_grad_enabled()
+        needs = [grad and t is not None and t.requires_grad
+                 for t in (policy.hidden, policy.weight, policy.bias)]
+        chunk = chunk_tokens_for(policy.weight.shape[0], policy.weight.element_size(),
+                                 policy.chunk_tokens)
+        loss, sums, *_ = linear_surrogate_op(policy.hidden, policy.weight, policy.bias,
+                                             policy.targets, mask, old_lp, adv, row_scale,
+                                             float(policy.temperature), *region,
+                                             int(policy.offset), chunk, validate, needs)
+    elif isinstance(policy, Logits) and policy.logits.dtype != torch.float16:
         logits, targets, _ = as_rows(policy.logits, policy.targets, mask)
         write = policy.logits.requires_grad and torch.is_grad_enabled()
         inplace = bool(policy.inplace_backward) and logits is policy.logits
@@ -185,11 +196,11 @@ def surrogate_loss(policy, old_lp: Tensor, adv: Tensor, mask: Tensor, row_scale:
                                             float(policy.temperature), *region, write, inplace,
                                             int(policy.offset))
     else:
-        loss, sums = surrogate_op(policy_logprobs(policy, mask), old_lp, adv, mask, row_scale,
-                                  *region)
+        loss, sums = surrogate_op(learner_logprobs(policy, mask, gather=validate), old_lp, adv,
+                                  mask, row_scale, *region)
     from ..kernels.surrogate import SUM_COLUMNS
 
-    totals = dict(zip(SUM_COLUMNS, sums.sum(0).unbind()))
+    totals = dict(zip(SUM_COLUMNS, (sums if sums.dim() == 1 else sums.sum(0)).unbind()))
     if validate:
         raise_on_overflow(totals["overflow"], row_scale.dtype)
     return loss, totals

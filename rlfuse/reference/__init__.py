@@ -2,11 +2,12 @@
 
 Same signatures as the public API; autograd computes the gradients.
 """
-from .._types import Logits, LossOutput
+from .._types import LinearHead, Logits, LossOutput
 from .ggpo import ggpo_loss
 from .gppo import group_advantages, gppo_bounds, gppo_loss
 from .gr_opd import gr_opd_advantages, gr_opd_loss
-from .logprobs import token_logprobs
+from .logprobs import policy_logprobs, token_logprobs
 
-__all__ = ["Logits", "LossOutput", "ggpo_loss", "gppo_bounds", "gppo_loss", "gr_opd_advantages",
-           "gr_opd_loss", "group_advantages", "token_logprobs"]
+__all__ = ["LinearHead", "Logits", "LossOutput", "ggpo_loss", "gppo_bounds", "gppo_loss",
+           "gr_opd_advantages", "gr_opd_loss", "group_advantages", "policy_logprobs",
+           "token_logprobs"]

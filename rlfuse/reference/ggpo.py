@@ -8,7 +8,7 @@ import torch
 
 from .._contract import check_ggpo_args, masked_mean
 from .._types import LossOutput
-from .logprobs import policy_logprobs
+from .logprobs import learner_logprobs
 
 
 def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, *,
@@ -73,7 +73,7 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
     batch, device = info.shape[0], info.device
 
     cdt = info.compute_dtype
-    lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)
+    lp = torch.where(mask, learner_logprobs(policy, mask).to(cdt), 0.0)
     ref = torch.where(mask, ref_logprobs.detach().to(cdt), 0.0)
     t_tok = num_tokens if num_tokens is not None else mask.sum().clamp_min(1).to(cdt)
 

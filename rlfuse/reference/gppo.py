@@ -14,7 +14,7 @@ from .._contract import (MU_MIN, aggregation_weights, check_bounds_args,
                          check_group_advantages_args, check_gppo_args, masked_mean, per_token,
                          raise_on_overflow)
 from .._types import LossOutput, compute_dtype
-from .logprobs import policy_logprobs
+from .logprobs import learner_logprobs
 
 BISECTION_STEPS = 100        # see _binary_root_bounds
 
@@ -257,7 +257,7 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
                          geometry=geometry, topology=topology, delta=delta)
 
     cdt = info.compute_dtype
-    lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)
+    lp = torch.where(mask, learner_logprobs(policy, mask).to(cdt), 0.0)
     old = torch.where(mask, old_logprobs.detach().to(cdt), 0.0)
     adv = torch.where(mask, per_token(advantages, info.shape).detach().to(cdt), 0.0)
     log_ratio = lp - old

@@ -9,7 +9,7 @@ from .._contract import (check_advantage_inputs, check_gr_opd_args, clamped_feed
                          masked_mean)
 from .._types import LossOutput, compute_dtype
 from .gppo import aggregate, clipped_surrogate, overflow_metric
-from .logprobs import policy_logprobs
+from .logprobs import learner_logprobs
 
 
 def _advantages(feedback: torch.Tensor, mask: torch.Tensor, m: int, gamma: float, lam: float,
@@ -109,7 +109,7 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
 
     cdt = info.compute_dtype
     acc = compute_dtype(cdt, old_logprobs.dtype, teacher_logprobs.dtype)  # widest input
-    lp = torch.where(mask, policy_logprobs(policy, mask).to(cdt), 0.0)
+    lp = torch.where(mask, learner_logprobs(policy, mask).to(cdt), 0.0)
     old = torch.where(mask, old_logprobs.detach().to(cdt), 0.0)
     with torch.no_grad():
         feedback = clamped_feedback(old_logprobs.to(acc), teacher_logprobs.to(acc), mask,

@@ -5,8 +5,8 @@ from typing import Optional
 
 import torch
 
-from .._contract import check_logprob_args
-from .._types import Logits, compute_dtype
+from .._contract import check_logits_targets, check_logprob_args, check_policy
+from .._types import LinearHead, Logits, compute_dtype
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
@@ -62,12 +62,56 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     return logp, entropy
 
 
-def policy_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
-    """The learner log-probs ``[B, T]`` of a policy given as log-probs or as ``Logits`` (whose
-    arguments the loss has already checked, as far as its ``validate`` asked)."""
-    if isinstance(policy, Logits):
-        T = policy.targets.shape[1]
-        window = policy.logits[:, policy.offset:policy.offset + T]
-        return token_logprobs(window, policy.targets, temperature=policy.temperature,
-                              mask=mask, validate=False)
+def as_logits(policy) -> Logits:
+    """A ``LinearHead`` as the ``Logits`` it defines: ``hidden @ weight.T + bias``, all of it
+    (the definition; the fused path never holds more than a chunk)."""
+    if isinstance(policy, LinearHead):
+        logits = torch.nn.functional.linear(policy.hidden, policy.weight, policy.bias)
+        return Logits(logits, policy.targets, policy.temperature, offset=policy.offset)
+    return policy
+
+
+def window_logprobs(policy, mask: Optional[torch.Tensor], *, return_entropy: bool = False):
+    """Log-probs (and entropy) ``[B, T]`` of the window of a ``Logits`` / ``LinearHead``
+    policy (whose arguments the caller has checked, as far as its ``validate`` asked)."""
+    policy = as_logits(policy)
+    T = policy.targets.shape[1]
+    window = policy.logits[:, policy.offset:policy.offset + T]
+    return token_logprobs(window, policy.targets, temperature=policy.temperature, mask=mask,
+                          return_entropy=return_entropy, validate=False)
+
+
+def learner_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:
+    """The learner log-probs ``[B, T]`` of any policy form."""
+    if isinstance(policy, (Logits, LinearHead)):
+        return window_logprobs(policy, mask)
+    return policy
+
+
+def policy_logprobs(policy, *, return_entropy: bool = False, validate: bool = True):
+    """Per-token log-probs ``[B, T]`` (fp32; fp64 for fp64 inputs) of any policy form, with
+    autograd — the old or reference log-probs a trainer needs, and the entropy for a bonus,
+    without a ``[B, T, V]`` tensor when the policy is a ``LinearHead``.
+
+    Args:
+        policy: ``rlfuse.Logits``, ``rlfuse.LinearHead`` or ``[B, T]`` log-probs (returned as
+            they are; they carry no entropy).
+        return_entropy: also return the entropy of each position.
+        validate: check that every target lies in ``[0, V)`` (one host sync); without it an
+            out-of-range target gives NaN, never an out-of-bounds read.
+
+    Returns:
+        ``logp`` or ``(logp, entropy)``. Fused (``rlfuse.policy_logprobs``): from ``Logits`` the
+        log-prob kernels (one read forward, one read and one write backward); from
+        ``LinearHead`` each chunk's logits are formed by one matmul in the forward and once more
+        in the backward, where they turn into the gradients of the hidden states, weight and
+        bias.
+    """
+    info = check_policy(policy)
+    if isinstance(policy, (Logits, LinearHead)):
+        check_logits_targets(policy, None, info.shape, validate)
+        return window_logprobs(policy, None, return_entropy=return_entropy)
+    if return_entropy:
+        raise ValueError("return_entropy: a policy given as log-probs has no entropy; pass "
+                         "rlfuse.Logits or rlfuse.LinearHead")
     return policy

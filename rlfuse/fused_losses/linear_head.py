@@ -1,0 +1,279 @@
+"""Policies given as a linear head over hidden states: custom ops that form the logits one
+chunk of tokens at a time (one cuBLAS matmul), run the row kernels on the chunk, and turn the
+chunk's gradient, written in place into the chunk's own buffer, into the gradients of the
+hidden states, weight and bias at once. No ``[N, V]`` tensor ever exists.
+
+Two ladders, as for ``Logits``:
+- the log-probs (``linear_logprobs``): forward over chunks keeps each row's max and log-sum;
+  the backward, given dL/dlp, forms each chunk's logits once more and writes its gradient.
+  GGPO (every log-prob of a group first) and ``policy_logprobs`` use it.
+- the single pass of the token-local losses (``linear_surrogate``): the gradients are known
+  in the forward, so each chunk's logits are formed once; the backward scales the three
+  gradients by the upstream one.
+
+Only actor rows need logits: with ``gather`` (the losses' ``validate=True``, which reads the mask
+on the host anyway) the chunks hold actor rows only; without it every row of the window is
+multiplied (no host read) and the kernels give the masked ones zero gradient.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._types import compute_dtype
+from ._op import custom_op
+
+DEFAULT_CHUNK_BYTES = 1 << 30   # one chunk of logits: 1 GiB unless RLFUSE_CHUNK_BYTES says
+
+
+def chunk_tokens_for(vocab_size: int, element_size: int, chunk_tokens: Optional[int]) -> int:
+    """Tokens per chunk: ``chunk_tokens``, else the chunk budget (bytes of chunk logits,
+    ``RLFUSE_CHUNK_BYTES`` or 1 GiB) over the bytes of one row of logits."""
+    if chunk_tokens:
+        return chunk_tokens
+    budget = int(os.environ.get("RLFUSE_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+    return max(1, budget // (vocab_size * element_size))
+
+
+class Rows:
+    """The tokens a call works on, chunk by chunk: their flat index ``b T + t`` into the
+    ``[B, T]`` inputs and the flat index ``b S + offset + t`` of their hidden row."""
+
+    def __init__(self, hidden: Tensor, targets: Tensor, mask: Optional[Tensor], offset: int,
+                 gather: bool):
+        B, S, _ = hidden.shape
+        T = targets.shape[1]
+        if gather and mask is not None:
+            self.tokens = mask.reshape(-1).nonzero().squeeze(1)
+        else:
+            self.tokens = torch.arange(B * T, device=hidden.device)
+        self.rows = (self.tokens // T) * S + offset + self.tokens % T
+        self.T = T
+
+    def chunks(self, size: int) -> List[Tuple[Tensor, Tensor]]:
+        return list(zip(self.tokens.split(size), self.rows.split(size)))
+
+
+def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``[C, 1, V]`` logits of a chunk of hidden rows (a batch of C one-token rows for the row
+    kernels), in the weight's dtype (cuBLAS accumulates in fp32)."""
+    return torch.nn.functional.linear(h_rows, weight, bias).unsqueeze(1)
+
+
+class HeadGradients:
+    """The gradients of hidden (in its dtype), weight and bias (accumulated in fp32) that the
+    chunks add up; empty tensors stand for the ones nobody needs."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 needs: Tuple[bool, bool, bool]):
+        self.weight = weight
+        self.dhidden = (torch.zeros_like(hidden).reshape(-1, hidden.shape[-1]) if needs[0]
+                        else None)
+        acc = compute_dtype(weight.dtype)
+        self.dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) \
+            if needs[1] else None
+        self.dbias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) \
+            if needs[2] and bias is not None else None
+
+    def add(self, dlogits: Tensor, h_rows: Tensor, rows: Tensor) -> None:
+        """dL/dh = dlogits W, dL/dW += dlogits^T h, dL/db += sum of dlogits, for one chunk."""
+        dlogits = dlogits.squeeze(1)
+        if self.dhidden is not None:
+            self.dhidden.index_copy_(0, rows, dlogits @ self.weight)
+        if self.dweight is not None:
+            self.dweight += (dlogits.t() @ h_rows).to(self.dweight.dtype)
+        if self.dbias is not None:
+            self.dbias += dlogits.sum(0, dtype=self.dbias.dtype)
+
+    def results(self, hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The three gradients in their tensors' dtypes, a new empty tensor for each one not
+        computed (an op's outputs alias nothing)."""
+        return (hidden.new_empty(0) if self.dhidden is None else self.dhidden.view(hidden.shape),
+                weight.new_empty(0) if self.dweight is None else self.dweight.to(weight.dtype),
+                weight.new_empty(0) if self.dbias is None else self.dbias.to(weight.dtype))
+
+
+def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
+    return None if x is None else x.reshape(-1)
+
+
+def _gradients_fake(hidden, weight, bias, needs):
+    return (hidden.new_empty(hidden.shape if needs[0] else (0,)),
+            weight.new_empty(weight.shape if needs[1] else (0,)),
+            weight.new_empty((weight.shape[0],) if needs[2] and bias is not None else (0,)))
+
+
+# --------------------------------------------------------------------------------------------
+# Log-probs: forward over chunks, backward over chunks again
+# --------------------------------------------------------------------------------------------
+
+@custom_op("linear_logprobs")
+def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                       mask: Optional[Tensor], temperature: float, offset: int,
+                       chunk_tokens: int, gather: bool,
+                       with_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window."""
+    from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_fwd
+
+    acc = compute_dtype(hidden.dtype)
+    B, T = targets.shape
+    # rows left out of the chunks (masked, when gathering) have log-prob 0, entropy 0
+    logp = torch.zeros(B * T, dtype=acc, device=hidden.device)
+    entropy = torch.zeros(B * T if with_entropy else 0, dtype=acc, device=hidden.device)
+    stats = torch.zeros((B * T, len(STAT_COLUMNS)), dtype=acc, device=hidden.device)
+    h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
+    for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
+        logits = chunk_logits(h_flat[rows], weight, bias)
+        lp_c, stats_c, ent_c = token_logprobs_fwd(
+            logits, y_flat[tokens, None], None if m_flat is None else m_flat[tokens, None],
+            temperature, with_entropy)
+        logp[tokens] = lp_c[:, 0]
+        stats[tokens] = stats_c
+        if with_entropy:
+            entropy[tokens] = ent_c[:, 0]
+    return logp.view(B, T), entropy.view(B, T) if with_entropy else entropy, stats
+
+
+@linear_logprobs_op.register_fake
+def _(hidden, weight, bias, targets, mask, temperature, offset, chunk_tokens, gather,
+      with_entropy):
+    from ..kernels.logprobs import STAT_COLUMNS
+
+    acc = compute_dtype(hidden.dtype)
+    return (hidden.new_empty(targets.shape, dtype=acc),
+            hidden.new_empty(targets.shape if with_entropy else (0,), dtype=acc),
+            hidden.new_empty((targets.numel(), len(STAT_COLUMNS)), dtype=acc))
+
+
+@custom_op("linear_logprobs_backward")
+def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                                targets: Tensor, mask: Optional[Tensor], stats: Tensor,
+                                entropy: Optional[Tensor], dlogp: Tensor,
+                                dentropy: Optional[Tensor], temperature: float, offset: int,
+                                chunk_tokens: int, gather: bool,
+                                needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(dhidden, dweight, dbias)`` (empty where not needed) for the upstream ``dlogp`` /
+    ``dentropy`` ``[B, T]``: each chunk's logits formed again, their gradient written in
+    place."""
+    from ..kernels.logprobs import token_logprobs_bwd
+
+    grads = HeadGradients(hidden, weight, bias, tuple(needs))
+    h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
+    dlogp, dentropy, entropy = _flat(dlogp), _flat(dentropy), _flat(entropy)
+    for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
+        h_rows = h_flat[rows]
+        logits = chunk_logits(h_rows, weight, bias)
+        token_logprobs_bwd(logits, y_flat[tokens, None],
+                           None if m_flat is None else m_flat[tokens, None], temperature,
+                           stats[tokens], None if dentropy is None else entropy[tokens, None],
+                           dlogp[tokens, None],
+                           None if dentropy is None else dentropy[tokens, None], logits)
+        grads.add(logits, h_rows, rows)
+    return grads.results(hidden, weight)
+
+
+@linear_logprobs_backward_op.register_fake
+def _(hidden, weight, bias, targets, mask, stats, entropy, dlogp, dentropy, temperature, offset,
+      chunk_tokens, gather, needs):
+    return _gradients_fake(hidden, weight, bias, needs)
+
+
+def _logprobs_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, mask = inputs[:5]
+    ctx.args = inputs[5:9]   # temperature, offset, chunk_tokens, gather
+    with_entropy = inputs[9]
+    _, entropy, stats = output
+    ctx.save_for_backward(hidden, weight, bias, targets, mask, stats,
+                          entropy if with_entropy else None)
+    ctx.mark_non_differentiable(stats)
+    if not with_entropy:
+        ctx.mark_non_differentiable(entropy)
+    ctx.set_materialize_grads(False)
+
+
+def _logprobs_backward(ctx, dlogp, dentropy, _dstats):
+    hidden, weight, bias, targets, mask, stats, entropy = ctx.saved_tensors
+    if entropy is None:
+        dentropy = None
+    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
+    if (dlogp is None and dentropy is None) or not any(needs):
+        return (None,) * 10
+    if dlogp is None:
+        dlogp = torch.zeros(targets.shape, dtype=stats.dtype, device=stats.device)
+    dh, dw, db = linear_logprobs_backward_op(hidden, weight, bias, targets, mask, stats,
+                                             entropy, dlogp, dentropy, *ctx.args, needs)
+    return (dh if needs[0] else None, dw if needs[1] else None,
+            db if needs[2] and bias is not None else None) + (None,) * 7
+
+
+linear_logprobs_op.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# The single pass of the token-local losses
+# --------------------------------------------------------------------------------------------
+
+@custom_op("linear_surrogate")
+def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                        mask: Tensor, old_lp: Tensor, adv: Tensor, row_scale: Tensor,
+                        temperature: float, geometry: str, topology: str, delta: float,
+                        offset: int, chunk_tokens: int, gather: bool,
+                        needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, totals [SUM_COLUMNS], dhidden, dweight, dbias)``: the clipped surrogate over the
+    head's window and its gradients for an upstream gradient of 1 (empty where not needed),
+    each chunk's logits formed once."""
+    from ..kernels.surrogate import SUM_COLUMNS, surrogate_logits
+
+    grads = HeadGradients(hidden, weight, bias, tuple(needs))
+    write = any(needs)
+    B, T = targets.shape
+    totals = torch.zeros(len(SUM_COLUMNS), dtype=row_scale.dtype, device=hidden.device)
+    h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
+    old_flat = _flat(old_lp)
+    adv_flat = _flat(adv.unsqueeze(-1).expand(B, T) if adv.dim() == 1 else adv)
+    scale_flat = row_scale.unsqueeze(-1).expand(B, T).reshape(-1)
+    for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
+        h_rows = h_flat[rows]
+        logits = chunk_logits(h_rows, weight, bias)
+        _, sums = surrogate_logits(
+            logits, y_flat[tokens, None], m_flat[tokens, None], old_flat[tokens, None],
+            adv_flat[tokens], scale_flat[tokens], temperature=temperature, geometry=geometry,
+            topology=topology, delta=delta, write_dlogits=write, dlogits=logits if write else None)
+        totals += sums.sum(0)
+        if write:
+            grads.add(logits, h_rows, rows)
+    loss = -totals[SUM_COLUMNS.index("loss")]
+    return (loss, totals) + grads.results(hidden, weight)
+
+
+@linear_surrogate_op.register_fake
+def _(hidden, weight, bias, targets, mask, old_lp, adv, row_scale, temperature, geometry,
+      topology, delta, offset, chunk_tokens, gather, needs):
+    from ..kernels.surrogate import SUM_COLUMNS
+
+    return ((row_scale.new_empty(()), row_scale.new_empty((len(SUM_COLUMNS),)))
+            + _gradients_fake(hidden, weight, bias, needs))
+
+
+def _surrogate_setup(ctx, inputs, output):
+    bias, needs = inputs[2], inputs[-1]
+    _, totals, dh, dw, db = output
+    ctx.save_for_backward(dh, dw, db)
+    ctx.needs = (needs[0], needs[1], needs[2] and bias is not None)
+    ctx.mark_non_differentiable(totals, dh, dw, db)
+    ctx.set_materialize_grads(False)
+
+
+def _surrogate_backward(ctx, grad_loss, *_):
+    grads = [None, None, None]
+    if grad_loss is not None:
+        for i, (grad, needed) in enumerate(zip(ctx.saved_tensors, ctx.needs)):
+            if needed:   # one pass over a [N, H] / [V, H] gradient, no host sync
+                grads[i] = grad * grad_loss.to(grad.dtype)
+    return tuple(grads) + (None,) * 13
+
+
+linear_surrogate_op.register_autograd(_surrogate_backward, setup_context=_surrogate_setup)
