@@ -1,0 +1,182 @@
+"""LinearHead: every loss and policy_logprobs from hidden states and the output head, against
+the reference (which materialises the logits) and float64; gradients of hidden, weight and
+bias; chunking; what it allocates."""
+import pytest
+import torch
+
+import rlfuse
+from rlfuse import reference
+
+from conftest import assert_three_way
+from test_policy_forms import Allocations
+
+B, S, H, V, M = 4, 8, 8, 37, 2
+OFFSET, T = 2, 5
+
+
+def make_case(seed, device, *, empty_row=False):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=gen) > 0.3
+    mask[:, 0] = True
+    if empty_row:
+        mask[1] = False
+    case = dict(hidden=torch.randn(B, S, H, generator=gen, dtype=torch.float64),
+                weight=torch.randn(V, H, generator=gen, dtype=torch.float64) * 0.7,
+                bias=torch.randn(V, generator=gen, dtype=torch.float64) * 0.2,
+                targets=torch.randint(0, V, (B, T), generator=gen), mask=mask,
+                old=-torch.rand(B, T, generator=gen, dtype=torch.float64) * 4,
+                adv=torch.randn(B, generator=gen, dtype=torch.float64),
+                rewards=(torch.rand(B, generator=gen) > 0.5).double())
+    case["ref"] = case["old"] - 0.2
+    case["teacher"] = case["old"] - 0.5
+    return {k: v.to(device) for k, v in case.items()}
+
+
+LOSSES = {
+    "ggpo": lambda lib, pol, c, **kw: lib.ggpo_loss(pol, c["ref"], c["rewards"], c["mask"],
+                                                     group_size=M, beta=0.5, **kw).loss,
+    "gppo": lambda lib, pol, c, **kw: lib.gppo_loss(pol, c["old"], c["adv"], c["mask"],
+                                                     geometry="chi2", topology="binary",
+                                                     **kw).loss,
+    "gr_opd": lambda lib, pol, c, **kw: lib.gr_opd_loss(pol, c["old"], c["teacher"], c["mask"],
+                                                         group_size=M, **kw).loss,
+    "policy_logprobs": lambda lib, pol, c, **kw: (
+        lambda lp, ent: (lp * c["mask"]).sum() + 0.5 * ent.sum())(
+            *lib.policy_logprobs(pol, return_entropy=True, **kw)),
+}
+
+
+def run(lib, name, case, dtype, device, *, chunk=3, bias=True, frozen=False, **kw):
+    """(scalar, gradients of hidden, weight, bias) of one call; the policy's tensors in
+    ``dtype``, the other inputs in the compute dtype."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    c = {k: v.to(acc) if v.is_floating_point() else v for k, v in case.items()}
+    hidden = case["hidden"].to(dtype).clone().requires_grad_(True)
+    weight = case["weight"].to(dtype).clone().requires_grad_(not frozen)
+    b = case["bias"].to(dtype).clone().requires_grad_(True) if bias else None
+    policy = rlfuse.LinearHead(hidden, weight, case["targets"], b, 0.8, offset=OFFSET,
+                               chunk_tokens=chunk)
+    out = LOSSES[name](lib, policy, c, **kw)
+    leaves = [t for t in (hidden, weight, b) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(out, leaves)
+    return [out.detach().cpu()] + [g.cpu() for g in grads]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("chunk", [3, 20, 64])    # does not divide N = 20; divides; one chunk
+def test_matches_float64(name, dtype, chunk, device):
+    case = make_case(1, device)
+    fused = run(rlfuse, name, case, dtype, device, chunk=chunk)
+    ref = run(reference, name, case, dtype, "cpu")
+    ref64 = run(reference, name, case, torch.float64, "cpu")
+    for label, f, r, r64 in zip(("value", "dhidden", "dweight", "dbias"), fused, ref, ref64):
+        assert f.dtype == r.dtype, label
+        assert_three_way(f, r, r64, label)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_float64_exact_without_bias_and_with_a_frozen_weight(name, device):
+    """fp64: equal to the reference to rounding; without a bias; a frozen weight gets no
+    gradient and costs no dweight accumulator."""
+    case = make_case(2, device)
+    for kw in (dict(bias=False), dict(frozen=True)):
+        fused = run(rlfuse, name, case, torch.float64, device, **kw)
+        ref = run(reference, name, case, torch.float64, "cpu", **kw)
+        assert len(fused) == len(ref) == 3
+        for f, r in zip(fused, ref):
+            torch.testing.assert_close(f, r, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", ["gppo", "policy_logprobs"])
+def test_a_row_without_actor_tokens(name, device):
+    case = make_case(7, device, empty_row=True)
+    fused = run(rlfuse, name, case, torch.float64, device)
+    ref = run(reference, name, case, torch.float64, "cpu")
+    for f, r in zip(fused, ref):
+        torch.testing.assert_close(f, r, rtol=1e-12, atol=1e-13)
+    if name == "gppo":   # the empty row's hidden states get no gradient
+        assert (fused[1][1] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["ggpo", "gppo", "gr_opd"])
+def test_gathering_actor_rows_changes_nothing(name, device):
+    """validate=True multiplies the actor rows only (the mask read on the host), validate=False
+    every row of the window (no host read): the same results."""
+    case = make_case(3, device)
+    with_gather = run(rlfuse, name, case, torch.float32, device, validate=True)
+    without = run(rlfuse, name, case, torch.float32, device, validate=False)
+    for a, b in zip(with_gather, without):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_tied_embeddings(device):
+    """The head's weight is the embedding's: its gradient adds both uses."""
+    case = make_case(4, device)
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(4)).to(device)
+    grads = []
+    for lib, dev in ((rlfuse, device), (reference, "cpu")):
+        emb = case["weight"].to(dev).clone().requires_grad_(True)
+        hidden = torch.tanh(emb[ids.to(dev)] + case["hidden"].to(dev))
+        c = {k: v.to(dev) for k, v in case.items()}
+        loss = LOSSES["gppo"](lib, rlfuse.LinearHead(hidden, emb, c["targets"], offset=OFFSET,
+                                                     chunk_tokens=4), c)
+        grads.append(torch.autograd.grad(loss, emb)[0].cpu())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("lib", [rlfuse, reference], ids=["fused", "reference"])
+def test_bad_heads(lib, device):
+    case = make_case(5, device)
+    h, w, y, b = case["hidden"], case["weight"], case["targets"], case["bias"]
+    bad = [
+        (dict(hidden=h.float()), TypeError, "policy.weight: expected the hidden states' dtype"),
+        (dict(weight=w[:, :-1]), ValueError, "policy.weight: expected shape"),
+        (dict(bias=b[:-1]), ValueError, "policy.bias: expected shape"),
+        (dict(bias=b.float()), TypeError, "policy.bias"),
+        (dict(chunk_tokens=0), ValueError, "policy.chunk_tokens"),
+        (dict(offset=S - T + 1), ValueError, "policy.offset"),
+        (dict(hidden=h[0]), ValueError, "policy.hidden: expected shape"),
+        (dict(targets=y[:2]), ValueError, "policy.targets"),
+    ]
+    for change, error, match in bad:
+        fields = dict(hidden=h, weight=w, targets=y, bias=b, offset=OFFSET)
+        fields.update(change)
+        with pytest.raises(error, match=match):
+            LOSSES["gppo"](lib, rlfuse.LinearHead(**fields), case)
+    with pytest.raises(ValueError, match="return_entropy"):
+        lib.policy_logprobs(case["old"], return_entropy=True)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_no_logits_sized_allocation(name, device):
+    """Forward and backward allocate nothing of N x V elements (N = B T tokens): the logits
+    exist one chunk at a time, and the fp32 dweight is [V, H] with H < N."""
+    case = make_case(6, device)
+    c = {k: v.float() if v.is_floating_point() else v for k, v in case.items()}
+    hidden = c["hidden"].clone().requires_grad_(True)
+    weight = c["weight"].clone().requires_grad_(True)
+    bias = c["bias"].clone().requires_grad_(True)
+    with Allocations() as allocs:
+        policy = rlfuse.LinearHead(hidden, weight, c["targets"], bias, offset=OFFSET,
+                                   chunk_tokens=6)
+        LOSSES[name](rlfuse, policy, c).backward()
+    assert allocs.outputs, "the recording saw nothing"
+    biggest = max(n for _, n, _ in allocs.outputs)
+    assert biggest < B * T * V, [(op, n) for op, n, _ in allocs.outputs if n >= B * T * V]
+    assert biggest >= 6 * V            # one chunk of logits is there
+    with Allocations() as allocs:      # the negative control: the reference materialises
+        LOSSES[name](reference, rlfuse.LinearHead(hidden, weight, c["targets"], bias,
+                                                  offset=OFFSET), c).backward()
+    assert max(n for _, n, _ in allocs.outputs) >= B * S * V
+
+
+def test_default_chunk_from_the_budget(monkeypatch):
+    from rlfuse.fused_losses.linear_head import chunk_tokens_for
+
+    assert chunk_tokens_for(151936, 2, None) == (1 << 30) // (151936 * 2)
+    assert chunk_tokens_for(151936, 2, 100) == 100
+    monkeypatch.setenv("RLFUSE_CHUNK_BYTES", str(151936 * 4 * 10))
+    assert chunk_tokens_for(151936, 4, None) == 10
+    monkeypatch.setenv("RLFUSE_CHUNK_BYTES", "1")
+    assert chunk_tokens_for(151936, 4, None) == 1
