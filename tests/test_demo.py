@@ -54,6 +54,19 @@ def test_reference_and_fused_follow_the_same_trajectory(method):
     assert fused.reward_after == pytest.approx(ref.reward_after, abs=1e-6)
 
 
+def test_linear_head_and_logits_follow_the_same_trajectory():
+    """The default learner is a LinearHead (hidden states + lm_head, no [B, L, V] logits); the
+    whole-output Logits form trains the same way."""
+    linear = run("gppo", **{**TINY, "steps": 3})
+    logits = run("gppo", policy="logits", **{**TINY, "steps": 3})
+    for a, b in zip(linear.history, logits.history):
+        assert a["reward"] == b["reward"]
+        assert (a["loss"] is None) == (b["loss"] is None)
+        if a["loss"] is not None:
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert linear.reward_after == pytest.approx(logits.reward_after, abs=1e-6)
+
+
 def test_verifier_counts_bytes_before_eos():
     responses = torch.tensor([[2, 4, 1, 3], [2, 4, 6, 1], [2, EOS, 1, 1], [EOS, EOS, EOS, EOS]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)

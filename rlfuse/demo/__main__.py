@@ -72,6 +72,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--impl", choices=["fused", "reference"], default="fused",
                         help="rlfuse (fused) or rlfuse.reference: same calls, same signatures")
+    parser.add_argument("--policy", choices=["linear", "logits"], default=defaults.policy,
+                        help="the learner as rlfuse.LinearHead (hidden states and lm_head, no "
+                             "[B, L, V] logits; default) or rlfuse.Logits (the whole output)")
     return parser.parse_args(argv)
 
 
@@ -84,7 +87,7 @@ def main(argv: Optional[List[str]] = None) -> List:
     device = resolve_device(args.device)
     settings = dict(steps=args.steps, group_size=args.group_size,
                     prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
-                    lr=args.lr)
+                    lr=args.lr, policy=args.policy)
     print(f"rlfuse {rlfuse.__version__} demo on {device}; losses: {active_path(args.impl, device)}")
     print(TASK)
     print("policy: byte-level Llama (2 layers, hidden 64, random init) + LoRA on attention; "

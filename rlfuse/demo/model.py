@@ -51,3 +51,12 @@ def load_weights(dst, src) -> None:
 def next_token_logits(model, sequences: torch.Tensor) -> torch.Tensor:
     """``[B, L, V]``: ``logits[:, t]`` predicts ``sequences[:, t + 1]``."""
     return model(input_ids=sequences, use_cache=False).logits
+
+
+def last_hidden_and_head(model, sequences: torch.Tensor):
+    """``(hidden [B, L, H], weight [V, H])``: the last (normed) hidden states and the output
+    head, not applied — ``hidden[:, t] @ weight.T`` are the logits that predict
+    ``sequences[:, t + 1]``."""
+    causal_lm = model.get_base_model()
+    hidden = causal_lm.model(input_ids=sequences, use_cache=False).last_hidden_state
+    return hidden, causal_lm.lm_head.weight

@@ -11,7 +11,8 @@ import rlfuse
 from rlfuse import use_kernels
 
 from .methods import METHODS
-from .model import build_policy, frozen_copy, load_weights, next_token_logits
+from .model import (build_policy, frozen_copy, last_hidden_and_head, load_weights,
+                    next_token_logits)
 from .rollout import collect, sample, verify
 from .text import prompt_windows
 
@@ -34,6 +35,8 @@ class Settings:
     teacher_steps: int = 20         # GR-OPD: supervised steps that make the teacher
     teacher_lr: float = 2e-2
     eval_samples: int = 16          # sampled responses per evaluation prompt
+    policy: str = "linear"          # the learner as rlfuse.LinearHead (hidden states + lm_head,
+                                    # no [B, L, V] logits) or as rlfuse.Logits (the whole output)
 
 
 @dataclasses.dataclass
@@ -60,6 +63,19 @@ def active_path(impl: str, device: torch.device) -> str:
         return "fused Triton kernels through the Triton interpreter (TRITON_INTERPRET=1)"
     return ("rlfuse.reference: the fused API falls back to it on CPU unless TRITON_INTERPRET=1 "
             "is set before Python starts")
+
+
+def learner(lib, policy, batch, form: str):
+    """The learner over a batch, as ``lib.LinearHead`` or ``lib.Logits``. Position t predicts
+    token t + 1: the rows from ``prompt_len - 1`` on predict the response, so the whole output
+    goes in with that offset (no slice, no slice gradient buffer)."""
+    if form == "linear":
+        hidden, weight = last_hidden_and_head(policy, batch.sequences)
+        return lib.LinearHead(hidden, weight, batch.responses, offset=batch.prompt_len - 1)
+    if form == "logits":
+        return lib.Logits(next_token_logits(policy, batch.sequences), batch.responses,
+                          offset=batch.prompt_len - 1)
+    raise ValueError(f"policy: expected 'linear' or 'logits', got {form!r}")
 
 
 @torch.no_grad()
@@ -117,11 +133,7 @@ def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed:
         batch = minibatches[(step - 1) % settings.updates_per_rollout]
         record = {"step": step, **stats, "groups": 0, "loss": None, "metrics": {}, "tokens": 0}
         if batch is not None:           # else: no mixed group left for this step
-            logits = next_token_logits(policy, batch.sequences)
-            # logits[:, t] predicts token t + 1: the model's whole output goes in, its rows
-            # prompt_len - 1 ... predict the response (no slice, no slice gradient buffer).
-            out = algo.loss(lib, lib.Logits(logits, batch.responses,
-                                            offset=batch.prompt_len - 1), batch)
+            out = algo.loss(lib, learner(lib, policy, batch, settings.policy), batch)
             optimizer.zero_grad()
             out.loss.backward()
             optimizer.step()
