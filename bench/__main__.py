@@ -167,6 +167,8 @@ def run(args, checkpoint=None) -> dict:
     plan.sort(key=lambda case: case[2] == "compiled")
 
     bandwidth = measure.copy_bandwidth_GBps(device)
+    matmul = {str(dt).replace("torch.", ""): measure.matmul_TFLOPs(device, dt)
+              for dt in dict.fromkeys(s.dtype for s in shapes if s.V is not None)}
     rows, truncated = [], False
 
     def results():
@@ -175,7 +177,8 @@ def run(args, checkpoint=None) -> dict:
             "triton": _triton_version(), "rlfuse": rlfuse.__version__,
             "commit": args.commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "copy_bandwidth_GBps": bandwidth, "missing_impls": missing,
+            "copy_bandwidth_GBps": bandwidth, "matmul_TFLOPs": matmul,
+            "missing_impls": missing,
             "fused_backend": _fused_backend(device),
             "layout": {"B": shapes[0].batch, "group_size": shapes[0].group_size,
                        "mask": "padded responses, ~85% actor tokens"},
@@ -209,7 +212,7 @@ def run(args, checkpoint=None) -> dict:
                 continue
             where = f"{op.name} {impl} {mode} at {shape}"
             try:
-                row = _measure(args, device, bandwidth, shape, op, impl, mode, forward)
+                row = _measure(args, device, bandwidth, matmul, shape, op, impl, mode, forward)
             except OOM:
                 notes.append(f"{where}: out of memory, skipped")
                 _free(device)
@@ -229,18 +232,21 @@ def run(args, checkpoint=None) -> dict:
     return results()
 
 
-def _measure(args, device, bandwidth, shape, op, impl, mode, forward) -> dict:
+def _measure(args, device, bandwidth, matmul, shape, op, impl, mode, forward) -> dict:
     step = measure.make_step(forward, mode)
     ms, p20, p80 = measure.time_ms(step, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                                    cpu_reps=args.cpu_reps)
     peak = measure.peak_memory(step, device)
-    nbytes = op.bytes(shape, mode)
-    floor_ms = nbytes / (bandwidth * 1e9) * 1e3
-    return {"op": op.name, "impl": impl, "mode": mode,
-            "dtype": str(shape.dtype).replace("torch.", ""), "N": shape.N, "V": shape.V,
-            "ms": ms, "ms_p20": p20, "ms_p80": p80, "peak_mem_bytes": peak,
+    nbytes, flops = op.bytes(shape, mode), op.flops(shape, mode)
+    dtype = str(shape.dtype).replace("torch.", "")
+    # the floor: the minimal HBM bytes over the copy bandwidth, or for the LinearHead ops the
+    # minimal matmul FLOPs over the measured matmul rate
+    floor_ms = (flops / (matmul[dtype] * 1e12) if flops is not None
+                else nbytes / (bandwidth * 1e9)) * 1e3
+    return {"op": op.name, "impl": impl, "mode": mode, "dtype": dtype, "N": shape.N,
+            "V": shape.V, "ms": ms, "ms_p20": p20, "ms_p80": p80, "peak_mem_bytes": peak,
             "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms if ms > 0 else None,
-            "bytes": nbytes}
+            "bytes": nbytes, "flops": flops}
 
 
 def _free(device):

@@ -31,6 +31,8 @@ FP32_SHAPE = (16384, 151936)            # the one fp32 shape of the default grid
 # --quick: small enough for the Triton interpreter on 2 CPU cores, whose cost is per program
 # (row), not per element: 16 rows, two groups of 4 sequences of 2 positions.
 QUICK_BATCH, QUICK_N, QUICK_V = 8, (16,), (1000,)
+# The hidden size of the LinearHead ops (the policy as last hidden state + output head).
+HIDDEN, QUICK_HIDDEN = 4096, 32
 
 BETA = 0.1            # GGPO's KL weight (a runtime kernel argument; any value costs the same)
 LIGER_MODULE = "liger_kernel.ops.grpo_loss"   # selective log-softmax and the GRPO loss
@@ -43,6 +45,7 @@ class Shape:
     dtype: torch.dtype         # of the logits (float32 for the log-prob ops)
     batch: int
     group_size: int
+    hidden: int = HIDDEN       # H of the LinearHead ops
 
     @property
     def T(self) -> int:
@@ -67,7 +70,8 @@ def make_shapes(Ns: Sequence[int] = (), Vs: Sequence[int] = (),
     for n in Ns:
         if n % batch:
             raise ValueError(f"--N: expected a multiple of B = {batch}, got {n}")
-    shape = lambda n, v, dt: Shape(n, v, dt, batch, GROUP_SIZE)  # noqa: E731
+    hidden = QUICK_HIDDEN if quick else HIDDEN
+    shape = lambda n, v, dt: Shape(n, v, dt, batch, GROUP_SIZE, hidden)  # noqa: E731
     logits = [shape(n, v, dt) for dt in (dtypes or (torch.bfloat16,)) for n in Ns for v in Vs]
     if not dtypes:
         n, v = FP32_SHAPE if not quick else (Ns[0], Vs[0])
@@ -92,7 +96,9 @@ def make_inputs(shape: Shape, device, *, seed: int = 0, validate: bool = True) -
     """Realistic inputs: logits ``randn * 2`` in the dtype, random targets, padded responses with
     ~85% actor tokens, old/ref log-probs = the policy's own + small noise (ratios near 1), a
     teacher further off, rewards 0/1. Leaves that require grad: ``logits`` (the ``[:, :-1]``
-    view; its gradient is what the fused kernels write), ``logits_full`` (for Liger) and ``lp``.
+    view; its gradient is what the fused kernels write), ``logits_full`` (for Liger), ``lp``,
+    and for the LinearHead ops ``hidden [B, T+1, H]`` and a trainable ``weight [V, H]`` (scaled
+    so that their logits look like the others: ``randn * 2``).
     """
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -115,6 +121,9 @@ def make_inputs(shape: Shape, device, *, seed: int = 0, validate: bool = True) -
         own = _own_logprobs(logits_full[:, :-1], x.targets)
         x.logits_full = logits_full.requires_grad_()
         x.logits = logits_full.detach()[:, :-1].requires_grad_()   # same storage, own leaf
+        x.hidden = randn(B, T + 1, shape.hidden, dtype=shape.dtype).requires_grad_()
+        x.weight = randn(shape.V, shape.hidden, dtype=shape.dtype).mul_(
+            2.0 / shape.hidden ** 0.5).requires_grad_()
     x.lp = own.clone().requires_grad_()
     x.old_lp = (own + 0.05 * randn(B, T)).clamp_max(0.0)
     x.ref_lp = (own + 0.05 * randn(B, T)).clamp_max(0.0)
@@ -146,16 +155,30 @@ class Op:
     # The single pass from logits writes dlogits in its forward and hands that buffer out in
     # ONE backward: its bwd alone cannot be repeated over one graph (and is almost free).
     fused_modes: Tuple[str, ...] = MODES
+    modes: Tuple[str, ...] = MODES        # of every implementation
+    # LinearHead ops: the matmuls of [N, H] x [H, V] a mode needs at least (2 N H V FLOPs
+    # each); their floor is compute, not bytes
+    matmuls: Optional[Dict[str, int]] = None
 
     def bytes(self, shape: Shape, mode: str) -> int:
         reads, writes, per_token = self.floor[mode]
         return (reads + writes) * shape.N * (shape.V or 0) * shape.element_size \
             + per_token * shape.N
 
+    def flops(self, shape: Shape, mode: str) -> Optional[int]:
+        if self.matmuls is None:
+            return None
+        return self.matmuls[mode] * 2 * shape.N * shape.hidden * shape.V
 
-def _run_loss(call, from_logits: bool, lib, x):
-    """A loss on the policy in either form: ``Logits`` (the [:, :-1] view) or [B, T] log-probs."""
-    return call(lib, lib.Logits(x.logits, x.targets) if from_logits else x.lp, x)
+
+def _run_loss(call, form: str, lib, x):
+    """A loss on the policy in any form: [B, T] log-probs, ``Logits`` (the [:, :-1] view) or
+    ``LinearHead`` (hidden rows 0..T-1 with the head; row T predicts nothing)."""
+    if form == "head":
+        policy = lib.LinearHead(x.hidden, x.weight, x.targets)
+    else:
+        policy = lib.Logits(x.logits, x.targets) if form == "logits" else x.lp
+    return call(lib, policy, x)
 
 
 # One call per loss, shared by both policy forms and by every implementation.
@@ -230,6 +253,30 @@ def _liger_grpo(advantages: str):
     return run
 
 
+def _liger_head_grpo(advantages: str):
+    """Liger's chunked fused-linear GRPO loss (PPO clip 0.2, beta = 0, per-token mean of each
+    sequence then over sequences, torch.compile'd chunks): the peer of the LinearHead GPPO /
+    GR-OPD."""
+    loss_fn = {}
+
+    def run(lk, x):
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        fn = loss_fn.setdefault("fn", LigerFusedLinearGRPOLoss(
+            beta=0.0, use_ref_model=False, loss_type="grpo", epsilon_low=0.2,
+            epsilon_high=0.2))
+        out = fn(x.hidden[:, :-1], x.weight, x.targets, x.mask_i32, getattr(x, advantages),
+                 old_per_token_logps=x.old_lp)
+        return out[0] if isinstance(out, (tuple, list)) else out
+    return run
+
+
+# LinearHead: every implementation does the training step (fwd+bwd). Its floor: the logits
+# once, then dhidden and dweight: 3 matmuls (a chunked GGPO forms each chunk's logits twice, 4).
+_HEAD_MATMULS = {"fwd+bwd": 3}
+_HEAD_FLOOR = {"fwd+bwd": (0, 0, TGT + MSK + 2 * F32)}   # the [B, T] side data only
+
+
 def _ops():
     ops = [Op("token_logprobs", True,
               lambda lib, x: lib.token_logprobs(x.logits, x.targets, mask=x.mask),
@@ -239,14 +286,21 @@ def _ops():
                                                 return_entropy=True),
               _FLOORS["token_logprobs_entropy"])]
     liger = {"gppo": _liger_grpo("advantages"), "gr_opd": _liger_grpo("opd_advantages")}
-    for from_logits in (False, True):
+    liger_head = {"gppo": _liger_head_grpo("advantages"),
+                  "gr_opd": _liger_head_grpo("opd_advantages")}
+    for form in ("logprobs", "logits"):
         for loss, call in _LOSSES.items():
-            name = loss + ("_logits" if from_logits else "")
-            single_pass = from_logits and loss in liger
-            ops.append(Op(name, from_logits, functools.partial(_run_loss, call, from_logits),
+            name = loss + ("_logits" if form == "logits" else "")
+            single_pass = form == "logits" and loss in liger
+            ops.append(Op(name, form == "logits", functools.partial(_run_loss, call, form),
                           _FLOORS[name],
-                          liger=liger.get(loss) if from_logits else None,
+                          liger=liger.get(loss) if form == "logits" else None,
                           fused_modes=("fwd", "fwd+bwd") if single_pass else MODES))
+    for loss, call in _LOSSES.items():
+        step = ("fwd+bwd",)
+        ops.append(Op(loss + "_head", True, functools.partial(_run_loss, call, "head"),
+                      _HEAD_FLOOR, liger=liger_head.get(loss), liger_modes=step,
+                      fused_modes=step, modes=step, matmuls=_HEAD_MATMULS))
     return {op.name: op for op in ops}
 
 
@@ -288,19 +342,26 @@ def load_impl(name: str):
 
 
 def modes_for(op: Op, impl: str) -> Tuple[str, ...]:
-    return {"liger": op.liger_modes, "fused": op.fused_modes}.get(impl, MODES)
+    return {"liger": op.liger_modes, "fused": op.fused_modes}.get(impl, op.modes)
 
 
 def forward_fn(op: Op, impl: str, lib, x) -> Optional[Callable]:
-    """``forward() -> (outputs tuple, leaf)`` of ``impl`` on ``op``; None when ``impl`` has no
-    such op (Liger has no GGPO and no entropy)."""
+    """``forward() -> (outputs tuple, leaves)`` of ``impl`` on ``op``; None when ``impl`` has no
+    such op (Liger has no GGPO and no entropy). The leaves: the logits (Liger: its
+    ``[B, T+1, V]`` logits), the log-probs, or a LinearHead's hidden states and weight."""
+    if op.matmuls is not None:
+        leaves = (x.hidden, x.weight)
+    elif impl == "liger":
+        leaves = x.logits_full
+    else:
+        leaves = x.logits if op.from_logits else x.lp
     if impl == "liger":
         if op.liger is None:
             return None
-        run, leaf = (lambda: op.liger(lib, x)), x.logits_full
+        run = lambda: op.liger(lib, x)  # noqa: E731
     else:
-        run, leaf = (lambda: op.run(lib, x)), (x.logits if op.from_logits else x.lp)
-    return lambda: (_as_tuple(run()), leaf)
+        run = lambda: op.run(lib, x)  # noqa: E731
+    return lambda: (_as_tuple(run()), leaves)
 
 
 def _as_tuple(out):

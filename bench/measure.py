@@ -19,8 +19,8 @@ def make_step(forward: Callable, mode: str) -> Callable:
         return forward
     if mode == "fwd+bwd":
         def step():
-            outs, leaf = forward()
-            torch.autograd.grad(outs, leaf, [torch.ones_like(o) for o in outs])
+            outs, leaves = forward()
+            torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
         return step
     if mode == "bwd":
         outs, leaf = forward()
@@ -67,6 +67,16 @@ def peak_memory(step: Callable, device: torch.device) -> Optional[int]:
     step()
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated() - before)
+
+
+def matmul_TFLOPs(device: torch.device, dtype: torch.dtype) -> float:
+    """Dense matmul throughput in ``dtype`` (a 4096^3 product on CUDA, 256^3 on the CPU): the
+    rate against which the LinearHead ops' FLOP floor is timed."""
+    n = 4096 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    ms, _, _ = time_ms(lambda: a @ b, device, cpu_reps=5)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
 def copy_bandwidth_GBps(device: torch.device, nbytes: Optional[int] = None) -> float:

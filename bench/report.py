@@ -88,8 +88,9 @@ def markdown(results: dict, modes: Optional[Iterable[str]] = None) -> str:
             cells += [_mib(by_impl[i]["peak_mem_bytes"]) if i in by_impl else "—" for i in impls]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "ms: median per step; floor: the op's minimal HBM bytes (see `bench/cases.py`) "
-              "over the measured copy bandwidth; fused vs X: X's time over fused's; "
-              "peak: bytes allocated during one step beyond its inputs."]
+              "over the measured copy bandwidth — for the `_head` ops (LinearHead, H = "
+              "4096) its minimal matmul FLOPs over the measured matmul rate; fused vs X: X's "
+              "time over fused's; peak: bytes allocated during one step beyond its inputs."]
     if header.get("truncated"):
         lines.append("The run hit its time budget: some cases are missing.")
     return "\n".join(lines) + "\n"

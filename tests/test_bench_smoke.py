@@ -18,7 +18,7 @@ from bench import cases, report  # noqa: E402
 
 HEADER_KEYS = {"gpu", "torch", "triton", "commit", "date", "copy_bandwidth_GBps", "missing_impls"}
 ROW_KEYS = {"op", "impl", "mode", "dtype", "N", "V", "ms", "ms_p20", "ms_p80", "peak_mem_bytes",
-            "floor_ms", "fraction_of_floor", "bytes"}
+            "floor_ms", "fraction_of_floor", "bytes", "flops"}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +101,15 @@ def test_floors_follow_the_spec():
         "gr_opd_logits": [(1, 0), (1, 1), (1, 1)],
     }
     for name, op in cases.OPS.items():
+        if op.matmuls is not None:       # LinearHead: no logits in memory, a compute floor
+            assert op.modes == ("fwd+bwd",) and op.floor["fwd+bwd"][:2] == (0, 0), name
+            assert op.matmuls == {"fwd+bwd": 3}, name     # logits, dhidden, dweight
+            continue
         want = logits_passes.get(name, [(0, 0)] * 3)   # the [B, T] log-prob ops
         assert [op.floor[mode][:2] for mode in cases.MODES] == want, name
-    shape = cases.Shape(N=16, V=1000, dtype=torch.bfloat16, batch=8, group_size=4)
+    shape = cases.Shape(N=16, V=1000, dtype=torch.bfloat16, batch=8, group_size=4, hidden=32)
     per_token = 2 * (cases.TGT + cases.MSK) + 4 * cases.F32
     assert cases.OPS["token_logprobs"].bytes(shape, "fwd+bwd") == 3 * 16 * 1000 * 2 + per_token * 16
+    assert cases.OPS["token_logprobs"].flops(shape, "fwd+bwd") is None
+    assert cases.OPS["gppo_head"].flops(shape, "fwd+bwd") == 3 * 2 * 16 * 32 * 1000
+    assert {"ggpo_head", "gppo_head", "gr_opd_head"} <= set(cases.OPS)

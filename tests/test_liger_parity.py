@@ -63,3 +63,27 @@ def test_gr_opd_with_advantages_is_liger_grpo(inputs):
     assert scale > 0
     err = (g_ours.float() - g_theirs.float()).abs().max().item()
     assert err <= GRAD_RTOL[x.logits.dtype] * scale, (err, scale)
+
+
+def test_linear_head_gr_opd_is_liger_fused_linear_grpo(inputs):
+    """The LinearHead peer: Liger's chunked fused-linear GRPO loss (through the benchmark's
+    adapter) against rlfuse's GR-OPD from a LinearHead with the same advantages — loss and the
+    gradients of the hidden states and the head's weight, which are matmuls of the rounded
+    dlogits on both sides: up to 4 of the dlogits' rounding steps of their scale."""
+    x = SimpleNamespace(**vars(inputs))
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    x.old_lp = (x.old_lp + 0.3 * torch.randn(x.old_lp.shape, generator=g, device=DEVICE)
+                ).clamp_max(0.0)
+    head = rlfuse.LinearHead(x.hidden, x.weight, x.targets, chunk_tokens=5)
+    out = rlfuse.gr_opd_loss(head, x.old_lp, x.teacher_lp, x.mask, group_size=x.group_size,
+                             eps=0.2, advantages=x.opd_advantages)
+    assert 0.05 < out.metrics["clip_frac"].item() < 0.95
+    theirs = cases.OPS["gr_opd_head"].liger(liger, x)
+    assert abs(out.loss.item() - theirs.item()) <= 1e-5 * max(1.0, abs(theirs.item()))
+    ours_grads = torch.autograd.grad(out.loss, (x.hidden, x.weight))
+    their_grads = torch.autograd.grad(theirs, (x.hidden, x.weight))
+    for name, a, b in zip(("dhidden", "dweight"), ours_grads, their_grads):
+        scale = b.abs().max().item()
+        assert scale > 0, name
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= 4 * GRAD_RTOL[x.hidden.dtype] * scale, (name, err, scale)
