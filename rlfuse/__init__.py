@@ -2,11 +2,13 @@
 from . import reference
 from ._dispatch import use_kernels
 from ._types import LinearHead, Logits, LossOutput
-from .fused_losses import (GGPOLoss, GPPOLoss, GROPDLoss, ggpo_loss, gppo_bounds, gppo_loss,
-                           gr_opd_advantages, gr_opd_loss, policy_logprobs, token_logprobs)
+from .fused_losses import (GGPOLoss, GPPOLoss, GROPDLoss, PPOLoss, ggpo_loss, gppo_bounds,
+                           gppo_loss, gr_opd_advantages, gr_opd_loss, policy_logprobs, ppo_loss,
+                           token_logprobs)
 from .reference import group_advantages  # plain torch on [B]-sized data: one implementation
 
-__all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "LinearHead", "Logits", "LossOutput", "ggpo_loss",
-           "gppo_bounds", "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages",
-           "policy_logprobs", "reference", "token_logprobs", "use_kernels"]
+__all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "LinearHead", "Logits", "LossOutput", "PPOLoss",
+           "ggpo_loss", "gppo_bounds", "gppo_loss", "gr_opd_advantages", "gr_opd_loss",
+           "group_advantages", "policy_logprobs", "ppo_loss", "reference", "token_logprobs",
+           "use_kernels"]
 __version__ = "0.1.0"

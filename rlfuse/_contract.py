@@ -26,6 +26,7 @@ GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
 TOPOLOGIES = ("mc", "atomic", "binary")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                 "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
 MU_MIN = 1e-6  # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
 
 
@@ -212,15 +213,49 @@ def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, cl
 # GPPO
 # --------------------------------------------------------------------------------------------
 
-def check_region(geometry: str, topology: str, delta) -> float:
-    """A known geometry and topology and ``delta > 0``; returns ``delta`` as a float."""
+def check_sides(name: str, value, check) -> Tuple[float, float]:
+    """One value or a ``(low, high)`` pair, each side checked by ``check(name, side)``."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{name}: expected a number or a (low, high) pair, got {value!r}")
+        return check(f"{name}[0]", value[0]), check(f"{name}[1]", value[1])
+    value = check(name, value)
+    return value, value
+
+
+def check_region(geometry: str, topology: str, delta) -> Tuple[float, float]:
+    """A known geometry and topology and ``delta > 0`` (or a pair of them, for the lower and
+    the upper side of the region); returns ``(delta_low, delta_high)``."""
     check_choice("geometry", geometry, GEOMETRIES)
     check_choice("topology", topology, TOPOLOGIES)
-    return check_positive("delta", delta)
+    return check_sides("delta", delta, check_positive)
 
 
-def check_bounds_args(old_logprobs, geometry, topology, delta) -> float:
-    """The checks of ``gppo_bounds``; returns ``delta`` as a float."""
+def _check_clip_side(name: str, value) -> float:
+    value = check_number(name, value)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name}: expected a clip range in (0, 1), got {value}")
+    return value
+
+
+def check_clip(name: str, clip) -> Tuple[float, float]:
+    """PPO's ``eps`` or ``(eps_low, eps_high)``, each in (0, 1): the region
+    ``[1 - eps_low, 1 + eps_high]``."""
+    return check_sides(name, clip, _check_clip_side)
+
+
+def check_dual_clip(dual_clip) -> float:
+    """None (no dual clip: inf) or a finite ``c > 1``."""
+    if dual_clip is None:
+        return math.inf
+    value = check_number("dual_clip", dual_clip)
+    if not 1.0 < value < math.inf:
+        raise ValueError(f"dual_clip: expected None or a finite value > 1, got {value}")
+    return value
+
+
+def check_bounds_args(old_logprobs, geometry, topology, delta) -> Tuple[float, float]:
+    """The checks of ``gppo_bounds``; returns ``(delta_low, delta_high)``."""
     check_tensor("old_logprobs", old_logprobs, floating=True)
     return check_region(geometry, topology, delta)
 
@@ -237,37 +272,89 @@ def check_group_advantages_args(rewards, group_size, eps, normalize_std) -> Tupl
     return m, eps
 
 
-class GPPOArgs(NamedTuple):
+def check_advantages(advantages, info: PolicyInfo, mask, validate: bool,
+                     name: str = "advantages") -> torch.Tensor:
+    """``[B]``, ``[B, 1]`` or ``[B, T]`` advantages (finite at actor tokens with ``validate``);
+    returns them as ``[B]`` or ``[B, T]``."""
+    batch, shape = info.shape[0], info.shape
+    check_tensor(name, advantages, device=info.device, floating=True)
+    if tuple(advantages.shape) not in ((batch,), (batch, 1), shape):
+        raise ValueError(f"{name}: expected shape ({batch},), ({batch}, 1) or {shape}, got "
+                         f"{tuple(advantages.shape)}")
+    if advantages.dim() == 2 and advantages.shape[1] == 1 and shape[1] != 1:
+        advantages = advantages[:, 0]
+    if validate:
+        check_finite(name, per_token(advantages, shape), mask)
+    return advantages
+
+
+def check_weights(weights, info: PolicyInfo, mask, validate: bool) -> Optional[torch.Tensor]:
+    """Optional ``[B, T]`` per-token multipliers, finite and >= 0 at actor tokens."""
+    if weights is None:
+        return None
+    check_tensor("weights", weights, shape=info.shape, device=info.device, floating=True)
+    if validate:
+        check_finite("weights", weights, mask)
+        bad = (weights < 0) & mask
+        if bool(bad.any()):
+            raise ValueError(f"weights: expected values >= 0 at actor (mask=True) positions; "
+                             f"found {weights[bad][0].item()}")
+    return weights
+
+
+class SurrogateArgs(NamedTuple):
+    """The normalised arguments of the surrogate-family losses (GPPO, PPO)."""
+
     info: PolicyInfo
     mask: torch.Tensor             # bool
-    delta: float
+    advantages: torch.Tensor       # [B] or [B, T]
+    weights: Optional[torch.Tensor]
+    delta: Tuple[float, float]     # the region's (low, high) sizes
+    dual_clip: float               # inf: none
     loss_scale: float
     num_tokens: Optional[float]
     num_sequences: Optional[float]
 
 
-def check_gppo_args(policy, old_logprobs, advantages, mask, *, geometry, topology, delta, agg,
-                    loss_scale, num_tokens, num_sequences, validate) -> GPPOArgs:
+def _check_surrogate_args(policy, old_logprobs, advantages, mask, *, agg, weights, dual_clip,
+                          loss_scale, num_tokens, num_sequences, validate):
     info = check_policy(policy)
-    batch, device = info.shape[0], info.device
-    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs}, shape=info.shape,
-                               device=device, validate=validate)
-    check_tensor("advantages", advantages, device=device, floating=True)
-    if tuple(advantages.shape) not in ((batch,), info.shape):
-        raise ValueError(f"advantages: expected shape ({batch},) or {info.shape}, "
-                         f"got {tuple(advantages.shape)}")
-    delta = check_region(geometry, topology, delta)
+    token_tensors = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
+    mask = check_token_tensors(mask, token_tensors, shape=info.shape, device=info.device,
+                               validate=validate)
+    advantages = check_advantages(advantages, info, mask, validate)
+    weights = check_weights(weights, info, mask, validate)
     check_choice("agg", agg, AGGREGATIONS)
     if num_tokens is not None:
         num_tokens = check_positive("num_tokens", num_tokens)
     if num_sequences is not None:
         num_sequences = check_positive("num_sequences", num_sequences)
     check_logits_targets(policy, mask, mask.shape, validate)
-    if validate:
-        check_finite("advantages", per_token(advantages, info.shape), mask)
-        if agg == "seq-mean-token-mean":
-            check_actor_tokens(mask, 1, what="sequence")
-    return GPPOArgs(info, mask, delta, check_loss_scale(loss_scale), num_tokens, num_sequences)
+    return (info, mask, advantages, weights, check_dual_clip(dual_clip),
+            check_loss_scale(loss_scale), num_tokens, num_sequences)
+
+
+def check_gppo_args(policy, old_logprobs, advantages, mask, *, geometry, topology, delta, agg,
+                    dual_clip, weights, loss_scale, num_tokens, num_sequences,
+                    validate) -> SurrogateArgs:
+    delta = check_region(geometry, topology, delta)
+    info, mask, adv, w, c, scale, n_tok, n_seq = _check_surrogate_args(
+        policy, old_logprobs, advantages, mask, agg=agg, weights=weights, dual_clip=dual_clip,
+        loss_scale=loss_scale, num_tokens=num_tokens, num_sequences=num_sequences,
+        validate=validate)
+    return SurrogateArgs(info, mask, adv, w, delta, c, scale, n_tok, n_seq)
+
+
+def check_ppo_args(policy, old_logprobs, advantages, mask, *, clip, dual_clip, ratio_level, agg,
+                   weights, loss_scale, num_tokens, num_sequences, validate) -> SurrogateArgs:
+    """The checks of ``ppo_loss``: ``delta`` of the result is ``(eps_low, eps_high)``."""
+    eps = check_clip("clip", clip)
+    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
+    info, mask, adv, w, c, scale, n_tok, n_seq = _check_surrogate_args(
+        policy, old_logprobs, advantages, mask, agg=agg, weights=weights, dual_clip=dual_clip,
+        loss_scale=loss_scale, num_tokens=num_tokens, num_sequences=num_sequences,
+        validate=validate)
+    return SurrogateArgs(info, mask, adv, w, eps, c, scale, n_tok, n_seq)
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,7 +403,8 @@ class GROPDArgs(NamedTuple):
     info: PolicyInfo
     mask: torch.Tensor             # bool
     hyper: AdvantageArgs
-    eps: float
+    eps: Tuple[float, float]       # (eps_low, eps_high)
+    advantages: Optional[torch.Tensor]   # [B]
     loss_scale: float
     num_sequences: Optional[float]
 
@@ -330,8 +418,10 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
                                       "teacher_logprobs": teacher_logprobs},
                                shape=info.shape, device=device, validate=validate)
     hyper = check_advantage_args(group_size, batch, gamma, lam, feedback_clip, adv_clip, std_eps)
-    eps = check_positive("eps", eps)
+    eps = check_sides("eps", eps, check_positive)
     if advantages is not None:
+        if isinstance(advantages, torch.Tensor) and tuple(advantages.shape) == (batch, 1):
+            advantages = advantages[:, 0]
         check_sequence_tensor("advantages", advantages, batch=batch, device=device,
                               validate=validate)
     if num_sequences is not None:
@@ -339,7 +429,8 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
     check_logits_targets(policy, mask, mask.shape, validate)
     if validate:
         check_actor_tokens(mask, 1, what="sequence")
-    return GROPDArgs(info, mask, hyper, eps, check_loss_scale(loss_scale), num_sequences)
+    return GROPDArgs(info, mask, hyper, eps, advantages, check_loss_scale(loss_scale),
+                     num_sequences)
 
 
 # --------------------------------------------------------------------------------------------

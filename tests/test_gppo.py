@@ -269,7 +269,8 @@ def test_runtime_hyperparameters_are_not_constexpr():
     for kernel in (surrogate._surrogate_fwd_kernel, surrogate._surrogate_bwd_kernel,
                    surrogate._surrogate_logits_kernel, gppo._gppo_bounds_kernel):
         assert constexpr_params(kernel) <= {"BLOCK", "BLOCK_T", "BLOCK_V", "GEOMETRY",
-                                            "TOPOLOGY", "ACC", "WRITE_DLOGITS"}
+                                            "TOPOLOGY", "ACC", "WRITE_DLOGITS", "HAS_OLD",
+                                            "SEQUENCE"}
 
 
 BAD = [

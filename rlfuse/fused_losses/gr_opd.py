@@ -2,6 +2,7 @@
 nn.Module."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -13,7 +14,7 @@ from .._contract import (aggregation_weights, check_advantage_inputs, check_gr_o
 from .._dispatch import falls_back_to
 from .._types import LossOutput, compute_dtype
 from ._op import custom_op
-from .surrogate import surrogate_loss
+from .surrogate import Region, surrogate_loss
 
 
 @custom_op("gr_opd_advantages")
@@ -59,7 +60,7 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
                 std_eps: float = 1e-6, advantages: Optional[torch.Tensor] = None,
                 loss_scale: float = 1.0, num_sequences: Optional[float] = None,
                 validate: bool = True) -> LossOutput:
-    info, mask, hyper, eps, loss_scale, num_sequences = check_gr_opd_args(
+    info, mask, hyper, eps, advantages, loss_scale, num_sequences = check_gr_opd_args(
         policy, old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma,
         lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
         advantages=advantages, loss_scale=loss_scale, num_sequences=num_sequences,
@@ -80,8 +81,8 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
 
     weights = loss_scale * aggregation_weights(mask, "seq-mean-token-mean", cdt,
                                                num_sequences=num_sequences)
-    loss, totals = surrogate_loss(policy, old, adv, mask, weights, geometry="ppo_clip",
-                                  topology="mc", delta=eps, validate=validate)
+    loss, totals = surrogate_loss(policy, old, adv, mask, weights,
+                                  Region("ppo_clip", "mc", *eps, math.inf), validate=validate)
     adv_c = adv.to(cdt)
     tokens = mask.sum().to(cdt).clamp_min(1)
     metrics = {

@@ -218,13 +218,14 @@ linear_logprobs_op.register_autograd(_logprobs_backward, setup_context=_logprobs
 
 @custom_op("linear_surrogate")
 def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
-                        mask: Tensor, old_lp: Tensor, adv: Tensor, row_scale: Tensor,
-                        temperature: float, geometry: str, topology: str, delta: float,
-                        offset: int, chunk_tokens: int, gather: bool,
+                        mask: Tensor, old_lp: Optional[Tensor], adv: Tensor,
+                        weights: Optional[Tensor], row_scale: Tensor, temperature: float,
+                        geometry: str, topology: str, delta_low: float, delta_high: float,
+                        dual_clip: float, offset: int, chunk_tokens: int, gather: bool,
                         needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, totals [SUM_COLUMNS], dhidden, dweight, dbias)``: the clipped surrogate over the
-    head's window and its gradients for an upstream gradient of 1 (empty where not needed),
-    each chunk's logits formed once."""
+    head's window (``old_lp`` None: on policy) and its gradients for an upstream gradient of 1
+    (empty where not needed), each chunk's logits formed once."""
     from ..kernels.surrogate import SUM_COLUMNS, surrogate_logits
 
     grads = HeadGradients(hidden, weight, bias, tuple(needs))
@@ -232,16 +233,18 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     B, T = targets.shape
     totals = torch.zeros(len(SUM_COLUMNS), dtype=row_scale.dtype, device=hidden.device)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
-    old_flat = _flat(old_lp)
+    old_flat, w_flat = _flat(old_lp), _flat(weights)
     adv_flat = _flat(adv.unsqueeze(-1).expand(B, T) if adv.dim() == 1 else adv)
     scale_flat = row_scale.unsqueeze(-1).expand(B, T).reshape(-1)
+    region = (geometry, topology, delta_low, delta_high, dual_clip)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
         logits = chunk_logits(h_rows, weight, bias)
         _, sums = surrogate_logits(
-            logits, y_flat[tokens, None], m_flat[tokens, None], old_flat[tokens, None],
-            adv_flat[tokens], scale_flat[tokens], temperature=temperature, geometry=geometry,
-            topology=topology, delta=delta, write_dlogits=write, dlogits=logits if write else None)
+            logits, y_flat[tokens, None], m_flat[tokens, None],
+            None if old_flat is None else old_flat[tokens, None], adv_flat[tokens],
+            None if w_flat is None else w_flat[tokens, None], scale_flat[tokens], region,
+            temperature=temperature, write_dlogits=write, dlogits=logits if write else None)
         totals += sums.sum(0)
         if write:
             grads.add(logits, h_rows, rows)
@@ -250,8 +253,8 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 
 
 @linear_surrogate_op.register_fake
-def _(hidden, weight, bias, targets, mask, old_lp, adv, row_scale, temperature, geometry,
-      topology, delta, offset, chunk_tokens, gather, needs):
+def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, temperature,
+      geometry, topology, delta_low, delta_high, dual_clip, offset, chunk_tokens, gather, needs):
     from ..kernels.surrogate import SUM_COLUMNS
 
     return ((row_scale.new_empty(()), row_scale.new_empty((len(SUM_COLUMNS),)))
@@ -273,7 +276,7 @@ def _surrogate_backward(ctx, grad_loss, *_):
         for i, (grad, needed) in enumerate(zip(ctx.saved_tensors, ctx.needs)):
             if needed:   # one pass over a [N, H] / [V, H] gradient, no host sync
                 grads[i] = grad * grad_loss.to(grad.dtype)
-    return tuple(grads) + (None,) * 13
+    return tuple(grads) + (None,) * 16
 
 
 linear_surrogate_op.register_autograd(_surrogate_backward, setup_context=_surrogate_setup)

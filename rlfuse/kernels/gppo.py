@@ -87,49 +87,26 @@ def _binary_root_upper(mu, log_mu, log1m_mu, delta, S1: tl.constexpr):
 
 
 @triton.jit
-def region_bounds(old_lp, delta_hi, delta_lo, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
-    """fp64 ``(l, u)`` of the trust region of tokens with behavior log-probs ``old_lp``.
-
-    mc: D = f(r); atomic: D = mu f(r); binary: the f-divergence of Bernoulli(mu) vs
-    Bernoulli(mu r). Closed forms as in SPEC 4.2 (w = delta for mc, delta / mu for atomic); the
-    binary kl and two_sided_log cells by ``_binary_root_*``. Lower bounds clamp at 0. With
-    GEOMETRY == PPO_CLIP: the fixed range [1 - delta, 1 + delta]. An unknown code fails to
-    compile. ``delta = delta_hi + delta_lo`` in fp64 (``utils.fp64_parts``: on a GPU a float
-    argument is fp32).
-    """
-    delta = (tl.zeros_like(old_lp.to(tl.float64)) + delta_hi) + delta_lo
-    mu = tl.minimum(tl.maximum(tl.exp(old_lp.to(tl.float64)), MU_MIN), 1.0 - MU_MIN)
+def _lower_bound(mu, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
+    """l = min {r : D(r) <= delta} (before the clamp at 0), fp64."""
     one = tl.zeros_like(mu) + 1.0
     if GEOMETRY == PPO_CLIP:
         lo = one - delta
-        hi = one + delta
     elif TOPOLOGY == BINARY:
         if GEOMETRY == TV:
             lo = one - delta / mu
-            hi = tl.minimum(1.0 / mu, one + delta / mu)
-        elif GEOMETRY == CHI2:  # the upper root passes the domain edge 1/mu when delta is large
-            half = tl.sqrt(delta * (1.0 - mu) / mu)
-            lo = one - half
-            hi = tl.minimum(1.0 / mu, one + half)
+        elif GEOMETRY == CHI2:
+            lo = one - tl.sqrt(delta * (1.0 - mu) / mu)
         elif GEOMETRY == HELLINGER:  # without trigonometry: c = cos(theta), s = sin(theta)
             c = tl.maximum(1.0 - delta / 2.0, -1.0)
             s = tl.sqrt(tl.maximum(1.0 - c * c, 0.0))
-            a = tl.sqrt(mu)
-            b = tl.sqrt(1.0 - mu)
-            sin_lo = a * c - b * s   # sin(alpha - theta), alpha = asin(sqrt(mu))
-            sin_hi = a * c + b * s   # sin(alpha + theta)
+            sin_lo = tl.sqrt(mu) * c - tl.sqrt(1.0 - mu) * s   # sin(alpha - theta)
             lo = tl.where(sin_lo > 0, sin_lo * sin_lo, 0.0) / mu
-            hi = tl.where(b * c - a * s > 0, sin_hi * sin_hi, 1.0) / mu
+        elif GEOMETRY == KL:
+            lo = _binary_root_lower(mu, tl.log(mu), tl.log(1.0 - mu), delta, -1.0)
         else:
-            log_mu = tl.log(mu)
-            log1m_mu = tl.log(1.0 - mu)
-            if GEOMETRY == KL:
-                lo = _binary_root_lower(mu, log_mu, log1m_mu, delta, -1.0)
-                hi = _binary_root_upper(mu, log_mu, log1m_mu, delta, -1.0)
-            else:
-                tl.static_assert(GEOMETRY == TWO_SIDED_LOG)
-                lo = _binary_root_lower(mu, log_mu, log1m_mu, delta, 1.0)
-                hi = _binary_root_upper(mu, log_mu, log1m_mu, delta, 1.0)
+            tl.static_assert(GEOMETRY == TWO_SIDED_LOG)
+            lo = _binary_root_lower(mu, tl.log(mu), tl.log(1.0 - mu), delta, 1.0)
     else:
         w = delta
         if TOPOLOGY == ATOMIC:
@@ -138,21 +115,79 @@ def region_bounds(old_lp, delta_hi, delta_lo, GEOMETRY: tl.constexpr, TOPOLOGY: 
             tl.static_assert(TOPOLOGY == MC)
         if GEOMETRY == TV:
             lo = one - 2.0 * w
-            hi = one + 2.0 * w
         elif GEOMETRY == CHI2:
             lo = one - tl.sqrt(w)
-            hi = one + tl.sqrt(w)
         elif GEOMETRY == HELLINGER:
             lo = tl.maximum(one - tl.sqrt(w), 0.0)
             lo = lo * lo
-            hi = (one + tl.sqrt(w)) * (one + tl.sqrt(w))
         elif GEOMETRY == KL:
             lo = tl.exp(-w)
-            hi = one * float("inf")
         else:
             tl.static_assert(GEOMETRY == TWO_SIDED_LOG)
             lo = tl.exp(-w)
+    return lo
+
+
+@triton.jit
+def _upper_bound(mu, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
+    """u = max {r : D(r) <= delta}, fp64 (inf for kl mc/atomic)."""
+    one = tl.zeros_like(mu) + 1.0
+    if GEOMETRY == PPO_CLIP:
+        hi = one + delta
+    elif TOPOLOGY == BINARY:
+        if GEOMETRY == TV:
+            hi = tl.minimum(1.0 / mu, one + delta / mu)
+        elif GEOMETRY == CHI2:  # the root passes the domain edge 1/mu when delta is large
+            hi = tl.minimum(1.0 / mu, one + tl.sqrt(delta * (1.0 - mu) / mu))
+        elif GEOMETRY == HELLINGER:
+            c = tl.maximum(1.0 - delta / 2.0, -1.0)
+            s = tl.sqrt(tl.maximum(1.0 - c * c, 0.0))
+            a = tl.sqrt(mu)
+            b = tl.sqrt(1.0 - mu)
+            sin_hi = a * c + b * s   # sin(alpha + theta), alpha = asin(sqrt(mu))
+            hi = tl.where(b * c - a * s > 0, sin_hi * sin_hi, 1.0) / mu
+        elif GEOMETRY == KL:
+            hi = _binary_root_upper(mu, tl.log(mu), tl.log(1.0 - mu), delta, -1.0)
+        else:
+            tl.static_assert(GEOMETRY == TWO_SIDED_LOG)
+            hi = _binary_root_upper(mu, tl.log(mu), tl.log(1.0 - mu), delta, 1.0)
+    else:
+        w = delta
+        if TOPOLOGY == ATOMIC:
+            w = delta / mu
+        else:
+            tl.static_assert(TOPOLOGY == MC)
+        if GEOMETRY == TV:
+            hi = one + 2.0 * w
+        elif GEOMETRY == CHI2:
+            hi = one + tl.sqrt(w)
+        elif GEOMETRY == HELLINGER:
+            hi = (one + tl.sqrt(w)) * (one + tl.sqrt(w))
+        elif GEOMETRY == KL:
+            hi = one * float("inf")
+        else:
+            tl.static_assert(GEOMETRY == TWO_SIDED_LOG)
             hi = tl.exp(w)
+    return hi
+
+
+@triton.jit
+def region_bounds(old_lp, low_hi, low_lo, high_hi, high_lo, GEOMETRY: tl.constexpr,
+                  TOPOLOGY: tl.constexpr):
+    """fp64 ``(l, u)`` of the trust region of tokens with behavior log-probs ``old_lp``.
+
+    mc: D = f(r); atomic: D = mu f(r); binary: the f-divergence of Bernoulli(mu) vs
+    Bernoulli(mu r). Closed forms as in SPEC 4.2 (w = delta for mc, delta / mu for atomic); the
+    binary kl and two_sided_log cells by ``_binary_root_*``. Lower bounds clamp at 0. With
+    GEOMETRY == PPO_CLIP: the fixed range [1 - delta_low, 1 + delta_high]. An unknown code fails
+    to compile. The lower bound takes ``delta_low = low_hi + low_lo``, the upper
+    ``delta_high = high_hi + high_lo``, each summed in fp64 (``utils.fp64_parts``: on a GPU a
+    float argument is fp32).
+    """
+    zero = tl.zeros_like(old_lp.to(tl.float64))
+    mu = tl.minimum(tl.maximum(tl.exp(old_lp.to(tl.float64)), MU_MIN), 1.0 - MU_MIN)
+    lo = _lower_bound(mu, (zero + low_hi) + low_lo, GEOMETRY, TOPOLOGY)
+    hi = _upper_bound(mu, (zero + high_hi) + high_lo, GEOMETRY, TOPOLOGY)
     return tl.maximum(lo, 0.0), hi
 
 
@@ -163,20 +198,27 @@ def _gppo_bounds_kernel(
     # sizes
     N,
     # scalars
-    delta_hi, delta_lo,
+    low_hi, low_lo, high_hi, high_lo,   # the region sizes of each side (region_bounds)
     BLOCK: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < N
     old = tl.load(old_ptr + offs, mask=inside, other=0.0)
-    lo, hi = region_bounds(old, delta_hi, delta_lo, GEOMETRY, TOPOLOGY)
+    lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
     tl.store(lo_ptr + offs, lo.to(lo_ptr.dtype.element_ty), mask=inside)
     tl.store(hi_ptr + offs, hi.to(hi_ptr.dtype.element_ty), mask=inside)
 
 
-def gppo_bounds_kernel(old_lp: torch.Tensor, geometry: str, topology: str, delta: float):
+def region_sizes(delta) -> tuple:
+    """The four float arguments of ``region_bounds`` for ``delta`` or ``(delta_low,
+    delta_high)``."""
+    low, high = delta if isinstance(delta, (tuple, list)) else (delta, delta)
+    return fp64_parts(float(low)) + fp64_parts(float(high))
+
+
+def gppo_bounds_kernel(old_lp: torch.Tensor, geometry: str, topology: str, delta):
     """Launches the bounds kernel on any-shaped ``old_lp``; returns ``(lo, hi)`` of its shape in
-    fp32 (fp64 for fp64 input)."""
+    fp32 (fp64 for fp64 input). ``delta``: one size or ``(delta_low, delta_high)``."""
     out_dtype = compute_dtype(old_lp.dtype)
     flat = old_lp.reshape(-1)
     lo = empty(flat.shape, dtype=out_dtype, device=old_lp.device)
@@ -188,7 +230,7 @@ def gppo_bounds_kernel(old_lp: torch.Tensor, geometry: str, topology: str, delta
         _gppo_bounds_kernel[(triton.cdiv(n, block),)](
             flat, lo, hi,
             n,
-            *fp64_parts(float(delta)),
+            *region_sizes(delta),
             BLOCK=block, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         )
     return lo.view(old_lp.shape), hi.view(old_lp.shape)

@@ -7,7 +7,8 @@ from .ggpo import ggpo_loss
 from .gppo import group_advantages, gppo_bounds, gppo_loss
 from .gr_opd import gr_opd_advantages, gr_opd_loss
 from .logprobs import policy_logprobs, token_logprobs
+from .ppo import ppo_loss
 
 __all__ = ["LinearHead", "Logits", "LossOutput", "ggpo_loss", "gppo_bounds", "gppo_loss",
            "gr_opd_advantages", "gr_opd_loss", "group_advantages", "policy_logprobs",
-           "token_logprobs"]
+           "ppo_loss", "token_logprobs"]

@@ -28,6 +28,8 @@ def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str,
     """Per-token trust region ``[lo, hi] = {r : D(r) <= delta}`` of GPPO.
 
     ``mu = exp(old_logprobs)`` clamped to ``[1e-6, 1 - 1e-6]``; ``r = pi_new / pi_old``.
+    ``delta`` may be a pair ``(delta_low, delta_high)``: the lower bound is that of
+    ``delta_low``'s region, the upper that of ``delta_high``'s (an asymmetric region).
     Integrands ``f``: ``tv`` ½|r−1| · ``chi2`` (r−1)² · ``hellinger`` (√r−1)² · ``kl`` −log r ·
     ``two_sided_log`` |log r|. Topologies: ``mc`` D = f(r) · ``atomic`` D = μ f(r) ·
     ``binary`` D = μ f(r) + (1−μ) f((1−μr)/(1−μ)) (Bernoulli(μ) vs Bernoulli(μr), r ≤ 1/μ).
@@ -55,9 +57,10 @@ def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str,
     Elementwise: a NaN ``old_logprobs`` gives NaN bounds.
     Check value: chi2/atomic, μ = 0.1, δ = 0.04 → [0.3675445, 1.6324555].
     """
-    delta = check_bounds_args(old_logprobs, geometry, topology, delta)
+    delta_low, delta_high = check_bounds_args(old_logprobs, geometry, topology, delta)
     mu = old_logprobs.detach().double().exp().clamp(MU_MIN, 1.0 - MU_MIN)
-    lo, hi = _bounds_fp64(mu, geometry, topology, delta)
+    lo = _bounds_fp64(mu, geometry, topology, delta_low)[0]
+    hi = _bounds_fp64(mu, geometry, topology, delta_high)[1]
     out = compute_dtype(old_logprobs.dtype)
     return lo.clamp_min(0.0).to(out), hi.to(out)
 
@@ -142,31 +145,37 @@ class Surrogate(NamedTuple):
     ratio_used: torch.Tensor     # bool: J = r A (the unclipped branch, A != 0)
     clipped_low: torch.Tensor    # bool: A < 0 and r < lo
     clipped_high: torch.Tensor   # bool: A > 0 and r > hi
-    overflow: torch.Tensor       # bool: the selected r A is not representable
+    dual_clipped: torch.Tensor   # bool: A < 0 and r > c (the dual clip)
+    overflow: torch.Tensor       # bool: the selected value is not representable
 
 
 def clipped_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tensor,
-                      hi: torch.Tensor, mask: torch.Tensor) -> Surrogate:
-    """Per-token ``J = min(r A, clip(r, lo, hi) A)`` with ``r = exp(log_ratio)``, zero off the mask.
+                      hi: torch.Tensor, mask: torch.Tensor,
+                      dual_clip: float = math.inf) -> Surrogate:
+    """Per-token ``J = min(r A, clip(r, lo, hi) A)`` with ``r = exp(log_ratio)``, zero off the mask;
+    with a dual clip ``c`` (``A < 0`` only) ``J = max(min(r A, clip(r, lo, hi) A), c A)``.
 
     The branch is decided in log space — ``clipped_high = A > 0 ∧ log r > log hi``,
-    ``clipped_low = A < 0 ∧ log r < log lo`` (log 0 = −inf, log inf = +inf) — and only the
-    selected branch is evaluated: a clipped token is the constant ``bound · A`` (zero gradient)
-    and never exponentiates its log-ratio, so any log-ratio is safe there. Elsewhere
-    ``J = r A`` and ``∂J/∂log r = r A``; a token with ``A = 0`` is 0 without evaluating r.
-    ``overflow`` marks the tokens whose selected value is not representable in the dtype (the
-    unclipped ``r A`` of a negative advantage, or of a positive one under an upper bound beyond
-    the dtype's range): the losses refuse them (``validate=True``) or report them.
+    ``clipped_low = A < 0 ∧ log r < log lo``, ``dual_clipped = A < 0 ∧ log r > log c``
+    (log 0 = −inf, log inf = +inf) — and only the selected branch is evaluated: a clipped token is
+    the constant ``bound · A`` (zero gradient) and never exponentiates its log-ratio, so any
+    log-ratio is safe there. Elsewhere ``J = r A`` and ``∂J/∂log r = r A``; a token with
+    ``A = 0`` is 0 without evaluating r. ``overflow`` marks the tokens whose selected value is not
+    representable in the dtype (the unclipped ``r A`` of a negative advantage, or of a positive
+    one under an upper bound beyond the dtype's range): the losses refuse them
+    (``validate=True``) or report them.
     """
     with torch.no_grad():
         clipped_high = mask & (adv > 0) & (log_ratio > hi.log())
         clipped_low = mask & (adv < 0) & (log_ratio < lo.log())
-        ratio_used = mask & ~clipped_high & ~clipped_low & (adv != 0)
+        dual_clipped = mask & (adv < 0) & ~clipped_low & (log_ratio > math.log(dual_clip))
+        ratio_used = mask & ~clipped_high & ~clipped_low & ~dual_clipped & (adv != 0)
         bound = torch.where(clipped_high, hi, torch.where(clipped_low, lo, torch.zeros_like(lo)))
+        bound = torch.where(dual_clipped, torch.full_like(lo, dual_clip), bound)
     ratio = torch.exp(torch.where(ratio_used, log_ratio, torch.zeros_like(log_ratio)))
     value = torch.where(ratio_used, ratio * adv, bound * adv)
     overflow = mask & ~torch.isfinite(value.detach())
-    return Surrogate(value, ratio_used, clipped_low, clipped_high, overflow)
+    return Surrogate(value, ratio_used, clipped_low, clipped_high, dual_clipped, overflow)
 
 
 def overflow_metric(sur: Surrogate, validate: bool) -> torch.Tensor:
@@ -176,6 +185,49 @@ def overflow_metric(sur: Surrogate, validate: bool) -> torch.Tensor:
     if validate:
         raise_on_overflow(count, sur.value.dtype)
     return (count > 0).to(sur.value.dtype)
+
+
+def surrogate_loss(policy, old_logprobs, args, bounds, *, agg: str, validate: bool,
+                   sequence: bool = False):
+    """``(loss, metrics)`` of the clipped surrogate family (GPPO, PPO) from the normalised
+    ``args`` (``rlfuse._contract.SurrogateArgs``); ``bounds(old)`` gives the per-token fp64
+    ``(lo, hi)`` of the behavior log-probs ``old`` (rounded once to the compute dtype here).
+
+    ``old_logprobs`` None: on policy, ``old = lp.detach()`` (r = 1). ``sequence`` (GSPO): every
+    token of row i takes the row's ratio ``s_i = exp(Σ_t M (lp − old) / T_i)`` (differentiated
+    through the mean). ``weights`` multiply each token's J. Metrics over the actor tokens:
+    ``clip_frac_low``, ``clip_frac_high``, ``dual_clip_frac`` (the dual clip's share), ``ratio_mean``
+    (of r, or of s_i), ``approx_kl`` (mean ``old − lp``), ``overflow``.
+    """
+    info, mask = args.info, args.mask
+    cdt = info.compute_dtype
+    lp = torch.where(mask, learner_logprobs(policy, mask).to(cdt), 0.0)
+    old = lp.detach() if old_logprobs is None else torch.where(
+        mask, old_logprobs.detach().to(cdt), 0.0)
+    adv = torch.where(mask, per_token(args.advantages, info.shape).detach().to(cdt), 0.0)
+    lo, hi = bounds(old.detach())
+    log_ratio = lp - old
+    with torch.no_grad():
+        approx_kl = masked_mean(-log_ratio, mask)
+    if sequence:
+        tokens = mask.sum(-1, keepdim=True).clamp_min(1)
+        log_ratio = torch.where(mask, log_ratio.sum(-1, keepdim=True) / tokens, 0.0)
+    sur = clipped_surrogate(log_ratio, adv, lo.to(cdt), hi.to(cdt), mask, args.dual_clip)
+    value = sur.value
+    if args.weights is not None:
+        value = value * torch.where(mask, args.weights.detach().to(cdt), 0.0)
+    loss = -args.loss_scale * aggregate(value, mask, agg, num_tokens=args.num_tokens,
+                                        num_sequences=args.num_sequences)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac_low": masked_mean(sur.clipped_low.to(cdt), mask),
+            "clip_frac_high": masked_mean(sur.clipped_high.to(cdt), mask),
+            "dual_clip_frac": masked_mean(sur.dual_clipped.to(cdt), mask),
+            "ratio_mean": masked_mean(log_ratio.exp(), mask),
+            "approx_kl": approx_kl,
+            "overflow": overflow_metric(sur, validate),
+        }
+    return loss, metrics
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
@@ -202,23 +254,33 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
 # Loss and advantages
 # --------------------------------------------------------------------------------------------
 
-def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-              geometry: str = "chi2", topology: str = "atomic", delta: float = 0.04,
-              agg: str = "token-mean", loss_scale: float = 1.0,
+def gppo_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
+              mask: torch.Tensor, *, geometry: str = "chi2", topology: str = "atomic",
+              delta: float = 0.04, agg: str = "token-mean", dual_clip: Optional[float] = None,
+              weights: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
               num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
               validate: bool = True) -> LossOutput:
     """GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust region.
 
     Args:
-        policy: learner log-probs ``[B, T]`` (requires grad) or ``rlfuse.Logits``.
-        old_logprobs: ``[B, T]`` behavior-policy log-probs (detached).
-        advantages: ``[B]`` (per sequence, broadcast over its tokens) or ``[B, T]``.
+        policy: learner log-probs ``[B, T]`` (requires grad), ``rlfuse.Logits`` or
+            ``rlfuse.LinearHead``.
+        old_logprobs: ``[B, T]`` behavior-policy log-probs (detached), or None on policy
+            (``old = lp.detach()``, r = 1; the region then centres on the learner's own μ).
+        advantages: ``[B]`` / ``[B, 1]`` (per sequence, broadcast over its tokens) or ``[B, T]``.
         mask: ``[B, T]`` bool (or 0/1): the response tokens.
         geometry: ``tv``, ``chi2``, ``hellinger``, ``kl`` or ``two_sided_log``.
         topology: ``mc``, ``atomic`` or ``binary``.
-        delta: region size ``> 0`` (a runtime kernel argument).
+        delta: region size ``> 0``, or ``(delta_low, delta_high)``: the lower bound from the
+            first, the upper from the second (runtime kernel arguments).
         agg: ``token-mean`` (default), ``seq-mean-token-mean``, ``seq-mean-token-sum``,
-            ``seq-mean-token-sum-norm`` (verl's names and divisors, see :func:`aggregate`).
+            ``seq-mean-token-sum-norm`` (verl's names and divisors, see :func:`aggregate`). A
+            response without actor tokens contributes 0 and counts in the default
+            ``num_sequences``.
+        dual_clip: ``c > 1``: for ``A < 0`` the token objective is
+            ``max(min(r A, clip(r) A), c A)`` (verl's ``clip_ratio_c``); None: no dual clip.
+        weights: optional ``[B, T]`` non-negative per-token multipliers of J (an
+            importance-sampling correction, an entropy or off-policy mask); detached.
         loss_scale: multiplies the loss and every gradient, inside the kernels (e.g.
             ``1 / gradient_accumulation_steps``): no pass over a gradient to rescale it.
         num_tokens, num_sequences: global counts for gradient accumulation / data parallelism
@@ -229,9 +291,10 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
     Per actor token::
 
         r = exp(lp − old_lp),   [l, u] = gppo_bounds(old_lp, geometry, topology, delta)
-        J_t = min(r A, clip(r, l, u) A)
-        ∂J_t/∂lp_t = A r · 1[active],  active = ¬((A > 0 ∧ r > u) ∨ (A < 0 ∧ r < l))
-        loss = −agg(J)
+        J_t = w_t min(r A, clip(r, l, u) A)        (A < 0 with dual_clip: w_t max(…, c A))
+        ∂J_t/∂lp_t = w_t A r · 1[active],
+        active = ¬((A > 0 ∧ r > u) ∨ (A < 0 ∧ r < l) ∨ (A < 0 ∧ r > c))
+        loss = −loss_scale · agg(J)
 
     ``active`` is decided in log space and only the selected branch is exponentiated, so a
     clipped token with any log-ratio is finite; an unclipped ``r A`` that overflows raises
@@ -242,38 +305,25 @@ def gppo_loss(policy, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
 
     Metrics (detached, over the local actor tokens, 0 when there are none):
     ``clip_frac_low`` share of tokens with A < 0 and r < l (clipped from below);
-    ``clip_frac_high`` share with A > 0 and r > u; ``ratio_mean`` mean of r; ``approx_kl`` mean
-    of ``old_lp − lp`` (verl's ``ppo_kl``); ``overflow`` 1 if some selected ``r A`` overflowed.
+    ``clip_frac_high`` share with A > 0 and r > u; ``dual_clip_frac`` share with A < 0 and
+    r > c; ``ratio_mean`` mean of r; ``approx_kl`` mean of ``old_lp − lp`` (verl's ``ppo_kl``);
+    ``overflow`` 1 if some selected ``r A`` overflowed.
 
     Fused (``rlfuse.gppo_loss``): from log-probs one forward and one backward kernel; from
-    ``Logits`` one kernel computes the log-probs, the loss and ``dlogits`` in a single pass.
+    ``Logits`` one kernel computes the log-probs, the loss and ``dlogits`` in a single pass;
+    from ``LinearHead`` that pass on each chunk of the logits.
     """
-    info, mask, delta, loss_scale, num_tokens, num_sequences = check_gppo_args(
+    args = check_gppo_args(
         policy, old_logprobs, advantages, mask, geometry=geometry, topology=topology, delta=delta,
-        agg=agg, loss_scale=loss_scale, num_tokens=num_tokens, num_sequences=num_sequences,
-        validate=validate)
-    # fp64 bounds, rounded once to the compute dtype (a bound beyond its range becomes inf)
-    lo, hi = gppo_bounds(torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs)).double(),
-                         geometry=geometry, topology=topology, delta=delta)
+        agg=agg, dual_clip=dual_clip, weights=weights, loss_scale=loss_scale,
+        num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
 
-    cdt = info.compute_dtype
-    lp = torch.where(mask, learner_logprobs(policy, mask).to(cdt), 0.0)
-    old = torch.where(mask, old_logprobs.detach().to(cdt), 0.0)
-    adv = torch.where(mask, per_token(advantages, info.shape).detach().to(cdt), 0.0)
-    log_ratio = lp - old
-    sur = clipped_surrogate(log_ratio, adv, lo.to(cdt), hi.to(cdt), mask)
-    loss = -loss_scale * aggregate(sur.value, mask, agg, num_tokens=num_tokens,
-                                   num_sequences=num_sequences)
+    def bounds(old: torch.Tensor):
+        return gppo_bounds(torch.where(args.mask, old, torch.zeros_like(old)).double(),
+                           geometry=geometry, topology=topology, delta=args.delta)
 
-    with torch.no_grad():
-        metrics = {
-            "clip_frac_low": masked_mean(sur.clipped_low.to(cdt), mask),
-            "clip_frac_high": masked_mean(sur.clipped_high.to(cdt), mask),
-            "ratio_mean": masked_mean(log_ratio.exp(), mask),
-            "approx_kl": masked_mean(-log_ratio, mask),
-            "overflow": overflow_metric(sur, validate),
-        }
-    return LossOutput(loss, metrics)
+    return LossOutput(*surrogate_loss(policy, old_logprobs, args, bounds, agg=agg,
+                                      validate=validate))
 
 
 def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-6,

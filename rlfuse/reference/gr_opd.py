@@ -71,9 +71,11 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
         group_size: responses per prompt; rows ``[g m, (g + 1) m)`` form group ``g``.
         gamma, lam, feedback_clip, adv_clip, std_eps: the advantage (see
             :func:`gr_opd_advantages`); all runtime kernel arguments.
-        eps: PPO clip range ``[1 − eps, 1 + eps]``.
-        advantages: precomputed ``[B]`` advantages (from ``gr_opd_advantages`` on the whole
-            rollout); ``teacher_logprobs`` then only feeds the ``feedback_mean`` metric.
+        eps: PPO clip range ``[1 − eps, 1 + eps]``, or ``(eps_low, eps_high)`` for
+            ``[1 − eps_low, 1 + eps_high]``.
+        advantages: precomputed ``[B]`` (or ``[B, 1]``) advantages (from
+            ``gr_opd_advantages`` on the whole rollout); ``teacher_logprobs`` then only feeds
+            the ``feedback_mean`` metric.
         loss_scale: multiplies the loss and every gradient, inside the kernels (e.g.
             ``1 / gradient_accumulation_steps``): no pass over a gradient to rescale it.
         num_sequences: the global number of responses ``B`` (default: the local one).
@@ -100,11 +102,12 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     Fused (``rlfuse.gr_opd_loss``): the advantage kernel, then GPPO's surrogate kernels with the
     fixed region ``[1 − ε, 1 + ε]``; from ``Logits`` one single pass over the logits.
     """
-    info, mask, hyper, eps, loss_scale, num_sequences = check_gr_opd_args(
-        policy, old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma,
-        lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
-        advantages=advantages, loss_scale=loss_scale, num_sequences=num_sequences,
-        validate=validate)
+    info, mask, hyper, (eps_low, eps_high), advantages, loss_scale, num_sequences = \
+        check_gr_opd_args(
+            policy, old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma,
+            lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
+            advantages=advantages, loss_scale=loss_scale, num_sequences=num_sequences,
+            validate=validate)
     batch = info.shape[0]
 
     cdt = info.compute_dtype
@@ -121,8 +124,8 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
             adv_seq = advantages.to(acc)
         feedback_mean = masked_mean(feedback, mask)
         adv = torch.where(mask, adv_seq.unsqueeze(-1).expand(info.shape), 0.0).to(cdt)
-        lo = torch.full_like(lp, max(1.0 - eps, 0.0))
-        hi = torch.full_like(lp, 1.0 + eps)
+        lo = torch.full_like(lp, max(1.0 - eps_low, 0.0))
+        hi = torch.full_like(lp, 1.0 + eps_high)
     sur = clipped_surrogate(lp - old, adv, lo, hi, mask)
     loss = -loss_scale * aggregate(sur.value, mask, "seq-mean-token-mean",
                                    num_sequences=num_sequences)
