@@ -147,6 +147,39 @@ def test_gppo(data):
 
 @FUZZ
 @given(data=st.data())
+def test_ppo(data):
+    B, T, m, mask, gen, policy = draw_case(data)
+    on_policy = data.draw(st.booleans())
+    old = None if on_policy else logprobs_like(gen, mask)
+    adv = torch.randn((B, T) if data.draw(st.booleans()) else (B,), generator=gen,
+                      dtype=torch.float64)
+    weights = torch.rand(B, T, generator=gen, dtype=torch.float64) * 2 \
+        if data.draw(st.booleans()) else None
+    eps = (fp32_exact(data.draw(st.sampled_from([0.1, 0.2]))),
+           fp32_exact(data.draw(st.sampled_from([0.2, 0.28, 0.9]))))
+    dual = data.draw(st.sampled_from([None, fp32_exact(3.0)]))
+    level = data.draw(st.sampled_from(["token", "sequence"]))
+    agg = data.draw(st.sampled_from(AGGREGATIONS))
+    lp64 = policy[4]
+    base = lp64.detach() if old is None else old
+    if level == "sequence":   # every token of a row takes its mean log-ratio
+        lr = torch.where(mask, lp64 - base, 0.0).sum(-1, keepdim=True) / mask.sum(-1,
+                                                                               keepdim=True)
+        ratio_lp = torch.where(mask, base + lr, 0.0)
+    else:
+        ratio_lp = lp64
+    lo = torch.full_like(lp64, 1 - eps[0])
+    w_adv = adv if weights is None else (adv.unsqueeze(-1) if adv.dim() == 1 else adv) * weights
+    lp_max = torch.where(mask, lp64, 0.0).abs().max().item() + 6
+    run(rlfuse.ppo_loss, reference.ppo_loss, policy, (old, adv, mask),
+        loss_scale=surrogate_scale(ratio_lp, base, w_adv, mask, lo,
+                                   torch.full_like(lp64, 1 + eps[1]), agg) + 1,
+        metric_scales={"approx_kl": lp_max}, clip=eps, dual_clip=dual, ratio_level=level,
+        agg=agg, weights=weights, validate=False)
+
+
+@FUZZ
+@given(data=st.data())
 def test_gr_opd(data):
     B, T, m, mask, gen, policy = draw_case(data)
     old, teacher = logprobs_like(gen, mask), logprobs_like(gen, mask)
@@ -163,7 +196,8 @@ def test_gr_opd(data):
     std = scores.reshape(-1, m).std(-1, correction=0).min().item() + 1e-6
     adv_scale = (2 + adv.abs().max().item()) * (scores.abs().max().item() + 1) / std
     lo = torch.full_like(old, max(1 - kw["eps"], 0.0))
-    loss_scale = surrogate_scale(policy[4], old, adv.abs() + adv_scale, mask, lo, 2 - lo,
+    # the terms with |A| widened by its own error (same sign: the same branches)
+    loss_scale = surrogate_scale(policy[4], old, adv + adv.sign() * adv_scale, mask, lo, 2 - lo,
                                  "seq-mean-token-mean")
     run(rlfuse.gr_opd_loss, reference.gr_opd_loss, policy, (old, teacher, mask),
         loss_scale=loss_scale, metric_scales={"feedback_mean": 6.0, "adv_mean": adv_scale,
