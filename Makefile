@@ -1,5 +1,6 @@
 # `make test` sets up .venv on a fresh machine (with the test and train extras: the suite runs a
-# short demo) and runs the suite with the Triton interpreter; `make demo` runs the main job.
+# short demo and the TRL / verl integrations) and runs the suite with the Triton interpreter;
+# `make demo` runs the main job.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,12 +14,14 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_CPU)
 	$(PY) -m pip install --quiet -e ".[test,train]"
+	$(PY) -m pip install --quiet --no-deps verl==0.9.1
 	touch $@
 
 setup: $(VENV)/.installed
 
+# RLFUSE_REQUIRE_INTEGRATIONS: the TRL and verl tests fail, not skip, if a package is missing.
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 RLFUSE_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

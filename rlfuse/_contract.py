@@ -25,7 +25,7 @@ from ._validation import (check_actor_tokens, check_choice, check_finite, check_
 GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
 TOPOLOGIES = ("mc", "atomic", "binary")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                "seq-mean-token-sum-norm")
+                "seq-mean-token-sum-norm", "token-sum")
 RATIO_LEVELS = ("token", "sequence")
 MU_MIN = 1e-6  # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
 
@@ -213,6 +213,19 @@ def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, cl
 # GPPO
 # --------------------------------------------------------------------------------------------
 
+def check_count(name: str, value, device: torch.device, validate: bool):
+    """A global count: None (the local one), a number > 0, or a 0-dim tensor on ``device``
+    (e.g. all-reduced over a process group: never read on the host unless ``validate``)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        check_tensor(name, value, shape=(), device=device)
+        if validate and not bool(value > 0):
+            raise ValueError(f"{name}: expected a count > 0, got {value.item()}")
+        return value
+    return check_positive(name, value)
+
+
 def check_sides(name: str, value, check) -> Tuple[float, float]:
     """One value or a ``(low, high)`` pair, each side checked by ``check(name, side)``."""
     if isinstance(value, (tuple, list)):
@@ -325,10 +338,8 @@ def _check_surrogate_args(policy, old_logprobs, advantages, mask, *, agg, weight
     advantages = check_advantages(advantages, info, mask, validate)
     weights = check_weights(weights, info, mask, validate)
     check_choice("agg", agg, AGGREGATIONS)
-    if num_tokens is not None:
-        num_tokens = check_positive("num_tokens", num_tokens)
-    if num_sequences is not None:
-        num_sequences = check_positive("num_sequences", num_sequences)
+    num_tokens = check_count("num_tokens", num_tokens, info.device, validate)
+    num_sequences = check_count("num_sequences", num_sequences, info.device, validate)
     check_logits_targets(policy, mask, mask.shape, validate)
     return (info, mask, advantages, weights, check_dual_clip(dual_clip),
             check_loss_scale(loss_scale), num_tokens, num_sequences)
@@ -424,8 +435,7 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
             advantages = advantages[:, 0]
         check_sequence_tensor("advantages", advantages, batch=batch, device=device,
                               validate=validate)
-    if num_sequences is not None:
-        num_sequences = check_positive("num_sequences", num_sequences)
+    num_sequences = check_count("num_sequences", num_sequences, device, validate)
     check_logits_targets(policy, mask, mask.shape, validate)
     if validate:
         check_actor_tokens(mask, 1, what="sequence")
@@ -452,22 +462,25 @@ def aggregation_weights(mask: torch.Tensor, agg: str, dtype: torch.dtype, *,
         seq-mean-token-mean      w = 1 / (T_b N_seq)
         seq-mean-token-sum       w = 1 / N_seq
         seq-mean-token-sum-norm  w = 1 / (T N_seq)       (Dr. GRPO; T = mask.shape[-1])
+        token-sum                w = 1
 
     ``N_tok = num_tokens`` (default: the local ``sum M``), ``N_seq = num_sequences`` (default:
-    the local ``B``), ``T_b = sum_t M_bt``. A zero local count is replaced by 1 (the sum it
-    divides is then 0); callers that validate reject such inputs before getting here.
+    the local ``B``, empty rows included), ``T_b = sum_t M_bt``; the counts may be numbers or
+    0-dim tensors. A zero local count is replaced by 1 (the sum it divides is then 0).
     """
     B, T = mask.shape
     tokens = mask.sum(-1, dtype=dtype)
+    ones = torch.ones_like(tokens)
+    if agg == "token-sum":
+        return ones
     if agg == "token-mean":
-        n_tok = tokens.sum().clamp_min(1) if num_tokens is None else float(num_tokens)
-        return torch.ones_like(tokens) / n_tok
-    n_seq = float(num_sequences) if num_sequences is not None else max(B, 1)
+        return ones / (tokens.sum().clamp_min(1) if num_tokens is None else num_tokens)
+    n_seq = num_sequences if num_sequences is not None else max(B, 1)
     if agg == "seq-mean-token-mean":
-        return 1.0 / (tokens.clamp_min(1) * n_seq)
+        return ones / (tokens.clamp_min(1) * n_seq)
     if agg == "seq-mean-token-sum":
-        return torch.full_like(tokens, 1.0 / n_seq)
-    return torch.full_like(tokens, 1.0 / (T * n_seq))  # seq-mean-token-sum-norm
+        return ones / n_seq
+    return ones / (T * n_seq)  # seq-mean-token-sum-norm
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 The suite runs the real Triton kernels on the CPU through the interpreter (``TRITON_INTERPRET=1``
 must be set before triton is imported; ``make test`` does). Tests marked ``gpu`` need CUDA.
 """
+import importlib
 import os
 
 import pytest
@@ -76,6 +77,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def integration(module: str):
+    """Imports a trainer package the integration tests run against: skipped where it is not
+    installed, an error under ``make test`` (``RLFUSE_REQUIRE_INTEGRATIONS=1``), which installs
+    it — so CI never skips them."""
+    if os.environ.get("RLFUSE_REQUIRE_INTEGRATIONS") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
 
 
 @pytest.fixture

@@ -241,9 +241,12 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
         seq-mean-token-mean      Σ_i (Σ_t M_it x_it / T_i) / N_seq
         seq-mean-token-sum       Σ_i (Σ_t M_it x_it) / N_seq
         seq-mean-token-sum-norm  Σ_i (Σ_t M_it x_it / T) / N_seq      (Dr. GRPO; T = mask.shape[-1])
+        token-sum                Σ_it M_it x_it
 
-    ``N_tok = num_tokens`` (default: local ``Σ M``), ``N_seq = num_sequences`` (default: local
-    ``B``, every row, as verl's ``loss_mat.shape[0]``), ``T_i = Σ_t M_it``, padded length T.
+    ``N_tok = num_tokens`` (default: local ``Σ M``), ``N_seq = num_sequences`` (default: the
+    local ``B``, every row: TRL's and verl's trainers; verl's ``agg_loss`` called without a
+    ``global_batch_size`` divides by the non-empty rows instead), ``T_i = Σ_t M_it``, padded
+    length T. The counts may be numbers or 0-dim tensors.
     """
     weights = aggregation_weights(mask, agg, values.dtype, num_tokens=num_tokens,
                                   num_sequences=num_sequences)
@@ -274,17 +277,18 @@ def gppo_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Te
         delta: region size ``> 0``, or ``(delta_low, delta_high)``: the lower bound from the
             first, the upper from the second (runtime kernel arguments).
         agg: ``token-mean`` (default), ``seq-mean-token-mean``, ``seq-mean-token-sum``,
-            ``seq-mean-token-sum-norm`` (verl's names and divisors, see :func:`aggregate`). A
-            response without actor tokens contributes 0 and counts in the default
-            ``num_sequences``.
+            ``seq-mean-token-sum-norm``, ``token-sum`` (verl's names and divisors, see
+            :func:`aggregate`). A response without actor tokens contributes 0 and counts in the
+            default ``num_sequences``.
         dual_clip: ``c > 1``: for ``A < 0`` the token objective is
             ``max(min(r A, clip(r) A), c A)`` (verl's ``clip_ratio_c``); None: no dual clip.
         weights: optional ``[B, T]`` non-negative per-token multipliers of J (an
             importance-sampling correction, an entropy or off-policy mask); detached.
         loss_scale: multiplies the loss and every gradient, inside the kernels (e.g.
             ``1 / gradient_accumulation_steps``): no pass over a gradient to rescale it.
-        num_tokens, num_sequences: global counts for gradient accumulation / data parallelism
-            (default: the local ones; the count an ``agg`` does not use is ignored).
+        num_tokens, num_sequences: global counts for gradient accumulation / data parallelism,
+            numbers or 0-dim tensors (default: the local ones; the count an ``agg`` does not
+            use is ignored).
         validate: check the values of the ``[B, T]`` inputs and refuse an overflowing ``r A``
             (host syncs); shapes, dtypes and devices are always checked.
 

@@ -37,7 +37,8 @@ def ppo_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Ten
             gradient flows through the mean, ``∂s_i/∂lp_it = s_i / T_i``; TRL's
             ``importance_sampling_level="sequence"``).
         agg: ``token-mean`` (default), ``seq-mean-token-mean``, ``seq-mean-token-sum``,
-            ``seq-mean-token-sum-norm`` (verl's names; see ``rlfuse.reference.gppo.aggregate``).
+            ``seq-mean-token-sum-norm``, ``token-sum`` (verl's names; see
+            ``rlfuse.reference.gppo.aggregate``).
             A response without actor tokens contributes 0 and counts in the default
             ``num_sequences``. TRL's loss types: ``grpo`` = ``seq-mean-token-mean``, ``bnpo`` =
             ``token-mean``, ``dr_grpo`` = ``token-mean`` with ``num_tokens = B ·
@@ -46,7 +47,8 @@ def ppo_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Ten
             importance-sampling correction, an entropy or off-policy mask); detached.
         loss_scale: multiplies the loss and every gradient inside the kernels (e.g.
             ``1 / gradient_accumulation_steps``).
-        num_tokens, num_sequences: global counts (default: the local ones).
+        num_tokens, num_sequences: global counts, numbers or 0-dim tensors (default: the
+            local ones).
         validate: check the values of the ``[B, T]`` inputs and refuse an overflowing ``r A``
             (host syncs); shapes, dtypes and devices are always checked.
 

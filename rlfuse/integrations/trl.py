@@ -1,0 +1,270 @@
+"""rlfuse in TRL: a GRPOTrainer whose loss is rlfuse's, from the last hidden state.
+
+    from rlfuse.integrations.trl import RLFuseGRPOConfig, RLFuseGRPOTrainer
+    args = RLFuseGRPOConfig(output_dir=..., rlfuse_loss="ppo", loss_type="dapo", epsilon_high=0.28)
+    trainer = RLFuseGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data)
+
+The trainer computes the loss as TRL does up to the per-token log-probs, which it never forms:
+the policy is ``rlfuse.LinearHead`` over the model's last hidden state and its output head, so
+no ``[B, T, V]`` logits exist, and the loss is
+
+- ``rlfuse_loss="ppo"``: ``rlfuse.ppo_loss``, TRL's own loss for ``loss_type`` grpo, bnpo,
+  dr_grpo and dapo, ``epsilon`` / ``epsilon_high``, ``importance_sampling_level`` token or
+  sequence, gradient accumulation and the vLLM importance-sampling correction;
+- ``"gppo"``: ``rlfuse.gppo_loss`` (``rlfuse_geometry``, ``rlfuse_topology``, ``rlfuse_delta``)
+  with the aggregation of ``loss_type``;
+- ``"ggpo"``: ``rlfuse.ggpo_loss`` with TRL's ``beta`` as GGPO's β, the reference model as
+  GGPO's reference (refreshed by TRL's ``sync_ref_model`` every ``ref_model_sync_steps``), the
+  group-centred rewards as rewards (``scale_rewards="none"``: GGPO is invariant to a constant
+  per group), and micro-batches of whole groups (the batch is shuffled by groups, not rows);
+- ``"gr_opd"``: ``rlfuse.gr_opd_loss`` with the advantages of ``rlfuse.gr_opd_advantages``
+  from the ``teacher_model`` replayed on the student's completions, computed once per
+  generation batch (whole groups) before it is split.
+
+Options it cannot honour raise a ``ValueError`` at construction, listing each. Metrics keep
+TRL's names (``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``),
+plus ``rlfuse/<name>`` for each of the loss's own metrics.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
+    unsplit_pixel_values_by_grid
+
+import rlfuse
+
+__all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]
+
+LOSSES = ("ppo", "gppo", "ggpo", "gr_opd")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclasses.dataclass
+class RLFuseGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` and the rlfuse loss with its hyper-parameters."""
+
+    rlfuse_loss: str = dataclasses.field(default="ppo", metadata={"help": "ppo, gppo, ggpo or "
+                                                                           "gr_opd"})
+    rlfuse_geometry: str = "chi2"
+    rlfuse_topology: str = "atomic"
+    rlfuse_delta: float = 0.04
+    rlfuse_dual_clip: Optional[float] = None
+    rlfuse_gr_opd_gamma: float = 0.99
+    rlfuse_gr_opd_lam: float = 0.25
+    rlfuse_gr_opd_feedback_clip: float = 5.0
+    rlfuse_gr_opd_adv_clip: float = 5.0
+    rlfuse_chunk_tokens: Optional[int] = None
+
+
+class RLFuseGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` with rlfuse's loss (see the module); ``teacher_model`` for GR-OPD."""
+
+    def __init__(self, *args, teacher_model=None, **kwargs):
+        config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        problems = _unsupported_options(config, teacher_model)   # before any model is loaded
+        if problems:
+            raise ValueError("RLFuseGRPOTrainer cannot honour: " + "; ".join(problems))
+        super().__init__(*args, **kwargs)
+        problems = self._unsupported_model()
+        if problems:
+            raise ValueError("RLFuseGRPOTrainer cannot honour: " + "; ".join(problems))
+        self.teacher_model = teacher_model
+        if teacher_model is not None:
+            teacher_model.to(self.accelerator.device).eval().requires_grad_(False)
+
+    def _unsupported_model(self) -> List[str]:
+        problems = []
+        if self.aux_loss_enabled:
+            problems.append("a router aux loss (MoE)")
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        for name in ("final_logit_softcapping", "logit_scale", "output_multiplier",
+                     "lm_head_multiplier", "logits_scaling"):
+            if getattr(config, name, None) not in (None, 1.0):
+                problems.append(f"a model with {name} (the head is applied as is)")
+        return problems
+
+    # ----------------------------------------------------------------------------------------
+    # The policy
+    # ----------------------------------------------------------------------------------------
+
+    def _head(self, model, input_ids, attention_mask, targets):
+        """The model's last hidden state and output head over ``input_ids``, as the
+        ``LinearHead`` whose rows ``P - 1 ...`` predict the completion ``targets``."""
+        m = self.accelerator.unwrap_model(model)
+        if hasattr(m, "get_base_model"):
+            m = m.get_base_model()
+        backbone = getattr(m, m.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          use_cache=False).last_hidden_state
+        head = m.get_output_embeddings()
+        offset = input_ids.shape[1] - targets.shape[1] - 1
+        return rlfuse.LinearHead(hidden, head.weight, targets, head.bias, self.temperature,
+                                 offset=offset, chunk_tokens=self.args.rlfuse_chunk_tokens)
+
+    def _completion_logprobs(self, model, inputs) -> torch.Tensor:
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with torch.no_grad():
+            head = self._head(model, input_ids, attention, inputs["completion_ids"])
+            return rlfuse.policy_logprobs(head, validate=False)
+
+    # ----------------------------------------------------------------------------------------
+    # Batches: GR-OPD's advantages per generation batch, GGPO's whole groups
+    # ----------------------------------------------------------------------------------------
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if self.args.rlfuse_loss == "gr_opd" and self.model.training:
+            old = out.get("old_per_token_logps")
+            if old is None:
+                old = self._completion_logprobs(self.model, out)
+            teacher = self._completion_logprobs(self.teacher_model, out)
+            args = self.args
+            out["old_per_token_logps"] = old
+            out["teacher_per_token_logps"] = teacher
+            out["advantages"] = rlfuse.gr_opd_advantages(
+                old, teacher, out["completion_mask"].bool(), group_size=self.num_generations,
+                gamma=args.rlfuse_gr_opd_gamma, lam=args.rlfuse_gr_opd_lam,
+                feedback_clip=args.rlfuse_gr_opd_feedback_clip,
+                adv_clip=args.rlfuse_gr_opd_adv_clip)
+        return out
+
+    def _prepare_inputs(self, generation_batch):
+        if self.args.rlfuse_loss != "ggpo" or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        # TRL's buffering, with the rows shuffled by whole groups (GGPO couples a group)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = split_pixel_values_by_grid(self._generate_and_score_completions(
+                generation_batch))
+            batch = _shuffle_groups(batch, self.num_generations)
+            batches = split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    # ----------------------------------------------------------------------------------------
+    # The loss
+    # ----------------------------------------------------------------------------------------
+
+    def _aggregation(self, inputs, mask: torch.Tensor, train: bool) -> dict:
+        """TRL's normaliser of ``loss_type`` as rlfuse's ``agg``, counts and ``loss_scale``."""
+        accumulation = self.current_gradient_accumulation_steps if train else 1
+        if self.loss_type == "grpo":
+            return dict(agg="seq-mean-token-mean", loss_scale=1.0 / accumulation)
+        if self.loss_type == "bnpo":
+            return dict(agg="token-mean", loss_scale=1.0 / accumulation)
+        if self.loss_type == "dr_grpo":
+            return dict(agg="token-mean", loss_scale=1.0 / accumulation,
+                        num_tokens=float(mask.shape[0] * self.max_completion_length))
+        # dapo: the generation batch's tokens, per process and accumulation window
+        tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if train:
+            tokens = tokens * self.current_gradient_accumulation_steps / \
+                self.args.steps_per_generation
+        return dict(agg="token-mean", num_tokens=tokens.to(torch.float32))
+
+    def _compute_loss(self, model, inputs):
+        args = self.args
+        train = self.model.training
+        mode = "train" if train else "eval"
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        mask = mask.bool()
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        policy = self._head(model, input_ids, attention, inputs["completion_ids"])
+        advantages = inputs["advantages"]
+        old = inputs.get("old_per_token_logps")
+        weights = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            weights = inputs["importance_sampling_ratio"].expand(mask.shape)
+        eps = (self.epsilon_low, self.epsilon_high)
+        agg = self._aggregation(inputs, mask, train)
+
+        if args.rlfuse_loss == "ppo":
+            out = rlfuse.ppo_loss(policy, old, advantages, mask, clip=eps,
+                                  dual_clip=args.rlfuse_dual_clip,
+                                  ratio_level=self.importance_sampling_level, weights=weights,
+                                  validate=False, **agg)
+        elif args.rlfuse_loss == "gppo":
+            out = rlfuse.gppo_loss(policy, old, advantages, mask, geometry=args.rlfuse_geometry,
+                                   topology=args.rlfuse_topology, delta=args.rlfuse_delta,
+                                   dual_clip=args.rlfuse_dual_clip, weights=weights,
+                                   validate=False, **agg)
+        elif args.rlfuse_loss == "gr_opd":
+            out = rlfuse.gr_opd_loss(policy, inputs["old_per_token_logps"],
+                                     inputs["teacher_per_token_logps"], mask, group_size=1,
+                                     eps=eps, advantages=advantages,
+                                     loss_scale=agg.get("loss_scale", 1.0), validate=False)
+        else:   # ggpo: TRL's group-centred rewards are the rewards up to a constant per group
+            tokens = agg.get("num_tokens")
+            out = rlfuse.ggpo_loss(policy, inputs["ref_per_token_logps"], advantages, mask,
+                                   group_size=self.num_generations, beta=self.beta,
+                                   loss_scale=agg.get("loss_scale", 1.0),
+                                   num_tokens=None if tokens is None else float(tokens),
+                                   validate=False)
+        self._log_rlfuse_metrics(mode, out.metrics)
+        return out.loss
+
+    def _log_rlfuse_metrics(self, mode: str, metrics) -> None:
+        gather = self.accelerator.gather
+        for name, value in metrics.items():
+            self._metrics[mode][f"rlfuse/{name}"].append(gather(value.detach()).nanmean().item())
+        if "clip_frac_low" in metrics:
+            low, high = metrics["clip_frac_low"], metrics["clip_frac_high"]
+            for name, value in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
+                                ("clip_ratio/region_mean", low + high)):
+                self._metrics[mode][name].append(gather(value.detach()).nanmean().item())
+
+
+def _shuffle_groups(batch: dict, group_size: int) -> dict:
+    """The rows of a generation batch shuffled by whole groups of ``group_size`` rows."""
+    n = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
+    groups = torch.randperm(n // group_size)
+    order = (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    return {k: v[order.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() and
+            v.shape[0] == n else v for k, v in batch.items()}
+
+
+def _unsupported_options(args, teacher_model) -> List[str]:
+    """Every option of ``args`` (an ``RLFuseGRPOConfig``) the rlfuse loss cannot honour."""
+    if not isinstance(args, RLFuseGRPOConfig):
+        return [f"args of type {type(args).__name__} (expected RLFuseGRPOConfig)"]
+    loss = args.rlfuse_loss
+    problems = []
+    if loss not in LOSSES:
+        problems.append(f"rlfuse_loss={loss!r} (expected one of {', '.join(LOSSES)})")
+    if args.loss_type not in LOSS_TYPES:
+        problems.append(f"loss_type={args.loss_type!r} (expected one of "
+                        f"{', '.join(LOSS_TYPES)})")
+    generations = args.num_generations or 1
+    if loss == "ggpo":
+        if not args.beta > 0:
+            problems.append("beta=0 with rlfuse_loss='ggpo' (beta is GGPO's KL weight, > 0)")
+        if args.scale_rewards not in ("none", False):
+            problems.append(f"scale_rewards={args.scale_rewards!r} with rlfuse_loss='ggpo' "
+                            f"(GGPO needs the rewards: scale_rewards='none')")
+        if args.per_device_train_batch_size % generations:
+            problems.append("per_device_train_batch_size not a multiple of num_generations with "
+                            "rlfuse_loss='ggpo' (GGPO's loss couples a group)")
+    elif args.beta != 0.0:
+        problems.append(f"beta={args.beta} (the KL term to a reference model; only "
+                        f"rlfuse_loss='ggpo' uses a reference)")
+    if loss == "gr_opd":
+        if teacher_model is None:
+            problems.append("rlfuse_loss='gr_opd' without teacher_model")
+        if (args.per_device_train_batch_size * (args.steps_per_generation or 1)) % generations:
+            problems.append("a per-process generation batch that splits a group, with "
+                            "rlfuse_loss='gr_opd'")
+    for name, default in (("delta", None), ("off_policy_mask_threshold", None),
+                          ("top_entropy_quantile", 1.0), ("cast_lm_head_to_fp32", False),
+                          ("entropy_coef", 0.0), ("use_adaptive_entropy", False)):
+        value = getattr(args, name, default)
+        if value != default:
+            problems.append(f"{name}={value!r}")
+    return problems

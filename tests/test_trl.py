@@ -1,0 +1,150 @@
+"""rlfuse in TRL (the real package): RLFuseGRPOTrainer's loss and gradients against TRL's own
+GRPOTrainer on the same batch, and a few training steps with each rlfuse loss."""
+import copy
+import math
+
+import pytest
+import torch
+
+from conftest import integration  # noqa: E402
+
+trl = integration("trl")
+transformers = integration("transformers")
+datasets = integration("datasets")
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+from rlfuse.integrations.trl import RLFuseGRPOConfig, RLFuseGRPOTrainer  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(40)]
+
+
+def tokenizer():
+    vocab = {"<pad>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                                eos_token="<eos>", padding_side="left")
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=len(WORDS) + 2, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def dataset(n=8):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [" ".join(WORDS[int(i)] for i in torch.randint(0, 40, (3,), generator=gen))
+               for _ in range(n)]
+    return datasets.Dataset.from_dict({"prompt": prompts})
+
+
+def reward(completions, **kwargs):
+    return [float(sum(int(w[1:]) % 3 == 0 for w in c.split() if w.startswith("w")))
+            for c in completions]
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                max_completion_length=4, max_steps=2, learning_rate=1e-2, logging_steps=1,
+                report_to="none", use_cpu=True, save_strategy="no", seed=0,
+                temperature=1.0, beta=0.0, bf16=False)
+    base.update(kw)
+    return base
+
+
+def trainers(tmp_path, **kw):
+    """TRL's trainer and rlfuse's, on copies of one model, with one config."""
+    net, data, tok = model(), dataset(), tokenizer()
+    theirs = trl.GRPOTrainer(model=copy.deepcopy(net), reward_funcs=reward, train_dataset=data,
+                             processing_class=tok, args=trl.GRPOConfig(**config(tmp_path, **kw)))
+    ours = RLFuseGRPOTrainer(model=copy.deepcopy(net), reward_funcs=reward, train_dataset=data,
+                             processing_class=tok,
+                             args=RLFuseGRPOConfig(**config(tmp_path, **kw), rlfuse_loss="ppo"))
+    return theirs, ours, data
+
+
+def loss_and_grads(trainer, inputs, accumulation):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = accumulation
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()
+                           if p.grad is not None}
+
+
+CASES = [dict(loss_type=t) for t in ("grpo", "bnpo", "dr_grpo", "dapo")] + [
+    dict(loss_type="dapo", epsilon_high=0.28),
+    dict(loss_type="grpo", importance_sampling_level="sequence"),
+    dict(loss_type="bnpo", epsilon=0.1, epsilon_high=0.3),
+]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_ppo_reproduces_trl(case, accumulation, tmp_path):
+    """Same generation batch, same weights: rlfuse's loss (through LinearHead, no logits) and
+    every parameter's gradient equal TRL's, with an old policy off enough to clip."""
+    theirs, ours, data = trainers(tmp_path, gradient_accumulation_steps=accumulation, **case)
+    theirs.model.train()
+    inputs = theirs._generate_and_score_completions([data[i] for i in range(4)])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        lp = ours._completion_logprobs(ours.model, inputs)
+    noise = 1.0 if case.get("importance_sampling_level") == "sequence" else 0.3
+    inputs["old_per_token_logps"] = lp + noise * torch.randn(lp.shape, generator=gen)
+    inputs["advantages"] = torch.randn(lp.shape[0], generator=gen)
+    want, want_grads = loss_and_grads(theirs, inputs, accumulation)
+    got, got_grads = loss_and_grads(ours, inputs, accumulation)
+    assert theirs._metrics["train"]["clip_ratio/region_mean"][-1] > 0    # the clip is active
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6,
+                                   msg=name)
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert ours._metrics["train"][name][-1] == pytest.approx(
+            theirs._metrics["train"][name][-1], abs=1e-6), name
+
+
+@pytest.mark.parametrize("loss, extra", [
+    ("ppo", dict(loss_type="dapo", epsilon_high=0.28)),
+    ("gppo", dict(loss_type="grpo")),
+    ("ggpo", dict(loss_type="bnpo", beta=0.1, scale_rewards="none", sync_ref_model=True,
+                  ref_model_sync_steps=1)),
+    ("gr_opd", dict(loss_type="grpo")),
+])
+def test_each_rlfuse_loss_trains(loss, extra, tmp_path):
+    kw = config(tmp_path, **extra)
+    teacher = model(seed=1) if loss == "gr_opd" else None
+    policy = model()
+    if loss == "ggpo":   # TRL loads the reference model from the policy's path
+        policy.save_pretrained(tmp_path / "policy")
+        policy = str(tmp_path / "policy")
+    trainer = RLFuseGRPOTrainer(model=policy, reward_funcs=reward, train_dataset=dataset(),
+                                processing_class=tokenizer(), teacher_model=teacher,
+                                args=RLFuseGRPOConfig(**kw, rlfuse_loss=loss))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert any(f"rlfuse/{name}" in h for h in trainer.state.log_history
+               for name in ("ratio_mean", "gap", "adv_mean"))
+    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert moved
+
+
+def test_unsupported_options_are_listed(tmp_path):
+    with pytest.raises(ValueError, match="cannot honour.*loss_type='sapo'.*beta=0.5.*delta=2"):
+        RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
+                          processing_class=tokenizer(),
+                          args=RLFuseGRPOConfig(**config(tmp_path, loss_type="sapo", beta=0.5,
+                                                         delta=2.0)))
+    with pytest.raises(ValueError, match="gr_opd' without teacher_model"):
+        RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
+                          processing_class=tokenizer(),
+                          args=RLFuseGRPOConfig(**config(tmp_path), rlfuse_loss="gr_opd"))

@@ -1,0 +1,106 @@
+"""rlfuse in verl (the real package): the registered policy losses against verl's own ``vanilla``
+loss — every loss_agg_mode, clip-higher, dual clip, rollout_is_weights, global batch info —
+loss, gradient and metrics."""
+import itertools
+
+import pytest
+import torch
+
+from conftest import integration  # noqa: E402
+
+core_algos = integration("verl.trainer.ppo.core_algos")
+from verl.workers.config import ActorConfig  # noqa: E402
+import rlfuse.integrations.verl  # noqa: E402,F401  (registers the losses)
+
+B, T = 6, 7
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+         "seq-mean-token-sum-norm"]
+BATCH_INFO = [{}, {"dp_size": 2, "batch_num_tokens": 61, "global_batch_size": 11,
+                   "loss_scale_factor": 9}]
+
+
+def config(low=0.2, high=0.28, c=3.0, info=None):
+    return ActorConfig(strategy="fsdp", clip_ratio=0.2, clip_ratio_low=low, clip_ratio_high=high,
+                       clip_ratio_c=c, ppo_micro_batch_size_per_gpu=1, rollout_n=2,
+                       ppo_mini_batch_size=2, global_batch_info=info or {})
+
+
+def batch(seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(B, T, generator=gen) > 0.3).float()
+    mask[:, 0] = 1
+    mask[3] = 0                                   # a fully masked row
+    old = -torch.rand(B, T, generator=gen) * 3
+    lp = old + 0.5 * torch.randn(B, T, generator=gen)     # ratios in and out of the clip
+    adv = torch.randn(B, 1, generator=gen).expand(B, T) + 0.1 * torch.randn(B, T, generator=gen)
+    weights = torch.rand(B, T, generator=gen) * 2
+    return [x.to(device) for x in (old, lp, adv, mask, weights)]
+
+
+def losses(name, old, lp, adv, mask, mode, cfg, weights):
+    x = lp.clone().requires_grad_(True)
+    fn = core_algos.get_policy_loss_fn(name)
+    loss, metrics = fn(old, x, adv, mask, loss_agg_mode=mode, config=cfg,
+                       rollout_is_weights=weights)
+    (grad,) = torch.autograd.grad(loss, x)
+    return loss.detach(), grad, metrics
+
+
+@pytest.mark.parametrize("mode, info, weighted", list(itertools.product(
+    MODES, range(len(BATCH_INFO)), (False, True))))
+def test_rlfuse_ppo_is_verl_vanilla(mode, info, weighted, device):
+    old, lp, adv, mask, weights = batch(info * 7 + MODES.index(mode), device)
+    cfg = config(info=BATCH_INFO[info])
+    w = weights if weighted else None
+    ours = losses("rlfuse_ppo", old, lp, adv, mask, mode, cfg, w)
+    theirs = losses("vanilla", old, lp, adv, mask, mode, cfg, w)
+    # fp32 rounding of the same sums in another order (and verl's 1e-8 in seq-mean-token-mean)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=2e-6, atol=1e-7)
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert ours[2][key] == pytest.approx(theirs[2][key], rel=1e-5, abs=1e-6), key
+    assert ours[2]["actor/rlfuse_overflow"] == 0.0
+
+
+@pytest.mark.parametrize("low, high, c", [(0.2, 0.2, 3.0), (0.1, 0.3, 1.5), (0.2, 0.28, 10.0)])
+def test_clip_settings(low, high, c, device):
+    old, lp, adv, mask, _ = batch(11, device)
+    lp = old + 1.5 * (lp - old)           # more clipped and dual-clipped tokens
+    cfg = config(low, high, c)
+    ours = losses("rlfuse_ppo", old, lp, adv, mask, "token-mean", cfg, None)
+    theirs = losses("vanilla", old, lp, adv, mask, "token-mean", cfg, None)
+    assert theirs[2]["actor/pg_clipfrac"] > 0
+    assert (theirs[2]["actor/pg_clipfrac_lower"] > 0) == (c < 5)   # r > c happens for c <= 3
+    torch.testing.assert_close(ours[0], theirs[0], rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=2e-6, atol=1e-7)
+    for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"):
+        assert ours[2][key] == pytest.approx(theirs[2][key], rel=1e-6), key
+
+
+def test_rlfuse_gppo_and_register_gppo(device):
+    """rlfuse_gppo is gppo_loss with the seed's region under verl's aggregation; other regions
+    register under other names."""
+    old, lp, adv, mask, _ = batch(12, device)
+    cfg = config()
+    ours = losses("rlfuse_gppo", old, lp, adv, mask, "seq-mean-token-mean", cfg, None)
+    x = lp.clone().requires_grad_(True)
+    rows = (mask.sum(-1) > 0).sum().float()
+    ref = rlfuse.gppo_loss(x, old, adv, mask.bool(), agg="seq-mean-token-mean",
+                           num_sequences=rows).loss
+    torch.testing.assert_close(ours[0], ref.detach(), rtol=1e-6, atol=1e-7)
+    rlfuse.integrations.verl.register_gppo("rlfuse_gppo_kl", geometry="kl", topology="binary",
+                                           delta=(0.05, 0.2))
+    kl = losses("rlfuse_gppo_kl", old, lp, adv, mask, "token-mean", cfg, None)
+    x = lp.clone().requires_grad_(True)
+    ref = rlfuse.gppo_loss(x, old, adv, mask.bool(), geometry="kl", topology="binary",
+                           delta=(0.05, 0.2)).loss
+    torch.testing.assert_close(kl[0], ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_dp_without_global_counts_is_refused(device):
+    old, lp, adv, mask, _ = batch(13, device)
+    for mode, match in (("token-mean", "batch_num_tokens"), ("seq-mean-token-mean",
+                                                              "global_batch_size")):
+        with pytest.raises(ValueError, match=match):
+            losses("rlfuse_ppo", old, lp, adv, mask, mode, config(info={"dp_size": 2}), None)
+
