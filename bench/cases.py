@@ -35,6 +35,10 @@ QUICK_BATCH, QUICK_N, QUICK_V = 8, (16,), (1000,)
 HIDDEN, QUICK_HIDDEN = 4096, 32
 
 BETA = 0.1            # GGPO's KL weight (a runtime kernel argument; any value costs the same)
+# ppo_loss as TRL's GRPOTrainer runs it with DAPO's clip-higher (loss_type "grpo": the token mean
+# of each response, then over responses), the same in the Liger peers
+PPO_CLIP = (0.2, 0.28)
+PPO_AGG = "seq-mean-token-mean"
 LIGER_MODULE = "liger_kernel.ops.grpo_loss"   # selective log-softmax and the GRPO loss
 
 
@@ -190,6 +194,9 @@ _LOSSES = {
         pol, x.old_lp, x.advantages, x.mask, validate=x.validate).loss,   # chi2 / atomic
     "gr_opd": lambda lib, pol, x: lib.gr_opd_loss(
         pol, x.old_lp, x.teacher_lp, x.mask, group_size=x.group_size, validate=x.validate).loss,
+    "ppo": lambda lib, pol, x: lib.ppo_loss(
+        pol, x.old_lp, x.advantages, x.mask, clip=PPO_CLIP, agg=PPO_AGG,
+        validate=x.validate).loss,
 }
 
 # The floors. "bwd" is a backward that starts from the forward's per-token saves (lse);
@@ -213,6 +220,8 @@ _FLOORS = {
     # [B, T] only: fwd reads lp, old_lp, mask; bwd also writes dlp; token-local: one pass.
     "gppo": {"fwd": (0, 0, MSK + 2 * F32), "bwd": (0, 0, MSK + 3 * F32),
              "fwd+bwd": (0, 0, MSK + 3 * F32)},
+    "ppo": {"fwd": (0, 0, MSK + 2 * F32), "bwd": (0, 0, MSK + 3 * F32),
+            "fwd+bwd": (0, 0, MSK + 3 * F32)},
     # [B, T] only: the advantage pass reads old_lp, teacher_lp, mask; the loss pass reads lp,
     # old_lp, mask (and writes dlp in bwd / fwd+bwd).
     "gr_opd": {"fwd": (0, 0, 2 * MSK + 4 * F32), "bwd": (0, 0, MSK + 3 * F32),
@@ -227,6 +236,9 @@ _FLOORS = {
     # read + one write; fwd+bwd ONE read + ONE write (token-local gradient, single pass).
     "gppo_logits": {"fwd": (1, 0, TGT + MSK + F32), "bwd": (1, 1, TGT + MSK + 2 * F32),
                     "fwd+bwd": (1, 1, TGT + MSK + F32)},
+    # PPO from logits: GPPO's kernels with the clip's region, the same traffic.
+    "ppo_logits": {"fwd": (1, 0, TGT + MSK + F32), "bwd": (1, 1, TGT + MSK + 2 * F32),
+                   "fwd+bwd": (1, 1, TGT + MSK + F32)},
     # GR-OPD from logits: as GPPO, plus the [B, T] advantage pass (old_lp, teacher_lp, mask).
     "gr_opd_logits": {"fwd": (1, 0, TGT + 2 * MSK + 3 * F32), "bwd": (1, 1, TGT + MSK + 2 * F32),
                       "fwd+bwd": (1, 1, TGT + 2 * MSK + 3 * F32)},
@@ -238,14 +250,15 @@ def _liger_logprobs(lk, x):
     return lk.fused_selective_log_softmax(x.logits_full, x.targets, 1.0, x.mask_i32)
 
 
-def _liger_grpo(advantages: str):
-    """Liger's triton GRPO loss (PPO clip 0.2, beta = 0): the peer of the single-pass GPPO /
+def _liger_grpo(advantages: str, eps_high: float = 0.2):
+    """Liger's triton GRPO loss (PPO clip [0.8, 1 + eps_high], beta = 0, loss_type "grpo": the
+    token mean of each response, then over responses): the peer of the single-pass PPO / GPPO /
     GR-OPD from logits (one read in its forward, one read + one write in its backward)."""
     def run(lk, x):
         # Positional: the first 11 arguments are the same in every Liger release so far.
         out = lk.GrpoLossFunction.apply(x.logits_full, x.old_lp, None, x.targets,
-                                        getattr(x, advantages), x.mask_i32, 1.0, 0.0, 0.2, 0.2,
-                                        False)
+                                        getattr(x, advantages), x.mask_i32, 1.0, 0.0, 0.2,
+                                        eps_high, False)
         loss = out[0] if isinstance(out, (tuple, list)) else out
         if loss.dim():   # releases that return per-token losses
             loss = (loss * x.mask).sum() / x.mask.sum()
@@ -253,10 +266,9 @@ def _liger_grpo(advantages: str):
     return run
 
 
-def _liger_head_grpo(advantages: str):
-    """Liger's chunked fused-linear GRPO loss (PPO clip 0.2, beta = 0, per-token mean of each
-    sequence then over sequences, torch.compile'd chunks): the peer of the LinearHead GPPO /
-    GR-OPD."""
+def _liger_head_grpo(advantages: str, eps_high: float = 0.2):
+    """Liger's chunked fused-linear GRPO loss (PPO clip [0.8, 1 + eps_high], beta = 0, loss_type
+    "grpo", torch.compile'd chunks): the peer of the LinearHead PPO / GPPO / GR-OPD."""
     loss_fn = {}
 
     def run(lk, x):
@@ -264,7 +276,7 @@ def _liger_head_grpo(advantages: str):
 
         fn = loss_fn.setdefault("fn", LigerFusedLinearGRPOLoss(
             beta=0.0, use_ref_model=False, loss_type="grpo", epsilon_low=0.2,
-            epsilon_high=0.2))
+            epsilon_high=eps_high))
         out = fn(x.hidden[:, :-1], x.weight, x.targets, x.mask_i32, getattr(x, advantages),
                  old_per_token_logps=x.old_lp)
         return out[0] if isinstance(out, (tuple, list)) else out
@@ -285,9 +297,11 @@ def _ops():
               lambda lib, x: lib.token_logprobs(x.logits, x.targets, mask=x.mask,
                                                 return_entropy=True),
               _FLOORS["token_logprobs_entropy"])]
-    liger = {"gppo": _liger_grpo("advantages"), "gr_opd": _liger_grpo("opd_advantages")}
+    liger = {"gppo": _liger_grpo("advantages"), "gr_opd": _liger_grpo("opd_advantages"),
+             "ppo": _liger_grpo("advantages", PPO_CLIP[1])}
     liger_head = {"gppo": _liger_head_grpo("advantages"),
-                  "gr_opd": _liger_head_grpo("opd_advantages")}
+                  "gr_opd": _liger_head_grpo("opd_advantages"),
+                  "ppo": _liger_head_grpo("advantages", PPO_CLIP[1])}
     for form in ("logprobs", "logits"):
         for loss, call in _LOSSES.items():
             name = loss + ("_logits" if form == "logits" else "")

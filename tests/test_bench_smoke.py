@@ -99,6 +99,7 @@ def test_floors_follow_the_spec():
         "ggpo_logits": [(1, 0), (1, 1), (2, 1)],     # two reads: every lp before any gradient
         "gppo_logits": [(1, 0), (1, 1), (1, 1)],     # token-local: one pass
         "gr_opd_logits": [(1, 0), (1, 1), (1, 1)],
+        "ppo_logits": [(1, 0), (1, 1), (1, 1)],
     }
     for name, op in cases.OPS.items():
         if op.matmuls is not None:       # LinearHead: no logits in memory, a compute floor
@@ -112,4 +113,4 @@ def test_floors_follow_the_spec():
     assert cases.OPS["token_logprobs"].bytes(shape, "fwd+bwd") == 3 * 16 * 1000 * 2 + per_token * 16
     assert cases.OPS["token_logprobs"].flops(shape, "fwd+bwd") is None
     assert cases.OPS["gppo_head"].flops(shape, "fwd+bwd") == 3 * 2 * 16 * 32 * 1000
-    assert {"ggpo_head", "gppo_head", "gr_opd_head"} <= set(cases.OPS)
+    assert {"ggpo_head", "gppo_head", "gr_opd_head", "ppo_head"} <= set(cases.OPS)

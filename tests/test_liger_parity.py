@@ -87,3 +87,37 @@ def test_linear_head_gr_opd_is_liger_fused_linear_grpo(inputs):
         assert scale > 0, name
         err = (a.float() - b.float()).abs().max().item()
         assert err <= 4 * GRAD_RTOL[x.hidden.dtype] * scale, (name, err, scale)
+
+
+@pytest.mark.parametrize("form", ["logits", "head"])
+def test_ppo_clip_higher_is_liger_grpo(inputs, form):
+    """ppo_loss with DAPO's clip-higher and TRL's grpo aggregation against Liger's GRPO loss
+    with the same epsilons (its triton loss over the logits, its fused-linear loss over the
+    head), through the benchmark's adapters of the ppo rows."""
+    x = SimpleNamespace(**vars(inputs))
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    x.old_lp = (x.old_lp + 0.3 * torch.randn(x.old_lp.shape, generator=g, device=DEVICE)
+                ).clamp_max(0.0)
+    if form == "logits":
+        policy, leaves, theirs_leaves = rlfuse.Logits(x.logits, x.targets), (x.logits,), \
+            (x.logits_full,)
+    else:
+        policy = rlfuse.LinearHead(x.hidden, x.weight, x.targets, chunk_tokens=5)
+        leaves = theirs_leaves = (x.hidden, x.weight)
+    out = rlfuse.ppo_loss(policy, x.old_lp, x.advantages, x.mask, clip=cases.PPO_CLIP,
+                          agg=cases.PPO_AGG)
+    assert 0.05 < (out.metrics["clip_frac_low"] + out.metrics["clip_frac_high"]).item() < 0.95
+    theirs = cases.OPS[f"ppo_{form}"].liger(liger, x)
+    assert abs(out.loss.item() - theirs.item()) <= 1e-5 * max(1.0, abs(theirs.item()))
+    ours_grads = torch.autograd.grad(out.loss, leaves)
+    their_grads = torch.autograd.grad(theirs, theirs_leaves)
+    if form == "logits":
+        assert their_grads[0][:, -1].abs().max() == 0   # the last position predicts nothing
+        their_grads = (their_grads[0][:, :-1],)
+    # logits: one rounding of dlogits per side; head: matmuls of the rounded dlogits (up to 4)
+    rounding = (1 if form == "logits" else 4) * GRAD_RTOL[leaves[0].dtype]
+    for a, b in zip(ours_grads, their_grads):
+        scale = b.abs().max().item()
+        assert scale > 0
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= rounding * scale, (err, scale)
