@@ -1,7 +1,11 @@
 """rlfuse in TRL (the real package): RLFuseGRPOTrainer's loss and gradients against TRL's own
 GRPOTrainer on the same batch, and a few training steps with each rlfuse loss."""
 import copy
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -138,6 +142,31 @@ def test_each_rlfuse_loss_trains(loss, extra, tmp_path):
     assert moved
 
 
+def test_lora_policy(tmp_path):
+    """A PEFT LoRA policy (TRL wraps the model): the head and the backbone are found under the
+    adapters, the loss equals TRL's on the same batch and only the adapters train."""
+    peft = integration("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    net, data, tok = model(), dataset(), tokenizer()
+    kw = config(tmp_path, loss_type="grpo", epsilon_high=0.28)
+    theirs = trl.GRPOTrainer(model=copy.deepcopy(net), reward_funcs=reward, train_dataset=data,
+                             processing_class=tok, peft_config=lora, args=trl.GRPOConfig(**kw))
+    ours = RLFuseGRPOTrainer(model=copy.deepcopy(net), reward_funcs=reward, train_dataset=data,
+                             processing_class=tok, peft_config=lora,
+                             args=RLFuseGRPOConfig(**kw, rlfuse_loss="ppo"))
+    theirs.model.train()
+    inputs = theirs._generate_and_score_completions([data[i] for i in range(4)])
+    inputs["advantages"] = torch.randn(inputs["completion_ids"].shape[0],
+                                       generator=torch.Generator().manual_seed(2))
+    want, want_grads = loss_and_grads(theirs, inputs, 1)
+    got, got_grads = loss_and_grads(ours, inputs, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in got_grads)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6,
+                                   msg=name)
+
+
 def test_unsupported_options_are_listed(tmp_path):
     with pytest.raises(ValueError, match="cannot honour.*loss_type='sapo'.*beta=0.5.*delta=2"):
         RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
@@ -148,3 +177,46 @@ def test_unsupported_options_are_listed(tmp_path):
         RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
                           processing_class=tokenizer(),
                           args=RLFuseGRPOConfig(**config(tmp_path), rlfuse_loss="gr_opd"))
+
+
+def _ddp_worker(out_dir: str) -> None:
+    """One process of ``torchrun --nproc_per_node 2 tests/test_trl.py DIR``: two training steps
+    under DDP (gloo), each rank on its own prompts; rank 0 writes every rank's parameters."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    trainer = RLFuseGRPOTrainer(
+        model=model(), reward_funcs=reward, train_dataset=dataset(16),
+        processing_class=tokenizer(),
+        args=RLFuseGRPOConfig(**config(out_dir, loss_type="dapo", epsilon_high=0.28),
+                              rlfuse_loss="ppo"))
+    before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    ranks = trainer.accelerator.gather(after[None])
+    if trainer.accelerator.is_main_process:
+        with open(os.path.join(out_dir, "ddp.json"), "w") as f:
+            json.dump({"processes": trainer.accelerator.num_processes,
+                       "ddp": isinstance(trainer.model_wrapped, DistributedDataParallel),
+                       "moved": (after - before).abs().max().item(),
+                       "rank_spread": (ranks - ranks[0]).abs().max().item()}, f)
+
+
+def test_ddp_ranks_stay_in_sync(tmp_path):
+    """Two processes (torch.distributed, gloo) train on different prompts: the loss runs inside
+    the DDP-wrapped model's forward, so DDP averages the gradients and every rank holds the same
+    parameters after each step (a loss computed outside that forward would not be synchronised
+    and the ranks would drift apart)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--standalone", __file__, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "ddp.json").read_text())
+    assert result["processes"] == 2 and result["ddp"], result
+    assert result["moved"] > 0, result
+    assert result["rank_spread"] == 0, result
+
+
+if __name__ == "__main__":
+    _ddp_worker(sys.argv[1])

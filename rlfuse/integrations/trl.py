@@ -28,6 +28,7 @@ plus ``rlfuse/<name>`` for each of the loss's own metrics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List, Optional
 
 import torch
@@ -72,12 +73,17 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         problems = self._unsupported_model()
         if problems:
             raise ValueError("RLFuseGRPOTrainer cannot honour: " + "; ".join(problems))
+        _add_head_forward(self.accelerator.unwrap_model(self.model))
         self.teacher_model = teacher_model
         if teacher_model is not None:
             teacher_model.to(self.accelerator.device).eval().requires_grad_(False)
+            _add_head_forward(teacher_model)
 
     def _unsupported_model(self) -> List[str]:
         problems = []
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            problems.append("DeepSpeed or FSDP (a sharded output head; one process and DDP "
+                            "are supported)")
         if self.aux_loss_enabled:
             problems.append("a router aux loss (MoE)")
         config = self.accelerator.unwrap_model(self.model).config.get_text_config()
@@ -91,26 +97,25 @@ class RLFuseGRPOTrainer(GRPOTrainer):
     # The policy
     # ----------------------------------------------------------------------------------------
 
-    def _head(self, model, input_ids, attention_mask, targets):
-        """The model's last hidden state and output head over ``input_ids``, as the
-        ``LinearHead`` whose rows ``P - 1 ...`` predict the completion ``targets``."""
-        m = self.accelerator.unwrap_model(model)
-        if hasattr(m, "get_base_model"):
-            m = m.get_base_model()
-        backbone = getattr(m, m.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                          use_cache=False).last_hidden_state
-        head = m.get_output_embeddings()
-        offset = input_ids.shape[1] - targets.shape[1] - 1
-        return rlfuse.LinearHead(hidden, head.weight, targets, head.bias, self.temperature,
-                                 offset=offset, chunk_tokens=self.args.rlfuse_chunk_tokens)
-
-    def _completion_logprobs(self, model, inputs) -> torch.Tensor:
+    def _through_head(self, model, inputs, fn):
+        """``fn(head)`` inside ``model``'s forward (so that the wrappers of data parallelism see
+        a forward), ``head`` the ``LinearHead`` of the last hidden state and the output head
+        whose rows ``P - 1 ...`` predict the completion."""
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        offset = inputs["prompt_ids"].shape[1] - 1
+
+        def loss_of(hidden, weight, bias):
+            return fn(rlfuse.LinearHead(hidden, weight, inputs["completion_ids"], bias,
+                                        self.temperature, offset=offset,
+                                        chunk_tokens=self.args.rlfuse_chunk_tokens))
+
+        return model(input_ids=input_ids, attention_mask=attention, rlfuse_head=loss_of)
+
+    def _completion_logprobs(self, model, inputs) -> torch.Tensor:
         with torch.no_grad():
-            head = self._head(model, input_ids, attention, inputs["completion_ids"])
-            return rlfuse.policy_logprobs(head, validate=False)
+            return self._through_head(model, inputs,
+                                      lambda head: rlfuse.policy_logprobs(head, validate=False))
 
     # ----------------------------------------------------------------------------------------
     # Batches: GR-OPD's advantages per generation batch, GGPO's whole groups
@@ -175,9 +180,6 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         mask = mask.bool()
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        policy = self._head(model, input_ids, attention, inputs["completion_ids"])
         advantages = inputs["advantages"]
         old = inputs.get("old_per_token_logps")
         weights = None
@@ -186,28 +188,30 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         eps = (self.epsilon_low, self.epsilon_high)
         agg = self._aggregation(inputs, mask, train)
 
-        if args.rlfuse_loss == "ppo":
-            out = rlfuse.ppo_loss(policy, old, advantages, mask, clip=eps,
-                                  dual_clip=args.rlfuse_dual_clip,
-                                  ratio_level=self.importance_sampling_level, weights=weights,
-                                  validate=False, **agg)
-        elif args.rlfuse_loss == "gppo":
-            out = rlfuse.gppo_loss(policy, old, advantages, mask, geometry=args.rlfuse_geometry,
-                                   topology=args.rlfuse_topology, delta=args.rlfuse_delta,
-                                   dual_clip=args.rlfuse_dual_clip, weights=weights,
-                                   validate=False, **agg)
-        elif args.rlfuse_loss == "gr_opd":
-            out = rlfuse.gr_opd_loss(policy, inputs["old_per_token_logps"],
-                                     inputs["teacher_per_token_logps"], mask, group_size=1,
-                                     eps=eps, advantages=advantages,
-                                     loss_scale=agg.get("loss_scale", 1.0), validate=False)
-        else:   # ggpo: TRL's group-centred rewards are the rewards up to a constant per group
-            tokens = agg.get("num_tokens")
-            out = rlfuse.ggpo_loss(policy, inputs["ref_per_token_logps"], advantages, mask,
-                                   group_size=self.num_generations, beta=self.beta,
-                                   loss_scale=agg.get("loss_scale", 1.0),
-                                   num_tokens=None if tokens is None else float(tokens),
-                                   validate=False)
+        def loss(policy):
+            if args.rlfuse_loss == "ppo":
+                return rlfuse.ppo_loss(
+                    policy, old, advantages, mask, clip=eps, dual_clip=args.rlfuse_dual_clip,
+                    ratio_level=self.importance_sampling_level, weights=weights, validate=False,
+                    **agg)
+            if args.rlfuse_loss == "gppo":
+                return rlfuse.gppo_loss(
+                    policy, old, advantages, mask, geometry=args.rlfuse_geometry,
+                    topology=args.rlfuse_topology, delta=args.rlfuse_delta,
+                    dual_clip=args.rlfuse_dual_clip, weights=weights, validate=False, **agg)
+            if args.rlfuse_loss == "gr_opd":
+                return rlfuse.gr_opd_loss(
+                    policy, inputs["old_per_token_logps"], inputs["teacher_per_token_logps"],
+                    mask, group_size=1, eps=eps, advantages=advantages,
+                    loss_scale=agg.get("loss_scale", 1.0), validate=False)
+            # ggpo: TRL's group-centred rewards are the rewards up to a constant per group
+            return rlfuse.ggpo_loss(
+                policy, inputs["ref_per_token_logps"], advantages, mask,
+                group_size=self.num_generations, beta=self.beta,
+                loss_scale=agg.get("loss_scale", 1.0), num_tokens=agg.get("num_tokens"),
+                validate=False)
+
+        out = self._through_head(model, inputs, loss)
         self._log_rlfuse_metrics(mode, out.metrics)
         return out.loss
 
@@ -220,6 +224,27 @@ class RLFuseGRPOTrainer(GRPOTrainer):
             for name, value in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
                                 ("clip_ratio/region_mean", low + high)):
                 self._metrics[mode][name].append(gather(value.detach()).nanmean().item())
+
+
+def _add_head_forward(model) -> None:
+    """``model(..., rlfuse_head=fn)`` runs the backbone and returns ``fn(hidden, weight, bias)``
+    of its last hidden state and output head, inside the model's forward: a data-parallel
+    wrapper around the model sees the call (DDP synchronises gradients only after its own
+    forward). Without ``rlfuse_head`` the forward is the model's."""
+    if hasattr(model, "get_base_model"):   # PEFT: the transformers model under the adapters
+        model = model.get_base_model()
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args, rlfuse_head=None, **kwargs):
+        if rlfuse_head is None:
+            return original(*args, **kwargs)
+        backbone = getattr(model, model.base_model_prefix)
+        hidden = backbone(*args, use_cache=False, **kwargs).last_hidden_state
+        head = model.get_output_embeddings()
+        return rlfuse_head(hidden, head.weight, head.bias)
+
+    model.forward = forward
 
 
 def _shuffle_groups(batch: dict, group_size: int) -> dict:
