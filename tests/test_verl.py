@@ -97,6 +97,24 @@ def test_rlfuse_gppo_and_register_gppo(device):
     torch.testing.assert_close(kl[0], ref.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_gr_opd_as_advantage_estimator(device):
+    """The README's recipe: GR-OPD's advantages from the teacher's log-probs, trained by
+    rlfuse_ppo with seq-mean-token-mean and a dual clip that never binds, is gr_opd_loss."""
+    old, lp, _, mask, _ = batch(14, device)
+    mask[3, 0] = 1                                  # GR-OPD needs a token in every response
+    teacher = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(15)).to(device)
+    adv = rlfuse.gr_opd_advantages(old, teacher, mask.bool(), group_size=2)
+    ours = losses("rlfuse_ppo", old, lp, adv[:, None].expand(B, T), mask,
+                  "seq-mean-token-mean", config(0.2, 0.2, 1e9), None)
+    x = lp.clone().requires_grad_(True)
+    ref = rlfuse.gr_opd_loss(x, old, teacher, mask.bool(), group_size=2, eps=0.2,
+                             advantages=adv).loss
+    (ref_grad,) = torch.autograd.grad(ref, x)
+    assert ours[2]["actor/pg_clipfrac"] > 0
+    torch.testing.assert_close(ours[0], ref.detach(), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(ours[1], ref_grad, rtol=2e-6, atol=1e-8)
+
+
 def test_dp_without_global_counts_is_refused(device):
     old, lp, adv, mask, _ = batch(13, device)
     for mode, match in (("token-mean", "batch_num_tokens"), ("seq-mean-token-mean",
