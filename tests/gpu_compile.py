@@ -128,6 +128,12 @@ def _drive():
                                       beta=0.5, clip_radius=clip).loss)
         backward(rlfuse.gr_opd_loss(lp, old.to(dtype), teacher.to(dtype), mask,
                                     group_size=m).loss)
+        weights = torch.rand(B, T, generator=g).to(dtype)
+        for ppo in (dict(clip=(0.2, 0.28), dual_clip=3.0, weights=weights),
+                    dict(ratio_level="sequence", agg="seq-mean-token-mean"),
+                    dict(agg="token-sum")):
+            backward(rlfuse.ppo_loss(lp, old.to(dtype), adv_seq.to(dtype), mask, **ppo).loss)
+        backward(rlfuse.ppo_loss(lp, None, adv_seq.to(dtype), mask).loss)
         for geometry in GEOMETRIES:
             for topology in TOPOLOGIES:
                 rlfuse.gppo_bounds(old.to(dtype), geometry=geometry, topology=topology,
@@ -143,6 +149,10 @@ def _drive():
         backward(rlfuse.ggpo_loss(policy, old, rewards, mask, group_size=m, beta=0.5).loss)
         backward(rlfuse.gr_opd_loss(policy, old, teacher, mask, group_size=m).loss)
         backward(rlfuse.gppo_loss(policy, old, adv_seq, mask).loss)
+        backward(rlfuse.ppo_loss(policy, old, adv_seq, mask, clip=(0.2, 0.28), dual_clip=3.0,
+                                 weights=torch.rand(B, T, generator=g)).loss)
+        backward(rlfuse.ppo_loss(policy, None, adv_seq, mask).loss)
+        backward(rlfuse.ppo_loss(policy, old, adv_seq, mask, ratio_level="sequence").loss)
         with torch.no_grad():
             rlfuse.gppo_loss(policy, old, adv_seq, mask)
     x = logits_of(torch.bfloat16)
