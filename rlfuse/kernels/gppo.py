@@ -87,6 +87,17 @@ def _binary_root_upper(mu, log_mu, log1m_mu, delta, S1: tl.constexpr):
 
 
 @triton.jit
+def _cell_width(mu, delta, TOPOLOGY: tl.constexpr):
+    """The size the mc and atomic cells are written in: delta (mc), delta / mu (atomic)."""
+    w = delta
+    if TOPOLOGY == ATOMIC:
+        w = delta / mu
+    else:
+        tl.static_assert(TOPOLOGY == MC)
+    return w
+
+
+@triton.jit
 def _lower_bound(mu, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
     """l = min {r : D(r) <= delta} (before the clamp at 0), fp64."""
     one = tl.zeros_like(mu) + 1.0
@@ -108,11 +119,7 @@ def _lower_bound(mu, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
             tl.static_assert(GEOMETRY == TWO_SIDED_LOG)
             lo = _binary_root_lower(mu, tl.log(mu), tl.log(1.0 - mu), delta, 1.0)
     else:
-        w = delta
-        if TOPOLOGY == ATOMIC:
-            w = delta / mu
-        else:
-            tl.static_assert(TOPOLOGY == MC)
+        w = _cell_width(mu, delta, TOPOLOGY)
         if GEOMETRY == TV:
             lo = one - 2.0 * w
         elif GEOMETRY == CHI2:
@@ -152,11 +159,7 @@ def _upper_bound(mu, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
             tl.static_assert(GEOMETRY == TWO_SIDED_LOG)
             hi = _binary_root_upper(mu, tl.log(mu), tl.log(1.0 - mu), delta, 1.0)
     else:
-        w = delta
-        if TOPOLOGY == ATOMIC:
-            w = delta / mu
-        else:
-            tl.static_assert(TOPOLOGY == MC)
+        w = _cell_width(mu, delta, TOPOLOGY)
         if GEOMETRY == TV:
             hi = one + 2.0 * w
         elif GEOMETRY == CHI2:

@@ -64,6 +64,20 @@ def clipped_surrogate(log_ratio, adv, lo, hi, dual_clip):
 
 
 @triton.jit
+def _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, cols, actor, stride_ob, stride_ot,
+                  stride_ab, stride_at, stride_wb, stride_wt, ACC: tl.constexpr,
+                  HAS_OLD: tl.constexpr):
+    """(old, adv, w) at the tokens ``cols`` of row ``b`` (read at actor tokens only); on
+    policy, old = lp."""
+    old = lp
+    if HAS_OLD:
+        old = tl.load(old_ptr + b * stride_ob + cols * stride_ot, mask=actor, other=0.0).to(ACC)
+    adv = tl.load(adv_ptr + b * stride_ab + cols * stride_at, mask=actor, other=0.0).to(ACC)
+    w = tl.load(weight_ptr + b * stride_wb + cols * stride_wt, mask=actor, other=0.0).to(ACC)
+    return old, adv, w
+
+
+@triton.jit
 def _sequence_log_ratio(lp_ptr, old_ptr, mask_ptr, b, T, stride_lb, stride_lt, stride_ob,
                         stride_ot, stride_mb, stride_mt, BLOCK_T: tl.constexpr,
                         HAS_OLD: tl.constexpr, ACC: tl.constexpr):
@@ -119,12 +133,9 @@ def _surrogate_fwd_kernel(
         cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
         actor = tl.load(mask_ptr + b * stride_mb + cols * stride_mt, mask=cols < T, other=0) != 0
         lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0).to(ACC)
-        old = lp
-        if HAS_OLD:
-            old = tl.load(old_ptr + b * stride_ob + cols * stride_ot, mask=actor,
-                          other=0.0).to(ACC)
-        adv = tl.load(adv_ptr + b * stride_ab + cols * stride_at, mask=actor, other=0.0).to(ACC)
-        w = tl.load(weight_ptr + b * stride_wb + cols * stride_wt, mask=actor, other=0.0).to(ACC)
+        old, adv, w = _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, cols, actor, stride_ob,
+                                    stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
+                                    HAS_OLD)
         lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
         log_ratio = lp - old
         if SEQUENCE:
@@ -178,13 +189,9 @@ def _surrogate_bwd_kernel(
         dlp = tl.where(actor, -grad * tl.load(seq_grad_ptr + b).to(ACC), 0.0)
     else:
         lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0).to(ACC)
-        old = lp
-        if HAS_OLD:
-            old = tl.load(old_ptr + b * stride_ob + cols * stride_ot, mask=actor,
-                          other=0.0).to(ACC)
-        adv = tl.load(adv_ptr + b * stride_ab + cols * stride_at, mask=actor, other=0.0).to(ACC)
-        w = tl.load(weight_ptr + b * stride_wb + cols * stride_wt, mask=actor,
-                    other=0.0).to(ACC)
+        old, adv, w = _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, cols, actor, stride_ob,
+                                    stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
+                                    HAS_OLD)
         lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
         _, dj, _, _, _, _ = clipped_surrogate(lp - old, adv, lo, hi, dual_clip)
         scale = -grad * tl.load(row_scale_ptr + b).to(ACC)
@@ -227,11 +234,9 @@ def _surrogate_logits_kernel(
         z_y = load_target_logit(row_ptr, y, V, inv_temp, ACC)
         m, log_s, _ = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, False, ACC)
         lp = (z_y - m) - log_s
-        old = lp
-        if HAS_OLD:
-            old = tl.load(old_ptr + b * stride_ob + t * stride_ot).to(ACC)
-        adv = tl.load(adv_ptr + b * stride_ab + t * stride_at).to(ACC)
-        w = tl.load(weight_ptr + b * stride_wb + t * stride_wt).to(ACC)
+        old, adv, w = _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, t, True, stride_ob,
+                                    stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
+                                    HAS_OLD)
         lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
         log_ratio = lp - old
         j, dj, low, high, dual, bad = clipped_surrogate(log_ratio, adv, lo, hi, dual_clip)
