@@ -115,6 +115,34 @@ def test_ppo_reproduces_trl(case, accumulation, tmp_path):
             theirs._metrics["train"][name][-1], abs=1e-6), name
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("ratio_shape", ["token", "sequence"])
+def test_per_token_multipliers(loss_type, ratio_shape, tmp_path):
+    """TRL's per-token multipliers: the vLLM importance-sampling correction (a [B, T] or [B, 1]
+    ratio; set on both trainers, since vLLM does not run here) and a tool mask (tokens of tool
+    results, out of the loss)."""
+    theirs, ours, data = trainers(tmp_path, loss_type=loss_type, epsilon_high=0.28)
+    theirs.model.train()
+    inputs = theirs._generate_and_score_completions([data[i] for i in range(4)])
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        lp = ours._completion_logprobs(ours.model, inputs)
+    B, T = lp.shape
+    inputs["old_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=gen)
+    inputs["advantages"] = torch.randn(B, generator=gen)
+    inputs["importance_sampling_ratio"] = torch.rand(B, T if ratio_shape == "token" else 1,
+                                                     generator=gen) * 2
+    inputs["tool_mask"] = (torch.rand(B, T, generator=gen) > 0.3).to(torch.long)
+    for trainer in (theirs, ours):
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    want, want_grads = loss_and_grads(theirs, inputs, 1)
+    got, got_grads = loss_and_grads(ours, inputs, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6,
+                                   msg=name)
+
+
 @pytest.mark.parametrize("loss, extra", [
     ("ppo", dict(loss_type="dapo", epsilon_high=0.28)),
     ("gppo", dict(loss_type="grpo")),
