@@ -28,6 +28,17 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7}
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Liger's fused-linear loss torch.compiles its chunk loss, with the epsilons bound as
+    constants, on every call. After a compile with other epsilons and dtype (the PPO row's
+    clip-higher in bf16) torch 2.13 reuses a stale backward: the fp32 GR-OPD loss stays exact
+    but Liger's dhidden moves by 5e-4 of its scale, against the float64 reference as against
+    rlfuse. Each test starts from an empty compile cache, so the peer is the peer."""
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def inputs(request):
     shape = next(s for s in cases.make_shapes(quick=True)
