@@ -1,0 +1,492 @@
+"""What every kernel moves, counted on the CPU (``python -m bench --traffic``).
+
+The Triton interpreter runs the real kernels; ``KernelCounter`` records the address of every
+element each launch loads and stores (unmasked lanes only) and ``TorchPasses`` every torch op
+that touches a logits-sized tensor outside the kernels. ``measure_case`` turns both into the
+traffic of one op per row of logits: how many times an actor row is read (``reads``), how many
+of those reads are of bytes not read before in the launch (``unique``), how many times it is
+written, the same for masked rows and for rows outside a full output's window, the ``[B, T]``
+side bytes per token, and the torch passes and allocations over logits-sized tensors.
+
+These are bytes, not time: what the L2 cache of a GPU makes of a re-read only a GPU shows.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# The classes of a row of logits: an actor token's, a masked token's, a row of a full model
+# output outside the window [offset, offset + T), a row of a LinearHead chunk.
+ROW_CLASSES = ("actor", "masked", "outside", "chunk")
+ACTOR, MASKED, OUTSIDE, CHUNK = range(len(ROW_CLASSES))
+
+
+def _element_size(tl_dtype) -> int:
+    return max(1, tl_dtype.primitive_bitwidth // 8)
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch: its tensor arguments and the byte addresses it loaded and stored."""
+    kernel: str
+    tensors: List[torch.Tensor]
+    loads: List[Tuple[np.ndarray, int]] = dataclasses.field(default_factory=list)
+    stores: List[Tuple[np.ndarray, int]] = dataclasses.field(default_factory=list)
+
+    def bytes(self, kind: str) -> int:
+        return sum(a.size * size for a, size in getattr(self, kind))
+
+
+class KernelCounter(contextlib.AbstractContextManager):
+    """Records every interpreted launch (``launches``) while active; ``in_kernel`` is True while
+    a launch runs (the interpreter's own host copies are not the op's traffic)."""
+
+    def __init__(self):
+        self.launches: List[Launch] = []
+        self.in_kernel = False
+
+    def __enter__(self):
+        from triton.runtime import interpreter
+
+        if not isinstance(interpreter.interpreter_builder, interpreter.InterpreterBuilder):
+            raise RuntimeError("bench --traffic: set TRITON_INTERPRET=1 before triton is imported")
+        builder, executor = interpreter.interpreter_builder, interpreter.GridExecutor
+        load, store, call = builder.create_masked_load, builder.create_masked_store, \
+            executor.__call__
+        counter = self
+
+        def record(kind, ptrs, mask):
+            addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)]
+            getattr(counter.launches[-1], kind).append(
+                (addresses.astype(np.int64), _element_size(ptrs.get_element_ty())))
+
+        def masked_load(ptrs, mask, other, cache_policy, is_volatile):
+            record("loads", ptrs, mask)
+            return load(ptrs, mask, other, cache_policy, is_volatile)
+
+        def masked_store(ptrs, value, mask, cache_policy):
+            record("stores", ptrs, mask)
+            return store(ptrs, value, mask, cache_policy)
+
+        def launch(grid_executor, *args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            counter.launches.append(Launch(grid_executor.fn.__name__, tensors))
+            counter.in_kernel = True
+            try:
+                return call(grid_executor, *args, **kwargs)
+            finally:
+                counter.in_kernel = False
+
+        builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+        executor.__call__ = launch
+        self._restore = lambda: (delattr(builder, "create_masked_load"),
+                                 delattr(builder, "create_masked_store"),
+                                 setattr(executor, "__call__", call))
+        return self
+
+    def __exit__(self, *exc):
+        self._restore()
+        return False
+
+
+# Ops that allocate without touching memory, and ops whose output is a view.
+_ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
+
+
+class TorchPasses(TorchDispatchMode):
+    """Every torch op outside the kernels with a logits-sized tensor among its inputs or outputs
+    (``is_logits``): ``passes`` ``(op, rows read, rows written)`` and ``allocations`` (rows),
+    in rows of logits. rlfuse's custom ops are entered, so what they run is seen op by op."""
+
+    def __init__(self, is_logits: Callable[[torch.Tensor], bool], row_bytes: int,
+                 counter: KernelCounter):
+        super().__init__()
+        self.is_logits, self.row_bytes, self.counter = is_logits, row_bytes, counter
+        self.passes: List[Tuple[str, float, float]] = []
+        self.allocations: List[Tuple[str, float]] = []
+
+    def _rows(self, tensors) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors
+                   if isinstance(t, torch.Tensor) and self.is_logits(t)) / self.row_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._library.custom_ops import _maybe_get_opdef
+
+        kwargs = kwargs or {}
+        opdef = _maybe_get_opdef(func) if func.namespace == "rlfuse" else None
+        if opdef is not None:          # run its implementation under this mode
+            with self:
+                return opdef._init_fn(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.counter.in_kernel or func.is_view:
+            return out
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        name = func.overloadpacket.__name__
+        written = self._rows(outs)
+        if name in _ALLOCATIONS:
+            if written:
+                self.allocations.append((name, written))
+            return out
+        read = self._rows(torch.utils._pytree.tree_leaves((args, kwargs)))
+        if read or written:
+            self.passes.append((name, read, written))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Rows of logits
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The logits a case works on: ``[B, S, V]`` rows ``[offset, offset + T)`` predict the
+    ``[B, T]`` tokens, ``mask`` the actor ones; ``hidden`` the width of a LinearHead's hidden
+    states (its chunks are ``[rows, V]``), else None."""
+    B: int
+    S: int
+    T: int
+    V: int
+    offset: int
+    mask: torch.Tensor
+    element_size: int
+    hidden: Optional[int] = None
+
+    @property
+    def row_counts(self) -> Dict[str, int]:
+        actor = int(self.mask.sum())
+        return (actor, self.B * self.T - actor, self.B * (self.S - self.T),
+                actor if self.hidden is not None else 0)
+
+    def is_logits(self, t: torch.Tensor) -> bool:
+        """A tensor of rows of logits (or their gradient), a LinearHead chunk or its transpose;
+        not the head's weight ``[V, H]``."""
+        return t.dim() >= 2 and self.V in t.shape and t.numel() >= 2 * self.V \
+            and (self.hidden is None or self.hidden not in t.shape)
+
+    def row_classes(self, t: torch.Tensor) -> Optional[np.ndarray]:
+        """The class of each row of ``t`` if it is a kernel's rows of logits (``[B, S, V]`` or
+        its window ``[B, T, V]``, or ``[R, V]`` for a LinearHead chunk), else None."""
+        if t.dim() < 2 or t.shape[-1] != self.V or t.stride(-1) != 1:
+            return None
+        if self.hidden is not None:   # a chunk, [R, V] or [R, 1, V]
+            return np.full(tuple(t.shape[:-1]) + ((1,) if t.dim() == 2 else ()), CHUNK,
+                           dtype=np.int8)
+        if t.dim() == 3 and t.shape[0] == self.B and t.shape[1] in (self.S, self.T):
+            window = np.where(self.mask.cpu().numpy().astype(bool), ACTOR, MASKED)
+            if t.shape[1] == self.T:
+                return window.astype(np.int8)
+            classes = np.full((self.B, self.S), OUTSIDE, dtype=np.int8)
+            classes[:, self.offset:self.offset + self.T] = window
+            return classes
+        return None
+
+
+def _row_of(t: torch.Tensor, addresses: np.ndarray, size: int):
+    """(in-tensor selector, row index tuple, column) of byte addresses within ``t``'s rows."""
+    offsets = (addresses - t.data_ptr()) // size
+    lead = t.shape[:-1]
+    inside = (offsets >= 0)
+    index, rest = [], offsets.copy()
+    for dim in range(len(lead)):
+        stride = t.stride(dim)
+        i = rest // stride
+        rest = rest - i * stride
+        inside &= (i >= 0) & (i < lead[dim])
+        index.append(i)
+    inside &= (rest >= 0) & (rest < t.shape[-1])
+    if len(lead) == 1:
+        index.append(np.zeros_like(offsets))
+    return inside, tuple(i[inside] for i in index)
+
+
+def launch_rows(launch: Launch, geometry: Geometry) -> Tuple[np.ndarray, int]:
+    """``[row class, (reads, unique reads, writes)]`` in elements of logits rows, and the
+    distinct bytes the launch loaded and stored outside them (the ``[B, T]`` side data: a value
+    every lane reads, such as a row's advantage, is one read)."""
+    spaces, seen = [], set()
+    for t in launch.tensors:
+        classes = geometry.row_classes(t)
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if classes is not None and key not in seen:
+            seen.add(key)
+            spaces.append((t, classes))
+    totals = np.zeros((len(ROW_CLASSES), 3), dtype=np.int64)
+    side = 0
+
+    def count(column, t, classes, addresses, size):
+        inside, index = _row_of(t, addresses, size)
+        totals[:, column] += np.bincount(classes[index], minlength=len(ROW_CLASSES))
+        return inside
+
+    for kind, column in (("loads", 0), ("stores", 2)):
+        rest: Dict[int, List[np.ndarray]] = {}
+        for addresses, size in getattr(launch, kind):
+            for t, classes in spaces:
+                if t.element_size() == size and addresses.size:
+                    addresses = addresses[~count(column, t, classes, addresses, size)]
+            rest.setdefault(size, []).append(addresses)
+        side += sum(np.unique(np.concatenate(a)).size * size for size, a in rest.items())
+    for t, classes in spaces:   # unique reads: the distinct addresses the launch loaded
+        loaded = [a for a, size in launch.loads if size == t.element_size()]
+        if loaded:
+            count(1, t, classes, np.unique(np.concatenate(loaded)), t.element_size())
+    return totals, side
+
+
+# --------------------------------------------------------------------------------------------
+# One case
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Traffic:
+    """What one case moved: ``per_row[class] = (reads, unique reads, writes)`` in rows of
+    logits per row of that class (classes with no rows left out), the same per kernel, the
+    ``[B, T]`` side bytes per token, and the torch ops outside the kernels."""
+    kernels: Dict[str, Dict[str, Tuple[float, float, float]]]
+    per_row: Dict[str, Tuple[float, float, float]]
+    side_bytes_per_token: float
+    passes: List[Tuple[str, float, float]]        # (op, rows read, rows written)
+    allocations: List[Tuple[str, float]]          # (op, rows)
+
+
+def measure_case(run: Callable, geometry: Geometry) -> Traffic:
+    """The traffic of ``run()`` over logits of ``geometry``."""
+    from rlfuse.kernels import utils
+
+    if utils.POISON_OUTPUTS:
+        raise RuntimeError("bench --traffic: POISON_OUTPUTS adds a write to every output")
+    counter = KernelCounter()
+    passes = TorchPasses(geometry.is_logits, max(1, geometry.V) * geometry.element_size,
+                         counter)
+    with counter, passes:
+        run()
+    counts = geometry.row_counts
+
+    def per_row(totals):
+        return {ROW_CLASSES[c]: tuple(float(x) / (counts[c] * geometry.V) for x in totals[c])
+                for c in range(len(ROW_CLASSES)) if counts[c] and geometry.V}
+
+    kernels: Dict[str, np.ndarray] = {}
+    side = 0
+    for launch in counter.launches:
+        totals, launch_side = launch_rows(launch, geometry)
+        kernels[launch.kernel] = kernels.get(launch.kernel, 0) + totals
+        side += launch_side
+    everything = sum(kernels.values(), np.zeros((len(ROW_CLASSES), 3), dtype=np.int64))
+    return Traffic(kernels={name: per_row(t) for name, t in kernels.items()},
+                   per_row=per_row(everything),
+                   side_bytes_per_token=side / max(1, geometry.B * geometry.T),
+                   passes=passes.passes, allocations=passes.allocations)
+
+
+# --------------------------------------------------------------------------------------------
+# The cases: every op of the benchmark in every mode, and the forms a trainer uses
+# --------------------------------------------------------------------------------------------
+
+# Small N (the interpreter runs every lane), with masked rows; H distinct from every other size
+# so that no [B, T]-sized tensor passes for rows of logits.
+TRAFFIC_BATCH, TRAFFIC_T, TRAFFIC_GROUP, TRAFFIC_HIDDEN = 4, 4, 2, 24
+TRAFFIC_MODES = ("fwd", "bwd", "fwd+bwd")
+TRAFFIC_V = 151936   # Qwen2/2.5: the headline vocabulary
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """``forward(x) -> (outputs, leaves)`` of one op in one form; ``floor`` the bench op whose
+    floors apply; ``modes`` what it runs; ``window(x) -> (logits rows S, offset)``."""
+    name: str
+    floor: str
+    forward: Callable
+    modes: Tuple[str, ...]
+    window: Callable = lambda x: (x.shape.T, 0)
+    head: bool = False
+
+
+def _loss_case(name, floor, call, policy, modes, **kw):
+    def forward(x):
+        leaves, pol = policy(x)
+        return (call(pol, x),), leaves
+    return Case(name, floor, forward, modes, **kw)
+
+
+def make_cases() -> List[Case]:
+    import rlfuse
+
+    from . import cases as bench_cases
+
+    cases: List[Case] = []
+    for op in bench_cases.OPS.values():
+        modes = tuple(m for m in TRAFFIC_MODES if m in op.fused_modes)
+        cases.append(Case(op.name, op.name, lambda x, op=op: (
+            bench_cases._as_tuple(op.run(rlfuse, x)), _leaves(op, x)), modes,
+            head=op.matmuls is not None))
+    # What a trainer does beyond the benchmark's calls, with GPPO's single pass (PPO's is the
+    # same kernel): a whole model output with offset, loss_scale, an upstream gradient that is
+    # not 1, the gradient written into the logits' own buffer, a chunked LinearHead.
+    gppo = lambda pol, x, **kw: rlfuse.gppo_loss(pol, x.old_lp, x.advantages, x.mask,  # noqa
+                                                 **kw).loss
+    step = ("fwd+bwd",)
+    cases += [
+        _loss_case("gppo_logits, full output + offset", "gppo_logits", gppo,
+                   lambda x: ((x.full_output,),
+                              rlfuse.Logits(x.full_output, x.targets, offset=1)),
+                   ("fwd", "fwd+bwd"), window=lambda x: (x.shape.T + 2, 1)),
+        _loss_case("gppo_logits, loss_scale=1/8", "gppo_logits",
+                   lambda pol, x: gppo(pol, x, loss_scale=0.125),
+                   lambda x: ((x.logits,), rlfuse.Logits(x.logits, x.targets)), step),
+        _loss_case("gppo_logits, upstream gradient 1/8", "gppo_logits",
+                   lambda pol, x: gppo(pol, x) * 0.125,
+                   lambda x: ((x.logits,), rlfuse.Logits(x.logits, x.targets)), step),
+        _loss_case("gppo_logits, inplace_backward", "gppo_logits", gppo,
+                   lambda x: ((x.logits,), rlfuse.Logits(x.logits, x.targets,
+                                                         inplace_backward=True)), step),
+        _loss_case("gppo_head, chunk_tokens=5", "gppo_head", gppo,
+                   lambda x: ((x.hidden, x.weight),
+                              rlfuse.LinearHead(x.hidden, x.weight, x.targets, chunk_tokens=5)),
+                   step, head=True),
+    ]
+    return cases
+
+
+def _leaves(op, x):
+    if op.matmuls is not None:
+        return x.hidden, x.weight
+    return (x.logits,) if op.from_logits else (x.lp,)
+
+
+def run_case(case: Case, x, mode: str) -> Traffic:
+    """The traffic of ``case`` in ``mode``: ``fwd`` the forward alone (no gradient recorded),
+    ``bwd`` the backward alone (after an uncounted forward), ``fwd+bwd`` both."""
+    def grad(outs, leaves):
+        torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
+
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                case.forward(x)
+    elif mode == "bwd":
+        outs, leaves = case.forward(x)
+        run = lambda: grad(outs, leaves)  # noqa: E731
+    else:
+        run = lambda: grad(*case.forward(x))  # noqa: E731
+    S, offset = case.window(x) if x.shape.V else (x.shape.T, 0)
+    geometry = Geometry(B=x.shape.batch, S=S, T=x.shape.T, V=x.shape.V or 0, offset=offset,
+                        mask=x.mask, element_size=x.shape.element_size if x.shape.V else 4,
+                        hidden=x.shape.hidden if case.head else None)
+    return measure_case(run, geometry)
+
+
+def traffic_inputs(V: Optional[int], dtype: torch.dtype, *, seed: int = 0):
+    from . import cases as bench_cases
+
+    shape = bench_cases.Shape(TRAFFIC_BATCH * TRAFFIC_T, V, dtype, TRAFFIC_BATCH, TRAFFIC_GROUP,
+                              TRAFFIC_HIDDEN)
+    x = bench_cases.make_inputs(shape, "cpu", seed=seed)
+    if x.mask.all() or not x.mask.any():
+        raise RuntimeError("bench --traffic: the inputs need actor and masked rows")
+    if V:
+        x.full_output = (2 * torch.randn(TRAFFIC_BATCH, TRAFFIC_T + 2, V)).to(dtype) \
+            .requires_grad_()
+    return x
+
+
+def floor_of(case: Case, mode: str) -> Optional[Tuple[int, int, int]]:
+    """``(reads, writes, side bytes per token)`` of the bench's floor (None: a LinearHead,
+    whose floor is its matmuls)."""
+    from . import cases as bench_cases
+
+    op = bench_cases.OPS[case.floor]
+    return None if op.matmuls is not None else op.floor[mode]
+
+
+def measure_all(V: int, dtype: torch.dtype, names: Sequence[str] = (), seed: int = 0
+                ) -> List[dict]:
+    """One row per (case, mode): the per-row counts, per kernel, and the floor."""
+    rows = []
+    x_logits, x_lp = traffic_inputs(V, dtype, seed=seed), traffic_inputs(None, torch.float32,
+                                                                         seed=seed)
+    for case in make_cases():
+        if names and case.floor not in names and case.name not in names:
+            continue
+        from . import cases as bench_cases
+        x = x_logits if bench_cases.OPS[case.floor].from_logits else x_lp
+        for mode in case.modes:
+            t = run_case(case, x, mode)
+            rows.append({"case": case.name, "mode": mode, "floor": floor_of(case, mode),
+                         "per_row": t.per_row, "kernels": t.kernels,
+                         "side_bytes_per_token": t.side_bytes_per_token,
+                         "passes": t.passes, "allocations": t.allocations})
+    return rows
+
+
+def _rw(counts, unique=True) -> str:
+    if counts is None:
+        return ""
+    reads, unique_reads, writes = counts
+    u = f" ({unique_reads:.2f})" if unique and abs(unique_reads - reads) > 0.005 else ""
+    return f"{reads:.2f}{u} / {writes:.2f}"
+
+
+def _torch_ops(row, actor_rows) -> str:
+    totals: Dict[str, List[float]] = {}
+    for name, read, written in row["passes"]:
+        t = totals.setdefault(name, [0.0, 0.0])
+        t[0] += read / actor_rows
+        t[1] += written / actor_rows
+    return ", ".join(f"{name} {r:.2f}/{w:.2f}" for name, (r, w) in totals.items()) or "none"
+
+
+def format_table(rows: List[dict], header: dict) -> str:
+    """The markdown table of ``measure_all``'s rows."""
+    actor = header["actor_rows"]
+    lines = [
+        f"Bytes counted in the Triton interpreter ({header['dtype']}, V = {header['V']}, "
+        f"B = {header['B']}, T = {header['T']}, {actor} actor rows): rows of logits read / "
+        "written per row of each kind (reads in parentheses: the distinct bytes of a launch, "
+        "what an L2 that holds a row would leave of the re-read). Not time.", "",
+        "| op | mode | actor row R / W | floor R / W | masked row R / W | outside row R / W "
+        "| LinearHead chunk row R / W | torch ops over logits, R/W per actor row "
+        "| logits-sized allocations (rows per window row) | [B, T] bytes per token (floor) |",
+        "|" + "---|" * 10]
+    for row in rows:
+        per_row, floor = row["per_row"], row["floor"]
+        allocated = sum(r for _, r in row["allocations"]) / (header["B"] * header["T"])
+        floor_rw = f"{floor[0]} / {floor[1]}" if floor and header["V"] else "matmuls" \
+            if floor is None else ""
+        side = f"{row['side_bytes_per_token']:.1f}" + (f" ({floor[2]})" if floor else "")
+        lines.append("| " + " | ".join([
+            row["case"], row["mode"], _rw(per_row.get("actor")), floor_rw,
+            _rw(per_row.get("masked"), False), _rw(per_row.get("outside"), False),
+            _rw(per_row.get("chunk")), _torch_ops(row, actor),
+            f"{allocated:.2f}" if allocated else "0", side]) + " |")
+    return "\n".join(lines)
+
+
+def main(V: int, dtype: torch.dtype, names: Sequence[str] = (), out: Optional[str] = None
+         ) -> dict:
+    """``python -m bench --traffic``: measure, print the table, write ``traffic.json`` and
+    ``traffic.md`` under ``out``."""
+    import json
+    import os
+
+    x = traffic_inputs(V, dtype)
+    header = {"V": V, "dtype": str(dtype).replace("torch.", ""), "B": x.shape.batch,
+              "T": x.shape.T, "actor_rows": int(x.mask.sum()),
+              "unit": "rows of logits per row (reads, distinct reads, writes)"}
+    rows = measure_all(V, dtype, names)
+    table = format_table(rows, header)
+    print(table, flush=True)
+    results = {"header": header, "rows": rows}
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "traffic.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(out, "traffic.md"), "w") as f:
+            f.write(table + "\n")
+    return results

@@ -1,0 +1,214 @@
+"""The bytes every kernel moves, counted in the Triton interpreter (``bench/traffic.py``), pinned
+per row of logits: each op at its floor in reads and writes per actor row, masked rows read
+nothing and get one row of zeros, no op adds a torch pass over logits outside its kernels. A
+change that adds a read or a write of a row, or a byte to any row, fails here.
+
+The counts are exact element counts over ``rows x V``; a forward kernel also reads each actor
+row's target logit once on its own (``z[y]``, one element: ``1 / V`` of a row).
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `bench` is a folder of the repo, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import cases as bench_cases  # noqa: E402
+from bench import traffic  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="counts bytes in the Triton interpreter (CPU)")
+
+V = 9001   # two vocab blocks in bf16 (8192) and three in fp32 (4096), with a ragged tail
+
+
+@pytest.fixture(autouse=True)
+def unpoisoned(monkeypatch):
+    """Poisoning (conftest) fills every output before the kernel writes it: a write of its own."""
+    from rlfuse.kernels import utils
+
+    monkeypatch.setattr(utils, "POISON_OUTPUTS", False)
+
+
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + cols, tl.load(src + cols, mask=cols < n), mask=cols < n)
+
+
+def test_copy_kernel_counts_twice_its_bytes():
+    src = torch.randn(1000)
+    dst = torch.empty(1000)
+    with traffic.KernelCounter() as counter:
+        _copy_kernel[(triton.cdiv(1000, 256),)](src, dst, 1000, BLOCK=256)
+    (launch,) = counter.launches
+    assert launch.kernel == "_copy_kernel"
+    assert launch.bytes("loads") == launch.bytes("stores") == src.numel() * 4
+    assert torch.equal(src, dst)
+
+
+def test_copy_of_rows_counts_one_read_and_one_write_per_row():
+    """The per-row attribution on a strided [B, S, V] view: the rows of the window are read once
+    and written once, by class; nothing lands on rows outside it."""
+    B, S, T, offset = 2, 4, 2, 1
+    full = torch.randn(B, S + 1, V)
+    view = full[:, :-1]                      # [B, S, V] with a batch stride of (S + 1) V
+    mask = torch.tensor([[True, False], [True, True]])
+    out = torch.empty(B, S, V)
+
+    def run():
+        for b in range(B):
+            for s in range(offset, offset + T):
+                _copy_kernel[(triton.cdiv(V, 1024),)](view[b, s], out[b, s], V, BLOCK=1024)
+
+    geometry = traffic.Geometry(B=B, S=S, T=T, V=V, offset=offset, mask=mask, element_size=4)
+    counter = traffic.KernelCounter()
+    with counter:
+        run()
+    # each launch sees its own row only as a 1-D tensor; give the counter the [B, S, V] views
+    for launch in counter.launches:
+        launch.tensors = [view, out]
+    totals = sum(traffic.launch_rows(launch, geometry)[0] for launch in counter.launches)
+    counts = geometry.row_counts
+    for c, name in enumerate(traffic.ROW_CLASSES[:3]):
+        expected = 1 if name in ("actor", "masked") else 0
+        assert tuple(totals[c]) == (expected * counts[c] * V,) * 3, name
+
+
+def _expected(case, mode):
+    """The pinned counts of ``case`` in ``mode``: per row class ``(reads, distinct reads,
+    writes)`` in rows; the torch ops over logits outside the kernels per actor row; and the
+    logits-sized allocations per row of the [B, T] window."""
+    op = bench_cases.OPS[case.floor]
+    if not op.from_logits:
+        return {}, {}, 0.0
+    target = 1 / V      # z[y], read once by a forward kernel
+    single_pass = not case.floor.startswith(("token_logprobs", "ggpo"))   # token-local losses
+    writes = 0 if mode == "fwd" else 1
+    if mode == "fwd":
+        actor = (1 + target, 1, 0)
+    elif mode == "bwd":
+        actor = (1, 1, 1)
+    elif single_pass:
+        actor = (2 + target, 1, 1)              # one read, one L2 re-read, one write
+    else:
+        actor = (2 + target, 2, 1)              # the log-prob pass, then the gradient pass
+    if "upstream gradient" in case.name:        # the backward rescales the written rows
+        actor = (actor[0] + 1, actor[1] + 1, actor[2] + 1)
+    if case.head:
+        rows = {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": actor}
+        formed = 1 if single_pass else 2        # GGPO forms each chunk twice
+        return rows, {"linear": (0, formed), "matmul": (2, 0)}, 0.0
+    rows = {"actor": actor, "masked": (0, 0, writes)}
+    window_rows = 1.0
+    if "offset" in case.name:
+        rows["outside"] = (0, 0, writes)
+        window_rows = (traffic.TRAFFIC_T + 2) / traffic.TRAFFIC_T
+    if mode == "fwd" or "inplace" in case.name:
+        window_rows = 0.0
+    return rows, {}, window_rows
+
+
+CASES = [(case, mode) for case in traffic.make_cases() for mode in case.modes]
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return {True: traffic.traffic_inputs(V, torch.bfloat16),
+            False: traffic.traffic_inputs(None, torch.float32)}
+
+
+@pytest.mark.parametrize("case,mode", CASES, ids=[f"{c.name}-{m}" for c, m in CASES])
+def test_bytes_per_row_are_pinned(inputs, case, mode):
+    x = inputs[bench_cases.OPS[case.floor].from_logits]
+    measured = traffic.run_case(case, x, mode)
+    rows, torch_ops, allocated = _expected(case, mode)
+    assert set(measured.per_row) == set(rows)
+    for name, expected in rows.items():
+        assert measured.per_row[name] == pytest.approx(expected, rel=1e-12, abs=1e-12), name
+    ops = {}
+    for name, read, written in measured.passes:
+        r, w = ops.get(name, (0.0, 0.0))
+        ops[name] = (r + read, w + written)
+    actor = int(x.mask.sum())
+    assert set(ops) == set(torch_ops)
+    for name, (read, written) in ops.items():
+        assert (read / actor, written / actor) == pytest.approx(torch_ops[name]), name
+    window = x.shape.batch * x.shape.T
+    assert sum(r for _, r in measured.allocations) / window == pytest.approx(allocated)
+    floor = traffic.floor_of(case, mode)
+    if floor is not None and rows and "upstream" not in case.name:
+        # at the floor: every distinct read and every write is one the floor counts
+        assert rows["actor"][1:] == floor[:2]
+
+
+@pytest.mark.parametrize("name", ["token_logprobs", "gppo_logits", "ggpo", "gr_opd"])
+def test_side_data_does_not_grow_with_the_vocabulary(name):
+    """The bytes outside the rows of logits are the [B, T] data: the same at any V."""
+    case = next(c for c in traffic.make_cases() if c.name == name)
+    mode = "fwd+bwd"
+    side = []
+    for vocab in (1001, 9001):
+        x = traffic.traffic_inputs(vocab if bench_cases.OPS[name].from_logits else None,
+                                   torch.bfloat16)
+        side.append(traffic.run_case(case, x, mode).side_bytes_per_token)
+    assert side[0] == side[1]
+    assert 0 < side[0] < 64
+
+
+def test_fp32_logits_count_the_same_rows():
+    x = traffic.traffic_inputs(V, torch.float32)
+    for name, expected in (("token_logprobs", (2 + 1 / V, 2, 1)), ("ppo_logits", (2 + 1 / V, 1, 1))):
+        case = next(c for c in traffic.make_cases() if c.name == name)
+        measured = traffic.run_case(case, x, "fwd+bwd")
+        assert measured.per_row["actor"] == pytest.approx(expected, rel=1e-12)
+        assert measured.per_row["masked"] == (0, 0, 1)
+
+
+def test_a_torch_pass_over_the_logits_is_seen():
+    """The dispatch mode catches what the kernels do not do: an extra softmax outside them."""
+    x = traffic.traffic_inputs(1001, torch.bfloat16)
+    geometry = traffic.Geometry(B=x.shape.batch, S=x.shape.T, T=x.shape.T, V=1001, offset=0,
+                                mask=x.mask, element_size=2)
+    measured = traffic.measure_case(lambda: torch.log_softmax(x.logits.float(), -1), geometry)
+    names = [name for name, _, _ in measured.passes]
+    assert "_log_softmax" in names and "_to_copy" in names
+    assert measured.per_row == {"actor": (0, 0, 0), "masked": (0, 0, 0)}
+
+
+def test_bench_traffic_cli_writes_the_table(tmp_path):
+    from bench.__main__ import main
+
+    assert main(["--traffic", "--V", "1001", "--op", "token_logprobs,ppo_logits",
+                 "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "traffic.md").read_text()
+    assert "| token_logprobs | fwd+bwd | 2.00 / 1.00 | 2 / 1 |" in table
+    assert "| ppo_logits | fwd+bwd | 2.00 (1.00) / 1.00 | 1 / 1 |" in table
+    assert "gppo_logits, full output + offset" not in table
+
+
+def test_the_counter_refuses_poisoned_outputs(monkeypatch):
+    from rlfuse.kernels import utils
+
+    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
+    geometry = traffic.Geometry(B=1, S=1, T=1, V=V, offset=0, mask=torch.ones(1, 1, dtype=bool),
+                                element_size=2)
+    with pytest.raises(RuntimeError, match="POISON_OUTPUTS"):
+        traffic.measure_case(lambda: None, geometry)
+
+
+def test_row_of_ignores_addresses_outside_the_tensor():
+    t = torch.zeros(2, 3, V)[:, 1:]
+    base = t.data_ptr()
+    # before the view, its first row, that row's last element, its second row, the storage row
+    # between the two batches (not the view's), the second batch's first row
+    addresses = base + 4 * np.array([-1, 0, V - 1, V, 2 * V, 3 * V])
+    inside, index = traffic._row_of(t, addresses, 4)
+    assert inside.tolist() == [False, True, True, True, False, True]
+    assert [i.tolist() for i in index] == [[0, 0, 0, 1], [0, 0, 1, 0]]
