@@ -218,7 +218,8 @@ def run(args, checkpoint=None) -> dict:
                 continue
             where = f"{op.name} {impl} {mode} at {shape}"
             try:
-                row = _measure(args, device, bandwidth, matmul, shape, op, impl, mode, forward)
+                row = _measure(args, device, bandwidth, matmul, shape, op, impl, mode, forward,
+                               int(x.mask.sum()))
             except OOM:
                 notes.append(f"{where}: out of memory, skipped")
                 _free(device)
@@ -238,21 +239,32 @@ def run(args, checkpoint=None) -> dict:
     return results()
 
 
-def _measure(args, device, bandwidth, matmul, shape, op, impl, mode, forward) -> dict:
+def _measure(args, device, bandwidth, matmul, shape, op, impl, mode, forward, actor_rows
+             ) -> dict:
     step = measure.make_step(forward, mode)
     ms, p20, p80 = measure.time_ms(step, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                                    cpu_reps=args.cpu_reps)
     peak = measure.peak_memory(step, device)
-    nbytes, flops = op.bytes(shape, mode), op.flops(shape, mode)
     dtype = str(shape.dtype).replace("torch.", "")
-    # the floor: the minimal HBM bytes over the copy bandwidth, or for the LinearHead ops the
-    # minimal matmul FLOPs over the measured matmul rate
-    floor_ms = (flops / (matmul[dtype] * 1e12) if flops is not None
-                else nbytes / (bandwidth * 1e9)) * 1e3
+
+    def floor(rows):
+        """(bytes, flops, ms): the minimal HBM bytes over the copy bandwidth, or for the
+        LinearHead ops the minimal matmul FLOPs over the measured matmul rate."""
+        nbytes, flops = op.bytes(shape, mode, rows), op.flops(shape, mode, rows)
+        return nbytes, flops, (flops / (matmul[dtype] * 1e12) if flops is not None
+                               else nbytes / (bandwidth * 1e9)) * 1e3
+
+    # the floor of the actor rows (masked rows: one write of zeros), and the dense one (every
+    # row read and written as an actor's)
+    nbytes, flops, floor_ms = floor(actor_rows)
+    dense_bytes, _, dense_ms = floor(None)
     return {"op": op.name, "impl": impl, "mode": mode, "dtype": dtype, "N": shape.N,
-            "V": shape.V, "ms": ms, "ms_p20": p20, "ms_p80": p80, "peak_mem_bytes": peak,
-            "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms if ms > 0 else None,
-            "bytes": nbytes, "flops": flops}
+            "V": shape.V, "actor_rows": actor_rows, "ms": ms, "ms_p20": p20, "ms_p80": p80,
+            "peak_mem_bytes": peak, "floor_ms": floor_ms,
+            "fraction_of_floor": floor_ms / ms if ms > 0 else None, "bytes": nbytes,
+            "flops": flops, "floor_ms_dense": dense_ms,
+            "fraction_of_floor_dense": dense_ms / ms if ms > 0 else None,
+            "bytes_dense": dense_bytes}
 
 
 def _free(device):

@@ -164,15 +164,22 @@ class Op:
     # each); their floor is compute, not bytes
     matmuls: Optional[Dict[str, int]] = None
 
-    def bytes(self, shape: Shape, mode: str) -> int:
+    def bytes(self, shape: Shape, mode: str, actor_rows: Optional[int] = None) -> int:
+        """The floor in bytes: each actor row of logits read ``reads`` times, every row written
+        ``writes`` times (an actor row's gradient, a masked row's zeros), and the [B, T] data.
+        ``actor_rows`` None: every row an actor's (the dense floor)."""
         reads, writes, per_token = self.floor[mode]
-        return (reads + writes) * shape.N * (shape.V or 0) * shape.element_size \
+        actor = shape.N if actor_rows is None else actor_rows
+        return (reads * actor + writes * shape.N) * (shape.V or 0) * shape.element_size \
             + per_token * shape.N
 
-    def flops(self, shape: Shape, mode: str) -> Optional[int]:
+    def flops(self, shape: Shape, mode: str, actor_rows: Optional[int] = None
+              ) -> Optional[int]:
+        """The matmuls' FLOPs, over the actor rows only (a LinearHead gathers them)."""
         if self.matmuls is None:
             return None
-        return self.matmuls[mode] * 2 * shape.N * shape.hidden * shape.V
+        rows = shape.N if actor_rows is None else actor_rows
+        return self.matmuls[mode] * 2 * rows * shape.hidden * shape.V
 
 
 def _run_loss(call, form: str, lib, x):

@@ -83,14 +83,19 @@ def markdown(results: dict, modes: Optional[Iterable[str]] = None) -> str:
             ok = fused and p in by_impl and fused["ms"] > 0
             cells.append(f"{by_impl[p]['ms'] / fused['ms']:.2f}×" if ok else "—")
         frac = fused and fused["fraction_of_floor"]
-        cells.append(f"{frac:.0%}" if frac is not None and fused else "—")
+        dense = fused and fused.get("fraction_of_floor_dense")
+        cells.append(("—" if frac is None or not fused else f"{frac:.0%}")
+                     + (f" ({dense:.0%})" if dense is not None and fused else ""))
         if has_mem:
             cells += [_mib(by_impl[i]["peak_mem_bytes"]) if i in by_impl else "—" for i in impls]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "ms: median per step; floor: the op's minimal HBM bytes (see `bench/cases.py`) "
-              "over the measured copy bandwidth — for the `_head` ops (LinearHead, H = "
-              "4096) its minimal matmul FLOPs over the measured matmul rate; fused vs X: X's "
-              "time over fused's; peak: bytes allocated during one step beyond its inputs."]
+              "over the measured copy bandwidth — each actor row read as often as the op "
+              "must, every row's gradient written once (a masked row's: zeros); in "
+              "parentheses the dense floor, every row counted as an actor's — for the `_head` "
+              "ops (LinearHead, H = 4096) its minimal matmul FLOPs over the actor rows over "
+              "the measured matmul rate; fused vs X: X's time over fused's; peak: bytes "
+              "allocated during one step beyond its inputs."]
     if header.get("truncated"):
         lines.append("The run hit its time budget: some cases are missing.")
     return "\n".join(lines) + "\n"

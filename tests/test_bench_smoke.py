@@ -18,7 +18,8 @@ from bench import cases, report  # noqa: E402
 
 HEADER_KEYS = {"gpu", "torch", "triton", "commit", "date", "copy_bandwidth_GBps", "missing_impls"}
 ROW_KEYS = {"op", "impl", "mode", "dtype", "N", "V", "ms", "ms_p20", "ms_p80", "peak_mem_bytes",
-            "floor_ms", "fraction_of_floor", "bytes", "flops"}
+            "floor_ms", "fraction_of_floor", "bytes", "flops", "actor_rows", "floor_ms_dense",
+            "fraction_of_floor_dense", "bytes_dense"}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,11 @@ def test_results_schema(quick_run):
         assert row["ms"] > 0 and row["bytes"] > 0 and row["floor_ms"] > 0
         assert row["ms_p20"] <= row["ms"] <= row["ms_p80"]
         assert row["fraction_of_floor"] == pytest.approx(row["floor_ms"] / row["ms"])
+        assert row["fraction_of_floor_dense"] == pytest.approx(row["floor_ms_dense"] / row["ms"])
+        # masked rows: read by no op; the dense floor counts them as actor rows
+        assert 0 < row["actor_rows"] < row["N"]
+        logits = cases.OPS[row["op"]].floor[row["mode"]][0] > 0 and row["V"] is not None
+        assert (row["bytes"] < row["bytes_dense"]) == logits
         assert (row["V"] is None) == (not cases.OPS[row["op"]].from_logits)
         if header["device"] != "cuda":
             assert row["peak_mem_bytes"] is None
@@ -111,6 +117,10 @@ def test_floors_follow_the_spec():
     shape = cases.Shape(N=16, V=1000, dtype=torch.bfloat16, batch=8, group_size=4, hidden=32)
     per_token = 2 * (cases.TGT + cases.MSK) + 4 * cases.F32
     assert cases.OPS["token_logprobs"].bytes(shape, "fwd+bwd") == 3 * 16 * 1000 * 2 + per_token * 16
+    # per actor row: 12 actor rows read twice, all 16 rows written once
+    assert cases.OPS["token_logprobs"].bytes(shape, "fwd+bwd", 12) == \
+        (2 * 12 + 16) * 1000 * 2 + per_token * 16
+    assert cases.OPS["gppo_head"].flops(shape, "fwd+bwd", 12) == 3 * 2 * 12 * 32 * 1000
     assert cases.OPS["token_logprobs"].flops(shape, "fwd+bwd") is None
     assert cases.OPS["gppo_head"].flops(shape, "fwd+bwd") == 3 * 2 * 16 * 32 * 1000
     assert {"ggpo_head", "gppo_head", "gr_opd_head", "ppo_head"} <= set(cases.OPS)
