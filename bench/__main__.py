@@ -79,6 +79,7 @@ def parse_args(argv=None):
                         "interpreter, small N, --V default 151936, first --dtype, --op) and the "
                         "torch passes outside them, against each op's floor; --out: where "
                         "traffic.json / traffic.md go")
+    p.add_argument("--readme", help="with --traffic: write its table into this README")
     p.add_argument("--commit", help="commit to record (default: $RLFUSE_COMMIT, else git)")
     args = p.parse_args(argv)
     args.op = _split(args.op) or list(cases.OPS)
@@ -303,7 +304,7 @@ def traffic_main(args, argv) -> int:
     from . import traffic
 
     traffic.main(args.V[0] if args.V else traffic.TRAFFIC_V,
-                 args.dtype[0] if args.dtype else torch.bfloat16, args.op, args.out)
+                 args.dtype[0] if args.dtype else torch.bfloat16, args.op, args.out, args.readme)
     return 0
 
 

@@ -179,19 +179,26 @@ def update_readme(readme, results_dir=RESULTS_DIR) -> bool:
         return False
     path, results = found
     readme = Path(readme)
-    text = readme.read_text()
-    begin, end = text.find(MARK_BEGIN), text.find(MARK_END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"{readme}: expected the markers {MARK_BEGIN} ... {MARK_END}")
     try:
         shown = path.resolve().relative_to(readme.resolve().parent)
     except ValueError:
         shown = path
     table = markdown(results, modes=("fwd+bwd",))
-    body = (f"\n{table}\nFrom `{shown}` (every mode: `python -m bench.report {shown}`).\n")
-    readme.write_text(text[:begin + len(MARK_BEGIN)] + body + text[end:])
+    replace_between(readme, MARK_BEGIN, MARK_END,
+                    f"\n{table}\nFrom `{shown}` (every mode: `python -m bench.report {shown}`).\n")
     print(f"{readme}: benchmark table replaced from {path}")
     return True
+
+
+def replace_between(readme, begin_mark: str, end_mark: str, body: str) -> None:
+    """The text of ``readme`` between the two markers replaced by ``body``; ValueError without
+    them."""
+    readme = Path(readme)
+    text = readme.read_text()
+    begin, end = text.find(begin_mark), text.find(end_mark)
+    if begin < 0 or end < begin:
+        raise ValueError(f"{readme}: expected the markers {begin_mark} ... {end_mark}")
+    readme.write_text(text[:begin + len(begin_mark)] + body + text[end:])
 
 
 def main(argv=None) -> int:

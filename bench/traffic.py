@@ -468,10 +468,13 @@ def format_table(rows: List[dict], header: dict) -> str:
     return "\n".join(lines)
 
 
-def main(V: int, dtype: torch.dtype, names: Sequence[str] = (), out: Optional[str] = None
-         ) -> dict:
+MARK_BEGIN, MARK_END = "<!-- traffic:begin -->", "<!-- traffic:end -->"
+
+
+def main(V: int, dtype: torch.dtype, names: Sequence[str] = (), out: Optional[str] = None,
+         readme: Optional[str] = None) -> dict:
     """``python -m bench --traffic``: measure, print the table, write ``traffic.json`` and
-    ``traffic.md`` under ``out``."""
+    ``traffic.md`` under ``out``, and the table between the README's traffic markers."""
     import json
     import os
 
@@ -489,4 +492,9 @@ def main(V: int, dtype: torch.dtype, names: Sequence[str] = (), out: Optional[st
             json.dump(results, f, indent=1)
         with open(os.path.join(out, "traffic.md"), "w") as f:
             f.write(table + "\n")
+    if readme:
+        from .report import replace_between
+
+        replace_between(readme, MARK_BEGIN, MARK_END, f"\n{table}\n\n`python -m bench --traffic "
+                        f"--V {V}` ({header['dtype']}).\n")
     return results

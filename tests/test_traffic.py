@@ -185,9 +185,14 @@ def test_a_torch_pass_over_the_logits_is_seen():
 def test_bench_traffic_cli_writes_the_table(tmp_path):
     from bench.__main__ import main
 
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{traffic.MARK_BEGIN}\nSTALE\n{traffic.MARK_END}\nafter\n")
     assert main(["--traffic", "--V", "1001", "--op", "token_logprobs,ppo_logits",
-                 "--out", str(tmp_path)]) == 0
+                 "--out", str(tmp_path), "--readme", str(readme)]) == 0
     table = (tmp_path / "traffic.md").read_text()
+    text = readme.read_text()
+    assert text.startswith(f"before\n{traffic.MARK_BEGIN}\n" + table) and "STALE" not in text
+    assert text.endswith(f"{traffic.MARK_END}\nafter\n")
     assert "| token_logprobs | fwd+bwd | 2.00 / 1.00 | 2 / 1 |" in table
     assert "| ppo_logits | fwd+bwd | 2.00 (1.00) / 1.00 | 1 / 1 |" in table
     assert "gppo_logits, full output + offset" not in table
