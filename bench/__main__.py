@@ -7,6 +7,7 @@ Examples::
     python -m bench --op token_logprobs,gppo_logits --N 16384 --V 151936
     TRITON_INTERPRET=1 python -m bench --quick       # CPU smoke through the Triton interpreter
     python -m bench --traffic                        # bytes per row of logits, every op (CPU)
+    python -m bench --sass                           # SASS instructions per logit (no GPU)
 
 On a GPU results go to ``bench/results/<gpu>-<commit>.json`` (or ``$OUT``); on the CPU to a
 temporary directory unless ``--out`` is given: speed claims come from GPU runs only.
@@ -80,6 +81,10 @@ def parse_args(argv=None):
                         "torch passes outside them, against each op's floor; --out: where "
                         "traffic.json / traffic.md go")
     p.add_argument("--readme", help="with --traffic: write its table into this README")
+    p.add_argument("--sass", action="store_true",
+                   help="count the SASS instructions per logit of every row kernel, compiled for "
+                        "sm_90 and sm_80 without a GPU, against the memory floor (bench/sass.py; "
+                        "its options: python -m bench --sass --help)")
     p.add_argument("--commit", help="commit to record (default: $RLFUSE_COMMIT, else git)")
     args = p.parse_args(argv)
     args.op = _split(args.op) or list(cases.OPS)
@@ -309,6 +314,10 @@ def traffic_main(args, argv) -> int:
 
 
 def main(argv=None) -> int:
+    raw = sys.argv[1:] if argv is None else list(argv)
+    if "--sass" in raw:              # bench/sass.py has options of its own
+        from . import sass
+        return sass.main([a for a in raw if a != "--sass"])
     args = parse_args(argv)
     if args.traffic:
         return traffic_main(args, argv)
