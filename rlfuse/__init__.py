@@ -5,10 +5,11 @@ from ._types import LinearHead, Logits, LossOutput
 from .fused_losses import (GGPOLoss, GPPOLoss, GROPDLoss, PPOLoss, ggpo_loss, gppo_bounds,
                            gppo_loss, gr_opd_advantages, gr_opd_loss, policy_logprobs, ppo_loss,
                            token_logprobs)
+from .parallel import global_counts, packed_index  # plain torch, [B, T]-sized: one for both
 from .reference import group_advantages  # plain torch on [B]-sized data: one implementation
 
 __all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "LinearHead", "Logits", "LossOutput", "PPOLoss",
-           "ggpo_loss", "gppo_bounds", "gppo_loss", "gr_opd_advantages", "gr_opd_loss",
-           "group_advantages", "policy_logprobs", "ppo_loss", "reference", "token_logprobs",
-           "use_kernels"]
+           "ggpo_loss", "global_counts", "gppo_bounds", "gppo_loss", "gr_opd_advantages",
+           "gr_opd_loss", "group_advantages", "packed_index", "policy_logprobs", "ppo_loss",
+           "reference", "token_logprobs", "use_kernels"]
 __version__ = "0.1.0"

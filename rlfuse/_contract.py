@@ -67,11 +67,13 @@ def _check_window(targets, offset, *, batch: int, rows: int, device) -> None:
                          f"{offset + T}) must lie within the policy's {rows} positions")
 
 
-def _check_linear_head(head: LinearHead) -> None:
+def _check_linear_head(head: LinearHead, dims: int) -> None:
     hidden, weight, bias = head.hidden, head.weight, head.bias
     check_tensor("policy.hidden", hidden, floating=True)
-    if hidden.dim() != 3:
-        raise ValueError(f"policy.hidden: expected shape [B, S, H], got {tuple(hidden.shape)}")
+    if hidden.dim() != dims:
+        expected = "[B, S, H]" if dims == 3 else "[N, H] (packed rows, with index)"
+        raise ValueError(f"policy.hidden: expected shape {expected}, got "
+                         f"{tuple(hidden.shape)}")
     check_tensor("policy.weight", weight, device=hidden.device, floating=True)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
         raise ValueError(f"policy.weight: expected shape [V, H] with H = {hidden.shape[-1]} "
@@ -91,12 +93,59 @@ def _check_linear_head(head: LinearHead) -> None:
                          f"{head.chunk_tokens!r}")
 
 
-def check_policy(policy) -> PolicyInfo:
+def _check_group(group) -> int:
+    """The size of a ``vocab_parallel_group``: a process group of an initialised
+    ``torch.distributed``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("policy.vocab_parallel_group: torch.distributed is not initialised")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"policy.vocab_parallel_group: expected a torch.distributed "
+                        f"ProcessGroup, got {type(group).__name__}")
+    return dist.get_world_size(group)
+
+
+def _check_packed(policy, loss_shape) -> Tuple[Tuple[int, ...], torch.device, torch.dtype]:
+    """A packed policy: ``[N, V]`` logits or ``[N, H]`` hidden rows, ``targets [N]`` and
+    ``index [N]`` (int64); its loss positions are ``loss_shape`` (the mask's), else ``(N,)``."""
+    if isinstance(policy, Logits):
+        check_logits(policy.logits)
+        rows = policy.logits
+        if rows.dim() != 2:
+            raise ValueError(f"policy.logits: expected shape [N, V] (packed rows, with index), "
+                             f"got {tuple(rows.shape)}")
+        if policy.inplace_backward:
+            check_no_overlap("policy.logits", rows)
+    else:
+        _check_linear_head(policy, 2)
+        rows = policy.hidden
+    N = rows.shape[0]
+    check_tensor("policy.targets", policy.targets, shape=(N,), device=rows.device,
+                 floating=False)
+    check_tensor("policy.index", policy.index, shape=(N,), device=rows.device, floating=False)
+    if policy.index.dtype != torch.int64:
+        raise TypeError(f"policy.index: expected int64, got {policy.index.dtype}")
+    if policy.offset != 0:
+        raise ValueError(f"policy.offset: packed rows (index) take no offset, got "
+                         f"{policy.offset!r}")
+    if loss_shape is not None and len(loss_shape) != 2:
+        raise ValueError(f"mask: expected shape [B, T] (the loss positions index points "
+                         f"into), got {tuple(loss_shape)}")
+    return tuple(loss_shape) if loss_shape is not None else (N,), rows.device, rows.dtype
+
+
+def check_policy(policy, loss_shape: Optional[Tuple[int, ...]] = None) -> PolicyInfo:
     """A policy is learner log-probs ``[B, T]`` (floating tensor), :class:`rlfuse.Logits` with
     ``[B, S, V]`` logits or :class:`rlfuse.LinearHead` with ``[B, S, H]`` hidden states, whose
-    rows ``[offset, offset + T)`` predict ``[B, T]`` targets. Only metadata is read here; the
-    targets' values are checked with the mask."""
-    if isinstance(policy, Logits):
+    rows ``[offset, offset + T)`` predict ``[B, T]`` targets, or packed rows with ``index``
+    into ``loss_shape`` (the mask's shape; ``(N,)`` without one). Only metadata is read here;
+    the targets' and index's values are checked with the mask."""
+    if isinstance(policy, (Logits, LinearHead)) and policy.vocab_parallel_group is not None:
+        _check_group(policy.vocab_parallel_group)
+    if isinstance(policy, (Logits, LinearHead)) and policy.index is not None:
+        shape, device, dtype = _check_packed(policy, loss_shape)
+    elif isinstance(policy, Logits):
         logits = policy.logits
         check_logits(logits)
         if logits.dim() != 3:
@@ -108,7 +157,7 @@ def check_policy(policy) -> PolicyInfo:
             check_no_overlap("policy.logits", logits)
         shape, device, dtype = policy.targets.shape, logits.device, logits.dtype
     elif isinstance(policy, LinearHead):
-        _check_linear_head(policy)
+        _check_linear_head(policy, 3)
         hidden = policy.hidden
         _check_window(policy.targets, policy.offset, batch=hidden.shape[0],
                       rows=hidden.shape[1], device=hidden.device)
@@ -127,17 +176,75 @@ def check_policy(policy) -> PolicyInfo:
 
 
 def vocab_size(policy) -> int:
+    """The vocabulary of this rank's logits (its shard under a ``vocab_parallel_group``)."""
     return policy.logits.shape[-1] if isinstance(policy, Logits) else policy.weight.shape[0]
+
+
+def vocab_shards(policy, validate: bool) -> Tuple[int, int]:
+    """``(rank, world)`` of the vocabulary split (``(0, 1)`` without a group). With
+    ``validate`` the shard sizes of all ranks are compared first, in one collective every rank
+    makes, so that a mismatch raises on every rank instead of hanging the others."""
+    group = policy.vocab_parallel_group
+    if group is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if validate:
+        local = torch.tensor([vocab_size(policy)], dtype=torch.int64,
+                             device=policy_device(policy))
+        sizes = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(sizes, local, group=group)
+        sizes = [int(v) for v in torch.cat(sizes).tolist()]
+        if len(set(sizes)) != 1:
+            raise ValueError(f"policy.vocab_parallel_group: every rank must hold a shard of "
+                             f"the same size V_local (Megatron's split: pad the vocabulary to a "
+                             f"multiple of the group size); got {sizes} over the ranks")
+    return rank, world
+
+
+def packed_rows_mask(index: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[N]`` bool: the packed rows a loss position uses (index >= 0, unmasked there)."""
+    used = index >= 0
+    if mask is None:
+        return used
+    return used & as_bool_mask(mask).reshape(-1)[index.clamp_min(0)]
+
+
+def _check_index(index: torch.Tensor, positions: Optional[int]) -> None:
+    """Values in ``[-1, positions)`` (``positions`` None: >= -1), no position twice (one host
+    sync)."""
+    bad = index < -1
+    if positions is not None:
+        bad |= index >= positions
+    if bool(bad.any()):
+        expected = f"[-1, {positions}) (B T = {positions} loss positions" if positions \
+            is not None else "[-1, B T) ("
+        raise ValueError(f"policy.index: expected values in {expected}, -1: none), found "
+                         f"{int(index[bad][0])}")
+    used = index[index >= 0]
+    if used.numel() != torch.unique(used).numel():
+        raise ValueError("policy.index: a loss position appears twice")
 
 
 def check_logits_targets(policy, mask: Optional[torch.Tensor], shape, validate: bool) -> None:
     """The temperature and the targets of a ``Logits`` / ``LinearHead`` policy: integer
-    ``shape``; with ``validate``, in range where unmasked (everywhere without a mask)."""
+    ``shape`` (packed: ``[N]``, and the index); with ``validate``, in range where unmasked
+    (everywhere without a mask), over the whole vocabulary of a ``vocab_parallel_group``."""
     if isinstance(policy, (Logits, LinearHead)):
         check_positive("policy.temperature", policy.temperature)
         device = policy_device(policy)
+        _, world = vocab_shards(policy, validate)
+        vocab = vocab_size(policy) * world
+        if policy.index is not None:
+            shape = tuple(policy.targets.shape)
+            if validate:
+                _check_index(policy.index, math.prod(mask.shape) if mask is not None
+                             else None)
+                mask = packed_rows_mask(policy.index, mask) if mask is not None \
+                    else policy.index >= 0
         if validate:
-            check_targets(policy.targets, shape, vocab_size(policy), device, mask)
+            check_targets(policy.targets, shape, vocab, device, mask)
         else:
             check_tensor("targets", policy.targets, shape=shape, device=device, floating=False)
 
@@ -192,7 +299,7 @@ def check_loss_scale(loss_scale) -> float:
 
 def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, clip_radius,
                     loss_scale, num_tokens, validate) -> GGPOArgs:
-    info = check_policy(policy)
+    info = check_policy(policy, getattr(mask, "shape", None))
     batch, device = info.shape[0], info.device
     mask = check_token_tensors(mask, {"ref_logprobs": ref_logprobs}, shape=info.shape,
                                device=device, validate=validate)
@@ -331,7 +438,7 @@ class SurrogateArgs(NamedTuple):
 
 def _check_surrogate_args(policy, old_logprobs, advantages, mask, *, agg, weights, dual_clip,
                           loss_scale, num_tokens, num_sequences, validate):
-    info = check_policy(policy)
+    info = check_policy(policy, getattr(mask, "shape", None))
     token_tensors = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
     mask = check_token_tensors(mask, token_tensors, shape=info.shape, device=info.device,
                                validate=validate)
@@ -423,7 +530,7 @@ class GROPDArgs(NamedTuple):
 def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
                       eps, feedback_clip, adv_clip, std_eps, advantages, loss_scale,
                       num_sequences, validate) -> GROPDArgs:
-    info = check_policy(policy)
+    info = check_policy(policy, getattr(mask, "shape", None))
     batch, device = info.shape[0], info.device
     mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
                                       "teacher_logprobs": teacher_logprobs},

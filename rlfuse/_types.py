@@ -1,7 +1,7 @@
 """The small value types of the public API."""
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional
 
 import torch
 
@@ -31,7 +31,17 @@ class Logits(NamedTuple):
     (zero rows outside the window) without materialising a ``[B, T, V]`` fp32 temporary or a
     slice's gradient buffer; with ``inplace_backward=True`` it writes it into the logits' own
     buffer (only safe when nothing else needs the logits after the backward; the reference
-    ignores it). Pass ``offset`` by keyword.
+    ignores it).
+
+    ``index`` (packed, padding-free rows): ``logits [N, V]`` and ``targets [N]`` hold the rows
+    of many sequences back to back, ``index [N]`` (int64) each row's flat position ``b T + t`` in
+    the loss's ``[B, T]`` inputs, or -1 for a row no loss position uses (a prompt token; it gets
+    zero gradient); ``rlfuse.packed_index`` builds it from ``cu_seqlens``.
+    ``vocab_parallel_group``: a ``torch.distributed`` process group over which the vocabulary
+    is split (Megatron's convention: rank r holds the ids ``[r V_local, (r + 1) V_local)`` in
+    its ``logits[..., :V_local]``); targets are global ids, every rank gets the same log-probs,
+    entropy and loss, and the gradient of its own shard. Pass ``offset``, ``index`` and
+    ``vocab_parallel_group`` by keyword.
     """
 
     logits: torch.Tensor
@@ -39,6 +49,8 @@ class Logits(NamedTuple):
     temperature: float = 1.0
     inplace_backward: bool = False
     offset: int = 0
+    index: Optional[torch.Tensor] = None
+    vocab_parallel_group: Optional[Any] = None
 
 
 class LinearHead(NamedTuple):
@@ -50,8 +62,10 @@ class LinearHead(NamedTuple):
     None, all of one floating dtype and device. Gradients go to whichever of ``hidden``,
     ``weight``, ``bias`` require them (``weight``'s accumulated in fp32 over the chunks).
     ``chunk_tokens``: tokens per chunk (default: a 1 GiB budget of chunk logits, or the bytes
-    in the environment variable ``RLFUSE_CHUNK_BYTES``). Pass ``offset`` and ``chunk_tokens`` by
-    keyword.
+    in the environment variable ``RLFUSE_CHUNK_BYTES``). ``index`` and ``vocab_parallel_group``
+    as for :class:`Logits`: packed ``hidden [N, H]`` and ``targets [N]``; a ``weight [V_local,
+    H]`` (and ``bias``) shard per rank, whose hidden-state gradient is summed over the group.
+    Pass ``offset``, ``chunk_tokens``, ``index`` and ``vocab_parallel_group`` by keyword.
     """
 
     hidden: torch.Tensor
@@ -61,3 +75,5 @@ class LinearHead(NamedTuple):
     temperature: float = 1.0
     offset: int = 0
     chunk_tokens: Optional[int] = None
+    index: Optional[torch.Tensor] = None
+    vocab_parallel_group: Optional[Any] = None

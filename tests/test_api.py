@@ -14,9 +14,10 @@ PUBLIC_FUNCTIONS = sorted(name for name in rlfuse.__all__
 
 
 def test_every_public_function_has_a_reference_twin():
-    assert set(PUBLIC_FUNCTIONS) == {"ggpo_loss", "gppo_bounds", "gppo_loss",
+    assert set(PUBLIC_FUNCTIONS) == {"ggpo_loss", "global_counts", "gppo_bounds", "gppo_loss",
                                      "gr_opd_advantages", "gr_opd_loss", "group_advantages",
-                                     "policy_logprobs", "ppo_loss", "token_logprobs"}
+                                     "packed_index", "policy_logprobs", "ppo_loss",
+                                     "token_logprobs"}
     for name in PUBLIC_FUNCTIONS:
         assert name in rlfuse.reference.__all__, name
 

@@ -113,9 +113,11 @@ def _gradients_fake(hidden, weight, bias, needs):
 @custom_op("linear_logprobs")
 def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                        mask: Optional[Tensor], temperature: float, offset: int,
-                       chunk_tokens: int, gather: bool,
-                       with_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window."""
+                       chunk_tokens: int, gather: bool, with_entropy: bool,
+                       target_logit: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window; with
+    ``target_logit`` the first output is the target's logit over the temperature instead (what
+    a shard of a split vocabulary contributes, ``rlfuse.parallel``)."""
     from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_fwd
 
     acc = compute_dtype(hidden.dtype)
@@ -130,6 +132,9 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
         lp_c, stats_c, ent_c = token_logprobs_fwd(
             logits, y_flat[tokens, None], None if m_flat is None else m_flat[tokens, None],
             temperature, with_entropy)
+        if target_logit:   # as the kernel forms it: the logit in fp32, times 1 / temperature
+            lp_c = logits.gather(-1, y_flat[tokens].view(-1, 1, 1)).view(-1, 1).to(acc) \
+                * (1.0 / temperature)
         logp[tokens] = lp_c[:, 0]
         stats[tokens] = stats_c
         if with_entropy:
@@ -139,7 +144,7 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
 
 @linear_logprobs_op.register_fake
 def _(hidden, weight, bias, targets, mask, temperature, offset, chunk_tokens, gather,
-      with_entropy):
+      with_entropy, target_logit=False):
     from ..kernels.logprobs import STAT_COLUMNS
 
     acc = compute_dtype(hidden.dtype)
@@ -200,13 +205,13 @@ def _logprobs_backward(ctx, dlogp, dentropy, _dstats):
         dentropy = None
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
     if (dlogp is None and dentropy is None) or not any(needs):
-        return (None,) * 10
+        return (None,) * 11
     if dlogp is None:
         dlogp = torch.zeros(targets.shape, dtype=stats.dtype, device=stats.device)
     dh, dw, db = linear_logprobs_backward_op(hidden, weight, bias, targets, mask, stats,
                                              entropy, dlogp, dentropy, *ctx.args, needs)
     return (dh if needs[0] else None, dw if needs[1] else None,
-            db if needs[2] and bias is not None else None) + (None,) * 7
+            db if needs[2] and bias is not None else None) + (None,) * 8
 
 
 linear_logprobs_op.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)

@@ -9,6 +9,7 @@ from torch import Tensor
 from .. import reference
 from .._contract import check_logits_targets, check_logprob_args, check_policy
 from .._dispatch import falls_back_to
+from ..parallel import is_scaled_out
 from .._types import LinearHead, Logits, compute_dtype
 from ._op import custom_op
 from .linear_head import chunk_tokens_for, linear_logprobs_op
@@ -134,7 +135,15 @@ def window_logprobs(policy, mask: Optional[torch.Tensor], *, gather: bool,
                     return_entropy: bool = False):
     """``(logp, entropy)`` ``[B, T]`` (entropy empty unless ``return_entropy``) of a ``Logits``
     or ``LinearHead`` policy, whose arguments the caller has checked; ``gather``: a
-    ``LinearHead`` forms the logits of the actor rows only (reads the mask on the host)."""
+    ``LinearHead`` forms the logits of the actor rows only (reads the mask on the host).
+    Packed rows: at their loss positions (``[N]`` without a mask)."""
+    if is_scaled_out(policy):
+        from .parallel import scaled_out_logprobs
+
+        return scaled_out_logprobs(
+            policy, mask, gather=gather, return_entropy=return_entropy,
+            local_logprobs=lambda rows, rows_mask: window_logprobs(
+                rows, rows_mask, gather=gather, return_entropy=return_entropy))
     temperature = float(policy.temperature)
     if isinstance(policy, LinearHead):
         chunk = chunk_tokens_for(policy.weight.shape[0], policy.weight.element_size(),

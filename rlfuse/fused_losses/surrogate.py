@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .._contract import raise_on_overflow
 from .._types import LinearHead, Logits
+from ..parallel import is_scaled_out
 from ._op import custom_op
 from .linear_head import chunk_tokens_for, linear_surrogate_op
 from .logprobs import as_rows, learner_logprobs
@@ -210,8 +211,11 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     """``(loss, {column: total})`` of the clipped surrogate for any policy form (``old_lp``
     None: on policy); with ``validate`` an overflowing ``r A`` raises (one host sync)."""
     region = tuple(region)
+    # fp16 takes two passes (its gradient is formed with the true upstream scale); packed rows
+    # and a split vocabulary too (the gradient needs the whole row's logsumexp first)
     single_pass = not sequence and isinstance(policy, (Logits, LinearHead)) and (
-        policy.logits if isinstance(policy, Logits) else policy.hidden).dtype != torch.float16
+        policy.logits if isinstance(policy, Logits) else policy.hidden).dtype != torch.float16 \
+        and not is_scaled_out(policy)
     if single_pass and isinstance(policy, LinearHead):
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from .. import parallel
 from .._contract import check_logits_targets, check_logprob_args, check_policy
 from .._types import LinearHead, Logits, compute_dtype
 
@@ -64,21 +65,35 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
 
 def as_logits(policy) -> Logits:
     """A ``LinearHead`` as the ``Logits`` it defines: ``hidden @ weight.T + bias``, all of it
-    (the definition; the fused path never holds more than a chunk)."""
+    (the definition; the fused path never holds more than a chunk). Under a
+    ``vocab_parallel_group`` that is this rank's shard, and the hidden states' gradient is
+    summed over the group."""
     if isinstance(policy, LinearHead):
-        logits = torch.nn.functional.linear(policy.hidden, policy.weight, policy.bias)
-        return Logits(logits, policy.targets, policy.temperature, offset=policy.offset)
+        hidden, group = policy.hidden, policy.vocab_parallel_group
+        if group is not None:
+            hidden = parallel.SumGradOverGroup.apply(hidden, group)
+        logits = torch.nn.functional.linear(hidden, policy.weight, policy.bias)
+        return Logits(logits, policy.targets, policy.temperature, offset=policy.offset,
+                      index=policy.index, vocab_parallel_group=group)
     return policy
 
 
 def window_logprobs(policy, mask: Optional[torch.Tensor], *, return_entropy: bool = False):
     """Log-probs (and entropy) ``[B, T]`` of the window of a ``Logits`` / ``LinearHead``
-    policy (whose arguments the caller has checked, as far as its ``validate`` asked)."""
-    policy = as_logits(policy)
-    T = policy.targets.shape[1]
-    window = policy.logits[:, policy.offset:policy.offset + T]
-    return token_logprobs(window, policy.targets, temperature=policy.temperature, mask=mask,
-                          return_entropy=return_entropy, validate=False)
+    policy (whose arguments the caller has checked, as far as its ``validate`` asked); packed
+    rows at their loss positions (``[N]`` without a mask); a split vocabulary gathered whole
+    (the definition: the fused path moves per-row statistics only)."""
+    rows = parallel.as_rows(as_logits(policy))
+    T = rows.targets.shape[1]
+    window = rows.logits[:, rows.offset:rows.offset + T]
+    if rows.vocab_parallel_group is not None:
+        window = parallel.GatherVocab.apply(window, rows.vocab_parallel_group)
+    out = token_logprobs(window, rows.targets, temperature=rows.temperature,
+                         mask=parallel.row_mask(policy, mask), return_entropy=return_entropy,
+                         validate=False)
+    if not return_entropy:
+        return parallel.to_loss_layout(policy, out, mask)
+    return tuple(parallel.to_loss_layout(policy, x, mask) for x in out)
 
 
 def learner_logprobs(policy, mask: torch.Tensor) -> torch.Tensor:

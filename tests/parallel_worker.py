@@ -1,0 +1,190 @@
+"""One rank of the vocabulary-parallel tests (``tests/test_parallel.py`` starts W of them with
+``torch.distributed.run`` over ``gloo``): every loss and ``policy_logprobs``, in every policy
+form (``Logits`` with a whole output and ``offset``, ``LinearHead``, both packed), with the
+vocabulary split over the group, against the same call on the whole vocabulary in this process
+— values, metrics, the shard's gradient, a ``LinearHead``'s full hidden-state gradient — for the
+fused path and the reference; the data-parallel counts; bad input raised on every rank.
+
+    python -m torch.distributed.run --standalone --nproc_per_node W tests/parallel_worker.py
+        [--dtype float64] [--impls fused,reference] [--forms logits,head,packed,packed_head]
+"""
+import argparse
+import datetime
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import rlfuse  # noqa: E402
+from rlfuse import parallel  # noqa: E402
+
+B, T, P, V_LOCAL, H, GROUP = 4, 5, 2, 7, 6, 2   # P prompt rows before the window (offset)
+# Split and whole compute in the same precision and differ in summation order (log S, the
+# entropy's chain rule): a few units of rounding of the compute dtype (fp32 for bf16 logits)
+# on values; a bf16 gradient is rounded once on each side, so one bf16 unit of its scale.
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-5}
+GRAD_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2.0 ** -7}
+
+
+def make_data(world: int, dtype: torch.dtype):
+    """The same data on every rank: a whole output [B, P + T + 1, V] with right padding, its
+    packed rows, the head that makes it, the loss inputs; targets on every rank's shard."""
+    g = torch.Generator().manual_seed(1234)
+    V = V_LOCAL * world
+    lengths = torch.tensor([5, 3, 4, 1])
+    mask = torch.arange(T) < lengths[:, None]
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, :world] = torch.arange(world) * V_LOCAL + 1   # every shard holds some target
+    hidden = torch.randn(B, P + T + 1, H, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) / H ** 0.5).to(dtype)
+    bias = (0.1 * torch.randn(V, generator=g, dtype=torch.float64)).to(dtype)
+    logits = (3 * torch.randn(B, P + T + 1, V, generator=g, dtype=torch.float64)).to(dtype)
+    own = rlfuse.reference.token_logprobs(logits[:, P:P + T].double(), targets, mask=mask)
+    old = torch.where(mask, own + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64), 0)
+    # packed: sequence b's rows 0 .. P + len_b (prompt, response, the last row predicts nothing)
+    rows = [torch.arange(P + int(n) + 1) for n in lengths]
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor([len(r) for r in rows]), 0).tolist())
+    index = parallel.packed_index(cu, torch.full((B,), P + 1), T)
+    seq = torch.repeat_interleave(torch.arange(B), torch.tensor([len(r) for r in rows]))
+    pos = torch.cat(rows)
+    t = (pos - P).clamp(0, T - 1)
+    packed_targets = torch.where(index >= 0, targets[seq, t], torch.randint(0, V, seq.shape,
+                                                                             generator=g))
+    return dict(V=V, mask=mask, targets=targets, hidden=hidden, weight=weight, bias=bias,
+                logits=logits, old=old.clamp_max(0), teacher=(own - 0.5).clamp_max(0),
+                rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+                adv=torch.randn(B, generator=g, dtype=torch.float64),
+                packed_logits=logits[seq, pos], packed_hidden=hidden[seq, pos],
+                packed_targets=packed_targets, index=index)
+
+
+def policy(lib, form, d, leaves, group):
+    """The policy of ``form`` on ``leaves`` (whole or shard) with ``group`` (None: unsplit)."""
+    kw = dict(vocab_parallel_group=group)
+    if form == "logits":
+        return lib.Logits(leaves[0], d["targets"], offset=P, **kw)
+    if form == "packed":
+        return lib.Logits(leaves[0], d["packed_targets"], index=d["index"], **kw)
+    targets = d["packed_targets"] if form == "packed_head" else d["targets"]
+    extra = dict(index=d["index"]) if form == "packed_head" else dict(offset=P)
+    return lib.LinearHead(leaves[0], leaves[1], targets, leaves[2], chunk_tokens=3, **kw,
+                          **extra)
+
+
+CALLS = {
+    "policy_logprobs": lambda lib, pol, d: lib.policy_logprobs(pol, return_entropy=True),
+    "ggpo": lambda lib, pol, d: lib.ggpo_loss(pol, d["old"], d["rewards"], d["mask"],
+                                              group_size=GROUP, beta=0.5),
+    "gppo": lambda lib, pol, d: lib.gppo_loss(pol, d["old"], d["adv"], d["mask"]),
+    "gr_opd": lambda lib, pol, d: lib.gr_opd_loss(pol, d["old"], d["teacher"], d["mask"],
+                                                  group_size=GROUP),
+    "gspo": lambda lib, pol, d: lib.ppo_loss(pol, d["old"], d["adv"], d["mask"],
+                                             clip=(0.2, 0.28), ratio_level="sequence"),
+    "ppo_dual": lambda lib, pol, d: lib.ppo_loss(pol, d["old"], d["adv"], d["mask"], clip=0.2,
+                                                 dual_clip=3.0, agg="seq-mean-token-mean"),
+}
+
+
+def scalar(out, d):
+    """A scalar of every output (random weights on the per-token ones) to differentiate."""
+    if not isinstance(out, rlfuse.LossOutput):     # (log-probs, entropy)
+        g = torch.Generator().manual_seed(7)
+        return sum((x * torch.randn(x.shape, generator=g, dtype=x.dtype)).sum() for x in out)
+    return out.loss
+
+
+def leaves_of(form, d, rank, world):
+    """(whole leaves, shard leaves, the shard's slice): fresh leaves that require grad."""
+    lo, hi = rank * V_LOCAL, (rank + 1) * V_LOCAL
+    if form in ("logits", "packed"):
+        whole = (d["packed_logits" if form == "packed" else "logits"],)
+        shard = (whole[0][..., lo:hi],)
+    else:
+        h = d["packed_hidden" if form == "packed_head" else "hidden"]
+        whole = (h, d["weight"], d["bias"])
+        shard = (h, d["weight"][lo:hi], d["bias"][lo:hi])
+    fresh = lambda xs: tuple(x.detach().clone().requires_grad_() for x in xs)  # noqa: E731
+    return fresh(whole), fresh(shard), slice(lo, hi)
+
+
+def check_case(lib, form, name, d, group, rank, world, dtype):
+    whole, shard, cols = leaves_of(form, d, rank, world)
+    out_w = CALLS[name](lib, policy(lib, form, d, whole, None), d)
+    out_s = CALLS[name](lib, policy(lib, form, d, shard, group), d)
+    tol = TOL[dtype]
+    where = f"rank {rank}/{world} {lib.__name__} {form} {name}"
+    values_w, values_s = (out if not isinstance(out, rlfuse.LossOutput) else
+                          (out.loss,) + tuple(out.metrics.values()) for out in (out_w, out_s))
+    for a, b in zip(values_w, values_s):
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=lambda m: f"{where}: {m}")
+    grads_w = torch.autograd.grad(scalar(out_w, d), whole)
+    grads_s = torch.autograd.grad(scalar(out_s, d), shard)
+    expected = [grads_w[0][..., cols]] if len(whole) == 1 else \
+        [grads_w[0], grads_w[1][cols], grads_w[2][cols]]   # dhidden: the whole (summed) one
+    for i, (a, b) in enumerate(zip(expected, grads_s)):
+        scale = max(1.0, a.double().abs().max().item())
+        torch.testing.assert_close(b.double(), a.double(), rtol=0,
+                                   atol=GRAD_TOL[dtype] * scale,
+                                   msg=lambda m: f"{where} gradient {i}: {m}")
+
+
+def check_bad_input(group, rank, world):
+    """Shards of different sizes and a target beyond the split vocabulary raise on every rank
+    (the shard-size check is itself a collective: no rank is left waiting)."""
+    V_l = V_LOCAL + (1 if rank == world - 1 else 0)
+    logits = torch.randn(1, 3, V_l)
+    targets = torch.zeros(1, 3, dtype=torch.long)
+    for lib in (rlfuse, rlfuse.reference):
+        try:
+            lib.policy_logprobs(lib.Logits(logits, targets, vocab_parallel_group=group))
+        except ValueError as e:
+            assert "same size V_local" in str(e), e
+        else:
+            raise AssertionError(f"rank {rank}: ragged shards were accepted")
+    logits = torch.randn(1, 3, V_LOCAL)
+    targets = torch.tensor([[0, V_LOCAL * world, 1]])
+    try:
+        rlfuse.policy_logprobs(rlfuse.Logits(logits, targets, vocab_parallel_group=group))
+    except ValueError as e:
+        assert f"[0, {V_LOCAL * world})" in str(e), e
+    else:
+        raise AssertionError(f"rank {rank}: a target beyond the vocabulary was accepted")
+
+
+def check_counts(rank, world):
+    mask = torch.zeros(2, world, dtype=torch.bool)
+    mask[0, :rank + 1] = True                       # rank r: r + 1 tokens in one sequence
+    tokens, sequences = parallel.global_counts(mask)
+    assert tokens.item() == world * (world + 1) / 2 and sequences.item() == world, \
+        (tokens, sequences)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", default="float64")
+    p.add_argument("--impls", default="fused,reference")
+    p.add_argument("--forms", default="logits,head,packed,packed_head")
+    p.add_argument("--calls", default=",".join(CALLS))
+    args = p.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    dtype = getattr(torch, args.dtype)
+    d = make_data(world, dtype)
+    libs = {"fused": rlfuse, "reference": rlfuse.reference}
+    for impl in args.impls.split(","):
+        for form in args.forms.split(","):
+            for name in args.calls.split(","):
+                check_case(libs[impl], form, name, d, group, rank, world, dtype)
+    check_bad_input(group, rank, world)
+    check_counts(rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
