@@ -19,11 +19,11 @@ the body is the same for all) executes the body once. So
 
     instructions per logit = body instructions x 32 x num_warps / BLOCK_V
 
-counts per-thread (lane) instructions per logit, the figure issue #16 quotes; the warp-
-instructions issued per logit, what the schedulers see, are that over 32. A kernel's count is the
-sum over its vocabulary loops (the single pass: the logsumexp loop and the dlogits loop). The
-logits loaded per thread per iteration are read back from the width of the loop's loads, as a
-check that the loop is neither unrolled nor split.
+counts per-thread (lane) instructions per logit; the warp-instructions issued per logit, what
+the schedulers see, are that over 32. A kernel's count is the sum over its vocabulary loops (the
+single pass: the logsumexp loop and the dlogits loop). The logits loaded per thread per iteration
+are read back from the width of the loop's loads, as a check that the loop is neither unrolled
+nor split.
 
 The model (``GPUS`` below, rates with their sources) turns the counts into time at the headline
 shape (N = 16384 rows, V = 151936): ``issue`` is the warp-instructions over 4 per clock per SM,
@@ -31,8 +31,9 @@ shape (N = 16384 rows, V = 151936): ``issue`` is the warp-instructions over 4 pe
 per logit (one read; one read + one write for a kernel that writes dlogits) over 90% of the peak
 HBM bandwidth. A row runs the loop bodies ``ceil(V / BLOCK_V)`` times (the masked tail lanes
 issue too) and the code outside the loops once, counted as every instruction there, taken or not
-(an upper bound, 3-8% of a row's instructions at V = 151936). The ratios issue / memory and
-MUFU / memory say which limit binds; they are a model from SASS, not a timing.
+(an upper bound: 1-13% of a row's instructions at V = 151936, the most in the single pass).
+The ratios issue / memory and MUFU / memory say which limit binds; they are a model from SASS,
+not a timing.
 
     python -m bench --sass                           # sm_90 and sm_80, prints the tables
     python -m bench --sass --arch 90 --out DIR       # DIR/sass.json and DIR/sm_90/*.sass
@@ -75,8 +76,8 @@ ISSUE_PER_CLOCK_PER_SM = 4
 # and 9.0 (CUDA C++ Programming Guide, "Arithmetic Instructions", throughput of native arithmetic
 # instructions), against 4 x 32 lanes of issue: one MUFU costs as much as 8 issued instructions.
 MUFU_PER_CLOCK_PER_SM = 16
-# The fraction of the peak HBM bandwidth a streaming kernel sustains (an assumption of the model,
-# issue #16; bench measures the copy bandwidth of each GPU it runs on).
+# The fraction of the peak HBM bandwidth a streaming kernel sustains (an assumption of the model;
+# bench measures the copy bandwidth of each GPU it runs on).
 HBM_EFFICIENCY = 0.9
 
 
@@ -92,8 +93,8 @@ class GPU:
 
 GPUS = (
     # 132 SMs (the GH100 of the SXM5 boards: H100 architecture whitepaper); 4.8 TB/s HBM3e
-    # (NVIDIA H200 Tensor Core GPU datasheet); 1.75 GHz sustained is issue #16's assumption (the
-    # boost ceiling is 1.98 GHz).
+    # (NVIDIA H200 Tensor Core GPU datasheet); 1.75 GHz sustained is an assumption of the model
+    # (the boost ceiling is 1.98 GHz).
     GPU("H200", 90, 132, 1.75, 4.8, "H200 SXM datasheet (4.8 TB/s); H100 whitepaper (132 SMs)"),
     # 132 SMs and 3.35 TB/s HBM3 (NVIDIA H100 Tensor Core GPU datasheet, SXM5); same clock.
     GPU("H100", 90, 132, 1.75, 3.35, "H100 SXM5 datasheet (3.35 TB/s, 132 SMs)"),
@@ -306,7 +307,8 @@ def find_loops(instructions: List[Instruction], labels: Dict[str, int]) -> List[
     succ = {b: set() for b in range(len(starts))}
     for b, e in enumerate(ends):
         last = instructions[e]
-        falls_through = last.predicated or not (last.base in _JUMPS or last.base in _ENDS)
+        falls_through = (last.predicated or ".DIV" in last.opcode   # BRA.DIV: when diverged
+                         or not (last.base in _JUMPS or last.base in _ENDS))
         if e in jumps_to:
             succ[b].add(block_of[jumps_to[e]])
         if falls_through and b + 1 < len(starts):
@@ -574,7 +576,7 @@ def worker(arch: int, dtypes, sass_dir: Optional[Path]) -> dict:
         rows.append(analyse(label, label.rsplit(", ", 1)[1], name, constexprs,
                             kernel.metadata.num_warps, gpu_compile._resources(kernel),
                             kernel.metadata.shared, arch, sass))
-    return {"arch": arch, "triton": triton.__version__, "nvdisasm": nvdisasm_path(),
+    return {"arch": arch, "triton": triton.__version__,
             "elapsed_s": round(time.monotonic() - t0, 1), "kernels": rows,
             "failed": gpu_compile.FAILED}
 
@@ -591,16 +593,16 @@ def render(result: dict) -> str:
     arch, rows = result["arch"], result["kernels"]
     gpus = [g for g in GPUS if g.arch == arch]
     lines = [f"sm_{arch} (triton {result['triton']}): instructions per logit in the inner "
-             f"vocabulary loops (per thread: loop body x 32 x warps / BLOCK_V), by class",
-             ""]
+             f"vocabulary loops (per thread: loop body x 32 x warps / BLOCK_V), by class; rest: "
+             f"instructions per thread outside the loops, once per row", ""]
     head = (f"{'kernel':42s} {'BLOCK_V':>7s} {'warps':>5s} {'regs':>4s} {'occ':>4s} "
-            f"{'loops':>5s} {'instr':>6s} " + " ".join(f"{c:>6s}" for c in CLASSES))
+            f"{'loops':>5s} {'rest':>4s} {'instr':>6s} " + " ".join(f"{c:>6s}" for c in CLASSES))
     lines += [head, "-" * len(head)]
     for r in rows:
         n_loops = sum(lp["counted"] for lp in r["loops"])
         lines.append(
             f"{r['label']:42s} {r['BLOCK_V']:7d} {r['num_warps']:5d} {r['registers']:4d} "
-            f"{r['occupancy']:4.0%} {n_loops:5d} {r['instr_per_logit']:6.2f} " +
+            f"{r['occupancy']:4.0%} {n_loops:5d} {r['per_row']:4d} {r['instr_per_logit']:6.2f} " +
             " ".join(f"{r['classes_per_logit'][c]:6.2f}" for c in CLASSES))
     lines += ["", f"model at N = {HEADLINE_N} rows x V = {HEADLINE_V}: issue (warp-instructions "
               f"/ {ISSUE_PER_CLOCK_PER_SM} per clock per SM) and MUFU (/ "

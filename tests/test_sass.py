@@ -1,0 +1,177 @@
+"""The instruction counts of the row kernels, read from their SASS (``bench/sass.py``): the loop
+finder on a hand-written listing, then every row kernel variant compiled for sm_90 and sm_80 in
+processes of their own (compiled, not interpreted), the table printed (``pytest -s``), its
+structure checked, and each kernel's instructions per logit held to its pin in
+``tests/sass_pins.json``: a rise of more than ``TOLERANCE`` fails, a drop is reported. After a
+kernel change that lowers (or knowingly raises) a count, refresh the pins with
+
+    python -m bench --sass --write-pins tests/sass_pins.json
+
+Pins hold for the Triton that wrote them (``"triton"`` in the file): another compiler version
+emits other code, so there the counts are printed and checked, not compared.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `bench` is a folder of the repo, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import sass  # noqa: E402
+
+PINS = ROOT / "tests" / "sass_pins.json"
+TOLERANCE = 0.5          # instructions per logit a kernel may add before the test fails
+
+# The variants the counter compiles, per dtype: a row kernel dropped from the drive fails here.
+LABELS = ("token_logprobs fwd", "token_logprobs bwd", "token_logprobs fwd + entropy",
+          "token_logprobs bwd + entropy", "single pass GPPO chi2/atomic",
+          "scale_rows (upstream grad != 1)", "single pass PPO clip",
+          "single pass GPPO, no grad")
+BF16_ONLY = ("GGPO fwd (log-probs)", "GGPO bwd (dlogits)")
+EXPECTED = {f"{label}, bf16" for label in LABELS + BF16_ONLY} | {f"{label}, fp32"
+                                                                 for label in LABELS}
+
+
+def _nvidia_backend():
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+# A listing in nvdisasm's form: an outer loop (0x20-0xf0) around an inner loop (0x30-0xc0) that
+# loads, with a forward branch inside it; a loop that only stores (0x100-0x110); the trap after
+# EXIT (0x130) is no loop.
+LISTING = """
+//--------------------- .text._token_logprobs_fwd_kernel --------------------------
+        .section        .text._token_logprobs_fwd_kernel,"ax",@progbits
+_token_logprobs_fwd_kernel:
+.text._token_logprobs_fwd_kernel:
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   MOV R1, RZ ;
+.L_x_0:
+        /*0020*/                   IADD3 R1, R1, 0x1, RZ ;
+.L_x_1:
+        /*0030*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0040*/                   PRMT R8, R4, 0x7632, R8 ;
+        /*0050*/                   SHF.L.U32 R9, R4, 0x10, RZ ;
+        /*0060*/                   FFMA R10, R9, R9, R10 ;
+        /*0070*/                   MUFU.EX2 R11, R10 ;
+        /*0080*/                   FSETP.GEU.AND P1, PT, R11, -126, PT ;
+        /*0090*/              @!P1 BRA `(.L_x_2) ;
+        /*00a0*/                   SHFL.BFLY PT, R12, R11, 0x10, 0x1f ;
+.L_x_2:
+        /*00b0*/                   ISETP.GE.AND P0, PT, R1, R13, PT ;
+        /*00c0*/              @!P0 BRA `(.L_x_1) ;
+        /*00d0*/                   STG.E [R2.64], R10 ;
+        /*00e0*/                   ISETP.GE.AND P2, PT, R1, R14, PT ;
+        /*00f0*/              @!P2 BRA `(.L_x_0) ;
+.L_x_3:
+        /*0100*/                   STG.E.128 [R2.64], RZ ;
+        /*0110*/               @P3 BRA `(.L_x_3) ;
+        /*0120*/                   EXIT ;
+.L_x_4:
+        /*0130*/                   BRA `(.L_x_4);
+        /*0140*/                   NOP;
+"""
+
+
+def test_loop_finder_on_a_listing():
+    instructions, labels = sass.parse_sass(LISTING, "_token_logprobs_fwd_kernel")
+    assert len(instructions) == 21 and labels[".L_x_1"] == 0x30
+    loops = sass.find_loops(instructions, labels)
+    assert [(lp.header, lp.latch, lp.inner, lp.loads, lp.stores) for lp in loops] == [
+        (0x20, 0xf0, False, True, True), (0x30, 0xc0, True, True, False),
+        (0x100, 0x110, True, False, True)]
+    inner = loops[1]
+    assert inner.blocks == [0x30, 0xa0, 0xb0] and len(inner.instructions) == 10
+    assert inner.classes == {"fp32": 1, "mufu": 1, "cvt": 2, "int": 0, "pred": 2, "sync": 1,
+                             "mem": 1, "branch": 2, "other": 0}
+    assert inner.global_bytes("load") == 16
+
+    # 1024 logits per iteration over 4 warps: 8 per thread; 10 instructions / 8 = 1.25 per logit
+    row = sass.analyse("listing, bf16", "bf16", "_token_logprobs_fwd_kernel",
+                       {"BLOCK_V": "1024"}, 4, {"reg": 40}, 0, 90, LISTING)
+    assert row["logits_per_thread"] == 8 and row["instr_per_logit"] == 1.25
+    assert [lp["counted"] for lp in row["loops"]] == [False, True, False]
+    assert row["loops"][1]["logits_loaded_per_thread"] == 8
+    assert sum(row["classes_per_logit"].values()) == pytest.approx(1.25)
+    # outside the loops: S2R, MOV, EXIT (the trap and the padding are not code)
+    assert row["per_row"] == 3
+    # 40 registers x 128 threads: 12 blocks of 4 warps by registers, 16 by warps
+    assert row["blocks_per_sm"] == 12 and row["occupancy"] == 0.75
+    assert row["limited_by"] == "registers"
+    h200 = row["model"]["H200"]
+    assert set(row["model"]) == {"H200", "H100"}
+    assert h200["issue_over_memory"] > 0 and h200["mufu_over_memory"] > 0
+
+
+def test_pins_fail_a_rise_only():
+    kernels = [{"label": label, "instr_per_logit": n}
+               for label, n in (("held", 10.4), ("rose", 10.6), ("fell", 9.0), ("new", 5.0))]
+    pins = {"pins": {"sm_90": {"held": 10.0, "rose": 10.0, "fell": 10.0, "gone": 1.0}}}
+    rises, drops, missing, unpinned = sass.compare_pins([{"arch": 90, "kernels": kernels}], pins,
+                                                        TOLERANCE)
+    assert [line.split(":")[0] for line in rises] == ["sm_90 rose"]
+    assert [line.split(":")[0] for line in drops] == ["sm_90 fell"]
+    assert missing == ["sm_90 gone"] and [line.split(":")[0] for line in unpinned] == ["sm_90 new"]
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    """``python -m bench --sass`` for sm_90 and sm_80 in a process of its own; its sass.json."""
+    out = tmp_path_factory.mktemp("sass")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "bench", "--sass", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((out / "sass.json").read_text())
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+def test_every_row_kernel_counted(counted):
+    assert sorted(r["arch"] for r in counted["results"]) == [80, 90]
+    for result in counted["results"]:
+        assert not result["failed"]
+        rows = {r["label"]: r for r in result["kernels"]}
+        assert set(rows) == EXPECTED, f"sm_{result['arch']}"
+        for label, r in rows.items():
+            where = f"sm_{result['arch']} {label}"
+            loops = [lp for lp in r["loops"] if lp["counted"]]
+            assert loops, f"{where}: no vocabulary loop found"
+            n_loops = 2 if label.startswith("single pass") and "no grad" not in label else 1
+            assert len(loops) == n_loops, where
+            for lp in loops:   # one block of logits per iteration: not unrolled, not split
+                assert lp["logits_loaded_per_thread"] == r["logits_per_thread"], where
+            assert sum(r["classes_per_logit"].values()) == pytest.approx(r["instr_per_logit"])
+            assert r["instr_per_logit"] > 0 and 0 < r["occupancy"] <= 1, where
+            assert r["registers"] > 0 and r["local"] == 0, where
+            for gpu, m in r["model"].items():
+                assert m["issue_over_memory"] > 0 and m["memory_ms"] > 0, f"{where} {gpu}"
+                assert m["mufu_over_memory"] >= 0, f"{where} {gpu}"
+                if r["classes_per_logit"]["mufu"]:
+                    assert m["mufu_over_memory"] > 0, f"{where} {gpu}"
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+def test_counts_held_to_their_pins(counted):
+    pins = json.loads(PINS.read_text())
+    version = counted["results"][0]["triton"]
+    if version.split(".")[:2] != pins["triton"].split(".")[:2]:
+        pytest.skip(f"pins written with triton {pins['triton']}, this is {version}: counted, "
+                    f"not compared")
+    rises, drops, missing, unpinned = sass.compare_pins(counted["results"], pins, TOLERANCE)
+    refresh = "refresh with: python -m bench --sass --write-pins tests/sass_pins.json"
+    for line in drops:
+        print(f"fewer instructions per logit than pinned (lower the pin; {refresh}): {line}")
+    assert not rises, "instructions per logit rose:\n" + "\n".join(rises)
+    assert not missing, f"pinned kernels no longer counted ({refresh}):\n" + "\n".join(missing)
+    assert not unpinned, f"kernels without a pin ({refresh}):\n" + "\n".join(unpinned)
