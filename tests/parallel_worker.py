@@ -154,6 +154,39 @@ def check_bad_input(group, rank, world):
         raise AssertionError(f"rank {rank}: a target beyond the vocabulary was accepted")
 
 
+def check_collectives(d, group, rank, world):
+    """Per fused call: one all-gather of the shard sizes (validate=True only) and one of the
+    [N, 4] statistics forward; backward none for Logits, one all-reduce of the hidden-state
+    gradient for a LinearHead. Nothing else crosses ranks."""
+    calls = []
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counted(name))
+    try:
+        for form, validate, forward, backward in (
+                ("logits", True, ["all_gather"] * 2, []),
+                ("logits", False, ["all_gather"], []),
+                ("head", True, ["all_gather"] * 2, ["all_reduce"])):
+            _, shard, _ = leaves_of(form, d, rank, world)
+            calls.clear()
+            out = rlfuse.gppo_loss(policy(rlfuse, form, d, shard, group), d["old"], d["adv"],
+                                   d["mask"], validate=validate)
+            assert calls == forward, (form, validate, calls)
+            calls.clear()
+            torch.autograd.grad(out.loss, shard[0])
+            assert calls == backward, (form, calls)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def check_counts(rank, world):
     mask = torch.zeros(2, world, dtype=torch.bool)
     mask[0, :rank + 1] = True                       # rank r: r + 1 tokens in one sequence
@@ -179,6 +212,7 @@ def main():
         for form in args.forms.split(","):
             for name in args.calls.split(","):
                 check_case(libs[impl], form, name, d, group, rank, world, dtype)
+    check_collectives(d, group, rank, world)
     check_bad_input(group, rank, world)
     check_counts(rank, world)
     dist.barrier()

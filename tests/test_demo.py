@@ -1,6 +1,8 @@
 """The demo (``python -m rlfuse.demo``): a tiny transformers + peft LoRA policy trained by each
 loss. Under ``make test`` the fused path runs the kernels through the Triton interpreter."""
+import json
 import math
+import os
 import subprocess
 import sys
 
@@ -100,3 +102,28 @@ def test_import_rlfuse_does_not_need_transformers():
     code = ("import sys, rlfuse, rlfuse.demo; "
             "assert 'transformers' not in sys.modules and 'peft' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("form", ["linear", "logits"])
+def test_tp2_trains_as_one_process(form, tmp_path):
+    """``torchrun --nproc_per_node 2 -m rlfuse.demo --tp 2``: the head's vocabulary (257 ids,
+    padded to 258) split over two gloo processes trains step for step as one process does."""
+    out = tmp_path / "tp2.json"
+    args = ["--method", "gppo", "--steps", "3", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "3", "--policy", form]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "rlfuse.demo", "--tp", "2", "--json", str(out), *args],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "split over 2 processes" in proc.stdout
+    (split,) = json.loads(out.read_text())
+    whole = run("gppo", policy=form, **{**TINY, "steps": 3})
+    trained = 0
+    for a, b in zip(split["history"], whole.history):
+        assert a["reward"] == b["reward"] and a["groups"] == b["groups"]
+        if b["loss"] is not None:
+            trained += 1
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert trained > 0
+    assert split["reward_after"] == pytest.approx(whole.reward_after, abs=1e-6)

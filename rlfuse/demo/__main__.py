@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import sys
 import warnings
 from typing import List, Optional
+
+import torch
 
 import rlfuse
 
@@ -75,7 +79,27 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--policy", choices=["linear", "logits"], default=defaults.policy,
                         help="the learner as rlfuse.LinearHead (hidden states and lm_head, no "
                              "[B, L, V] logits; default) or rlfuse.Logits (the whole output)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="split the head's vocabulary over this many processes "
+                             "(torchrun --nproc_per_node TP -m rlfuse.demo --tp TP; gloo on CPU)")
+    parser.add_argument("--json", help="write the results (rewards, every step) to this file")
     return parser.parse_args(argv)
+
+
+def vocab_parallel_group(tp: int):
+    """The process group of ``--tp`` (None for 1): every process of a ``torchrun`` launch."""
+    if tp == 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            raise SystemExit(f"--tp {tp}: launch with torchrun --nproc_per_node {tp} -m "
+                             f"rlfuse.demo --tp {tp}")
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    if dist.get_world_size() != tp:
+        raise SystemExit(f"--tp {tp}: expected {tp} processes, got {dist.get_world_size()}")
+    return dist.new_group(list(range(tp)))
 
 
 def main(argv: Optional[List[str]] = None) -> List:
@@ -85,10 +109,14 @@ def main(argv: Optional[List[str]] = None) -> List:
     warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     methods = args.method or list(METHODS)
     device = resolve_device(args.device)
+    group = vocab_parallel_group(args.tp)
+    if group is not None and torch.distributed.get_rank() != 0:   # rank 0 speaks for all
+        sys.stdout = open(os.devnull, "w")
     settings = dict(steps=args.steps, group_size=args.group_size,
                     prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
                     lr=args.lr, policy=args.policy)
-    print(f"rlfuse {rlfuse.__version__} demo on {device}; losses: {active_path(args.impl, device)}")
+    print(f"rlfuse {rlfuse.__version__} demo on {device}; losses: {active_path(args.impl, device)}"
+          + (f"; the head's vocabulary split over {args.tp} processes" if group else ""))
     print(TASK)
     print("policy: byte-level Llama (2 layers, hidden 64, random init) + LoRA on attention; "
           + ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(Settings(**settings)).items()))
@@ -100,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> List:
         try:
             result = run(method, impl=args.impl, device=str(device), seed=args.seed,
                          on_step=lambda r: progress.step(step_line(method, args.steps, r)),
-                         **settings)
+                         vocab_parallel_group=group, **settings)
         finally:
             progress.close()
         results.append(result)
@@ -113,6 +141,9 @@ def main(argv: Optional[List[str]] = None) -> List:
         print(f"  {r.method:6s}  {r.reward_before:.3f} -> {r.reward_after:.3f}  "
               f"({r.reward_after - r.reward_before:+.3f})  {len(r.history)} steps  "
               f"{r.seconds:.1f} s")
+    if args.json and (group is None or torch.distributed.get_rank() == 0):
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
     return results
 
 

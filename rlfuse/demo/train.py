@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import rlfuse
-from rlfuse import use_kernels
+from rlfuse import parallel, use_kernels
 
 from .methods import METHODS
 from .model import (build_policy, frozen_copy, last_hidden_and_head, load_weights,
@@ -65,16 +65,43 @@ def active_path(impl: str, device: torch.device) -> str:
             "is set before Python starts")
 
 
-def learner(lib, policy, batch, form: str):
+def vocab_shard(x: torch.Tensor, group, dim: int, pad_value: float) -> torch.Tensor:
+    """This rank's slice of the vocabulary dimension ``dim`` of ``x`` (all of it without a
+    group): Megatron's split, rank r holding the ids ``[r V_l, (r + 1) V_l)``, the vocabulary
+    padded with ``pad_value`` to a multiple of the group size first (as Megatron pads it)."""
+    if group is None:
+        return x
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    pad = -x.shape[dim] % world
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        x = torch.cat([x, x.new_full(shape, pad_value)], dim)
+    width = x.shape[dim] // world
+    return x.narrow(dim, dist.get_rank(group) * width, width)
+
+
+def learner(lib, policy, batch, form: str, vocab_parallel_group=None):
     """The learner over a batch, as ``lib.LinearHead`` or ``lib.Logits``. Position t predicts
     token t + 1: the rows from ``prompt_len - 1`` on predict the response, so the whole output
-    goes in with that offset (no slice, no slice gradient buffer)."""
+    goes in with that offset (no slice, no slice gradient buffer). With a
+    ``vocab_parallel_group`` each rank passes its shard of the head (or of the logits)."""
+    group = vocab_parallel_group
     if form == "linear":
         hidden, weight = last_hidden_and_head(policy, batch.sequences)
-        return lib.LinearHead(hidden, weight, batch.responses, offset=batch.prompt_len - 1)
+        # the padding ids: zero weight rows and a bias of -inf, so they take no probability
+        bias = None if group is None else \
+            vocab_shard(weight.new_zeros(weight.shape[0]), group, 0, float("-inf"))
+        return lib.LinearHead(hidden, vocab_shard(weight, group, 0, 0.0), batch.responses, bias,
+                              offset=batch.prompt_len - 1, vocab_parallel_group=group)
     if form == "logits":
-        return lib.Logits(next_token_logits(policy, batch.sequences), batch.responses,
-                          offset=batch.prompt_len - 1)
+        logits = next_token_logits(policy, batch.sequences)
+        if group is not None:   # each rank's shard gradient reaches the replicated model: summed
+            logits = parallel.SumGradOverGroup.apply(logits, group)
+        return lib.Logits(vocab_shard(logits, group, -1, float("-inf")), batch.responses,
+                          offset=batch.prompt_len - 1, vocab_parallel_group=group)
     raise ValueError(f"policy: expected 'linear' or 'logits', got {form!r}")
 
 
@@ -89,12 +116,15 @@ def evaluate(model, prompts: torch.Tensor, settings: Settings, seed: int) -> flo
 
 
 def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed: int = 0,
-        on_step: Optional[Callable[[Dict], None]] = None, **settings) -> RunResult:
+        on_step: Optional[Callable[[Dict], None]] = None, vocab_parallel_group=None,
+        **settings) -> RunResult:
     """Train a fresh tiny LoRA policy with one method; ``settings`` override :class:`Settings`.
 
     ``impl="fused"`` calls ``rlfuse.*``, ``impl="reference"`` the same functions of
     ``rlfuse.reference``; from the same seed both sample the same tokens. ``on_step`` receives
-    each step's record as it is made.
+    each step's record as it is made. ``vocab_parallel_group``: the losses see each rank's
+    shard of the head over this ``torch.distributed`` group (every rank of it runs the same
+    seed, so all hold the same replicated model and rollouts).
     """
     if impl not in ("fused", "reference"):
         raise ValueError(f"impl: expected 'fused' or 'reference', got {impl!r}")
@@ -133,7 +163,8 @@ def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed:
         batch = minibatches[(step - 1) % settings.updates_per_rollout]
         record = {"step": step, **stats, "groups": 0, "loss": None, "metrics": {}, "tokens": 0}
         if batch is not None:           # else: no mixed group left for this step
-            out = algo.loss(lib, learner(lib, policy, batch, settings.policy), batch)
+            out = algo.loss(lib, learner(lib, policy, batch, settings.policy,
+                                         vocab_parallel_group), batch)
             optimizer.zero_grad()
             out.loss.backward()
             optimizer.step()
