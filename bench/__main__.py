@@ -7,6 +7,7 @@ Examples::
     python -m bench --op token_logprobs,gppo_logits --N 16384 --V 151936
     TRITON_INTERPRET=1 python -m bench --quick       # CPU smoke through the Triton interpreter
     python -m bench --traffic                        # bytes per row of logits, every op (CPU)
+    python -m bench --comm                           # bytes a vocabulary split sends per call
     python -m bench --sass                           # SASS instructions per logit (no GPU)
 
 On a GPU results go to ``bench/results/<gpu>-<commit>.json`` (or ``$OUT``); on the CPU to a
@@ -81,6 +82,9 @@ def parse_args(argv=None):
                         "torch passes outside them, against each op's floor; --out: where "
                         "traffic.json / traffic.md go")
     p.add_argument("--readme", help="with --traffic: write its table into this README")
+    p.add_argument("--comm", action="store_true",
+                   help="print the bytes a vocabulary split over 2, 4, 8 ranks sends per call "
+                        "(computed) at the first --N (default 16384), --V (151936), --dtype")
     p.add_argument("--sass", action="store_true",
                    help="count the SASS instructions per logit of every row kernel, compiled for "
                         "sm_90 and sm_80 without a GPU, against the memory floor (bench/sass.py; "
@@ -321,6 +325,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.traffic:
         return traffic_main(args, argv)
+    if args.comm:
+        from . import traffic
+
+        dtype = args.dtype[0] if args.dtype else torch.bfloat16
+        print(traffic.communication_table(args.N[0] if args.N else max(cases.DEFAULT_N),
+                                          args.V[0] if args.V else traffic.TRAFFIC_V,
+                                          cases.HIDDEN, torch.finfo(dtype).bits // 8))
+        return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     directory = out_dir(args, device)
     directory.mkdir(parents=True, exist_ok=True)

@@ -498,3 +498,44 @@ def main(V: int, dtype: torch.dtype, names: Sequence[str] = (), out: Optional[st
         replace_between(readme, MARK_BEGIN, MARK_END, f"\n{table}\n\n`python -m bench --traffic "
                         f"--V {V}` ({header['dtype']}).\n")
     return results
+
+
+# --------------------------------------------------------------------------------------------
+# A vocabulary split over W ranks: what crosses ranks per call (rlfuse.parallel)
+# --------------------------------------------------------------------------------------------
+
+def communication(N: int, V: int, H: int, world: int, element_size: int) -> List[dict]:
+    """Bytes each rank sends per call with the vocabulary split over ``world`` ranks, beside
+    the bytes of its shard of logits: forward, one all-gather of the ``[N, 4]`` fp32 shard
+    statistics (and of one int64 with ``validate``); backward, nothing for ``Logits``, one
+    all-reduce of the ``[N, H]`` hidden-state gradient for a ``LinearHead`` (a ring sends
+    ``2 (W - 1) / W`` of a buffer)."""
+    from rlfuse.parallel import SHARD_COLUMNS
+
+    stats = N * len(SHARD_COLUMNS) * 4
+    gather = (world - 1) * stats               # each rank's block to every other rank
+    dhidden = 2 * (world - 1) * N * H * element_size // world
+    shard = N * (V // world) * element_size
+    return [{"form": "Logits", "forward": gather, "backward": 0, "logits_shard": shard},
+            {"form": "LinearHead", "forward": gather, "backward": dhidden,
+             "logits_shard": shard}]
+
+
+def communication_table(N: int, V: int, H: int, element_size: int,
+                        worlds: Sequence[int] = (2, 4, 8)) -> str:
+    lines = [f"Vocabulary split over W ranks, N = {N} rows, V = {V}, H = {H}, "
+             f"{element_size}-byte logits: bytes each rank sends per call (computed), beside "
+             "the bytes of its shard of logits (the LinearHead forms them chunk by chunk).", "",
+             "| W | form | forward | backward | shard of logits | sent / shard |",
+             "|---|---|---|---|---|---|"]
+    for world in worlds:
+        for row in communication(N, V, H, world, element_size):
+            sent = row["forward"] + row["backward"]
+            lines.append(f"| {world} | {row['form']} | {_mib(row['forward'])} | "
+                         f"{_mib(row['backward'])} | {_mib(row['logits_shard'])} | "
+                         f"{sent / row['logits_shard']:.2%} |")
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:,.2f} MiB"
