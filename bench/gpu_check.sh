@@ -8,6 +8,10 @@
 #      then the rest of the suite, natively on CUDA (TRITON_INTERPRET unset) -> $OUT/pytest.txt
 #   3. python -m bench on the full grid (time budget BENCH_BUDGET s)   -> $OUT/bench.txt and
 #      $OUT/<gpu>-<commit>.json, .md (table of every mode), .png (time vs V)
+#   4. bench/sweep.sh: the single pass's launch configurations (RLFUSE_SINGLE_PASS) timed at the
+#      headline shape, ranked -> $OUT/sweep.json, $OUT/sweep.md (the best named), $OUT/sweep/;
+#      it gets what is left of CHECK_BUDGET s (at most SWEEP_BUDGET), so the whole check stays
+#      under 9.5 min; with too little left it is skipped: run `bash bench/sweep.sh` on its own
 #
 # Liger-Kernel (the peer in the tables) cannot be downloaded on that machine. On the dev
 # machine, once (wheels/ is git-ignored):
@@ -25,6 +29,8 @@ GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-120}  # seconds for the tests marked gpu
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-180}   # seconds for the rest of the suite
 BENCH_BUDGET=${BENCH_BUDGET:-150}       # seconds after which the bench starts no new case
 BENCH_ARGS=${BENCH_ARGS:-}              # more python -m bench options, e.g. "--op token_logprobs"
+CHECK_BUDGET=${CHECK_BUDGET:-500}       # seconds by which the sweep starts no new configuration
+SWEEP_BUDGET=${SWEEP_BUDGET:-120}       # seconds of configurations at most (bench/sweep.sh)
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET                  # the real kernels, on the GPU
 
@@ -61,4 +67,17 @@ timeout $((BENCH_BUDGET + 60)) "$PY" -m bench --out "$OUT" --budget-s "$BENCH_BU
     --rep-ms 50 --warmup-ms 10 $BENCH_ARGS 2>&1 | tee -a "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 echo "bench exit code: $bench_rc" | tee -a "$OUT/bench.txt"
-exit $((pytest_rc != 0 || bench_rc != 0))
+
+# The sweep's last configuration may start at its budget's end and run SWEEP_RUN_TIMEOUT (60 s).
+left=$((CHECK_BUDGET - SECONDS))
+sweep_rc=0
+if ((left >= 30)); then
+    OUT="$OUT" PYTHON="$PY" SWEEP_BUDGET=$((left < SWEEP_BUDGET ? left : SWEEP_BUDGET)) \
+        bash bench/sweep.sh
+    sweep_rc=$?
+    echo "sweep exit code: $sweep_rc" | tee -a "$OUT/bench.txt"
+else
+    echo "== single-pass sweep skipped: ${left}s left of CHECK_BUDGET; run bench/sweep.sh alone" \
+        | tee -a "$OUT/bench.txt"
+fi
+exit $((pytest_rc != 0 || bench_rc != 0 || sweep_rc != 0))

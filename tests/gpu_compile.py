@@ -40,9 +40,19 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import rlfuse  # noqa: E402
 import rlfuse._dispatch  # noqa: E402
 from rlfuse._contract import GEOMETRIES, TOPOLOGIES  # noqa: E402
-from rlfuse.kernels import ggpo, gppo, gr_opd, logprobs, surrogate, utils  # noqa: E402
+from rlfuse.kernels import ggpo, gppo, gr_opd, logprobs, single_pass, surrogate, utils  # noqa: E402
+from rlfuse.kernels.single_pass import single_pass_config  # noqa: E402
 
 KERNEL_MODULES = (ggpo, gppo, gr_opd, logprobs, surrogate, utils)
+
+# Launch configurations of the single pass compiled besides the default (RLFUSE_SINGLE_PASS text):
+# every candidate of the GPU sweep, then each switch alone (bf16: the table's 8192-wide blocks and
+# 16 warps), the last all of them at once.
+SINGLE_PASS_VARIANTS = tuple(c for c in single_pass.CANDIDATES if c != "default") + (
+    "order=forward", "num_stages=2", "num_stages=3", "block_v=2048", "block_v=4096",
+    "num_warps=8,block_v=4096", "num_warps=16,block_v=4096",
+    "evict=1,programs_per_sm=2,order=forward,num_warps=8,block_v=4096,num_stages=3",
+)
 
 
 class CompileOnlyDriver:
@@ -153,6 +163,20 @@ def _drive():
                                  weights=torch.rand(B, T, generator=g)).loss)
         backward(rlfuse.ppo_loss(policy, None, adv_seq, mask).loss)
         backward(rlfuse.ppo_loss(policy, old, adv_seq, mask, ratio_level="sequence").loss)
+        with torch.no_grad():
+            rlfuse.gppo_loss(policy, old, adv_seq, mask)
+    # The single pass's launch configurations: the GPU sweep's candidates and each switch alone,
+    # at the real vocabulary in bf16; a combination also in fp32 (the table's block), without
+    # dlogits and on policy.
+    for text in SINGLE_PASS_VARIANTS:
+        with single_pass_config(text):
+            policy = rlfuse.Logits(logits_of(torch.bfloat16), targets)
+            backward(rlfuse.gppo_loss(policy, old, adv_seq, mask).loss)
+    with single_pass_config(SINGLE_PASS_VARIANTS[-1]), torch.no_grad():
+        rlfuse.gppo_loss(policy, old, adv_seq, mask)
+    with single_pass_config("evict=1,programs_per_sm=2,order=forward,num_stages=3"):
+        policy = rlfuse.Logits(logits_of(torch.float32), targets, temperature=0.7)
+        backward(rlfuse.ppo_loss(policy, None, adv_seq, mask).loss)
         with torch.no_grad():
             rlfuse.gppo_loss(policy, old, adv_seq, mask)
     x = logits_of(torch.bfloat16)

@@ -22,14 +22,15 @@ def with_garbage(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def run_loss(fn, policy_buffer, *, dtype, logits_targets=None, device="cpu", pad_time=1,
-             temperature=1.0, args=(), **kw):
+             temperature=1.0, offset=None, args=(), **kw):
     """Runs ``fn`` on the learner log-probs (``policy_buffer[:, :-pad_time]`` cast to ``dtype``)
-    or, with ``logits_targets``, on ``rlfuse.Logits`` built from the logits buffer; returns the
-    loss, the metrics and the gradient w.r.t. the buffer."""
+    or, with ``logits_targets``, on ``rlfuse.Logits`` built from the logits buffer (with
+    ``offset``: the whole buffer, a model's full output, whose rows from ``offset`` on predict
+    the targets); returns the loss, the metrics and the gradient w.r.t. the buffer."""
     leaf = policy_buffer.detach().clone().to(dtype=dtype, device=device).requires_grad_(True)
-    view = leaf[:, : leaf.shape[1] - pad_time]
+    view = leaf[:, : leaf.shape[1] - pad_time] if offset is None else leaf
     if logits_targets is not None:
-        policy = rlfuse.Logits(view, logits_targets.to(device), temperature)
+        policy = rlfuse.Logits(view, logits_targets.to(device), temperature, offset=offset or 0)
     else:
         policy = view
     args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]

@@ -270,7 +270,9 @@ def test_runtime_hyperparameters_are_not_constexpr():
                    surrogate._surrogate_logits_kernel, gppo._gppo_bounds_kernel):
         assert constexpr_params(kernel) <= {"BLOCK", "BLOCK_T", "BLOCK_V", "GEOMETRY",
                                             "TOPOLOGY", "ACC", "WRITE_DLOGITS", "HAS_OLD",
-                                            "SEQUENCE"}
+                                            "SEQUENCE",
+                                            # the single pass's launch configuration
+                                            "PERSISTENT", "EVICT", "NUM_STAGES", "ORDER"}
 
 
 BAD = [

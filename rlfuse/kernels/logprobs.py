@@ -7,7 +7,9 @@ their accuracy when the logits are large); the backward reads the row once more 
 ``dlogits`` once.
 
 The row helpers ``row_logsumexp`` and ``row_write_dlogits`` are shared with the fused losses that
-work straight from logits.
+work straight from logits. Their cache and loop switches (``EVICT``, ``NUM_STAGES``, ``ORDER``)
+serve the single pass, which reads each row twice (``single_pass.SinglePassConfig``); the kernels
+here read a row once per launch and pass the defaults.
 """
 from __future__ import annotations
 
@@ -28,12 +30,46 @@ N_STAT_COLS = tl.constexpr(len(STAT_COLUMNS))
 # Below this, exp() is 0 in fp32 and fp64 alike.
 _LOG_TINY = tl.constexpr(-1.0e4)
 
+# Block order of ``row_write_dlogits``: last to first (right after a logsumexp pass over the same
+# row, the blocks read last are the likeliest to be still in L2), or first to last.
+BLOCK_ORDERS = ("backward", "forward")
+ORDER_BACKWARD, ORDER_FORWARD = constexpr_codes(BLOCK_ORDERS, *BLOCK_ORDERS)
+# NUM_STAGES of the vocabulary loops that leaves their pipelining to the compiler; any other value
+# is the loop's ``tl.range(num_stages=...)``.
+COMPILER_STAGES = tl.constexpr(0)
+# Eviction policies with EVICT: the first read of a row asks L2 to keep it for the second read;
+# the second read and the dlogits stores (used once) go first.
+_KEEP = tl.constexpr("evict_last")
+_STREAM = tl.constexpr("evict_first")
+_NO_HINT = tl.constexpr("")
+
+
+@triton.jit
+def _logsumexp_block(row_ptr, start, V, inv_temp, m, s, w, BLOCK_V: tl.constexpr,
+                     WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr, EVICT: tl.constexpr):
+    """(m, s, w) after the block of columns ``[start, start + BLOCK_V)`` (``row_logsumexp``)."""
+    cols = start + tl.arange(0, BLOCK_V)
+    z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"),
+                eviction_policy=_KEEP if EVICT else _NO_HINT).to(ACC) * inv_temp
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - shift)
+    e = tl.exp(z - shift)
+    if WITH_ENTROPY:
+        # e == 0 wherever z - m_new is below _LOG_TINY, so the clamp changes nothing but
+        # keeps 0 * -inf (a -inf logit or a padding lane) out of the sum.
+        moved = tl.where(alpha > 0, alpha * (m - shift), 0.0) * s
+        w = alpha * w + moved + tl.sum(e * tl.maximum(z - shift, _LOG_TINY), axis=0)
+    s = alpha * s + tl.sum(e, axis=0)
+    return m_new, s, w
+
 
 @triton.jit
 def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-                  ACC: tl.constexpr):
+                  ACC: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr):
     """(m, log s, entropy) of ``z = row * inv_temp``, ``lse = m + log s``; entropy is 0 unless
-    ``WITH_ENTROPY``.
+    ``WITH_ENTROPY``. ``EVICT``: the loads ask L2 to keep the row (it is read again);
+    ``NUM_STAGES``: ``COMPILER_STAGES`` or the pipelining depth of the loop.
 
     Online over vocab blocks with running max ``m``, ``s = sum exp(z - m)`` and
     ``w = sum exp(z - m) (z - m)``; moving the max from m to m' rescales
@@ -49,20 +85,16 @@ def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.
     m = tl.full((), float("-inf"), ACC)
     s = tl.zeros((), ACC)
     w = tl.zeros((), ACC)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(ACC) * inv_temp
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - shift)
-        e = tl.exp(z - shift)
-        if WITH_ENTROPY:
-            # e == 0 wherever z - m_new is below _LOG_TINY, so the clamp changes nothing but
-            # keeps 0 * -inf (a -inf logit or a padding lane) out of the sum.
-            moved = tl.where(alpha > 0, alpha * (m - shift), 0.0) * s
-            w = alpha * w + moved + tl.sum(e * tl.maximum(z - shift, _LOG_TINY), axis=0)
-        s = alpha * s + tl.sum(e, axis=0)
-        m = m_new
+    # Two spellings of one loop: a loop without a num_stages attribute is not the same loop as
+    # any tl.range(num_stages=k) (and Triton 3.2 cannot take num_stages=None from a constexpr).
+    if NUM_STAGES == COMPILER_STAGES:
+        for start in range(0, V, BLOCK_V):
+            m, s, w = _logsumexp_block(row_ptr, start, V, inv_temp, m, s, w, BLOCK_V,
+                                       WITH_ENTROPY, ACC, EVICT)
+    else:
+        for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
+            m, s, w = _logsumexp_block(row_ptr, start, V, inv_temp, m, s, w, BLOCK_V,
+                                       WITH_ENTROPY, ACC, EVICT)
     log_s = tl.log(s)
     entropy = tl.zeros((), ACC)
     if WITH_ENTROPY:
@@ -71,8 +103,30 @@ def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.
 
 
 @triton.jit
+def _dlogits_block(row_ptr, drow_ptr, i, n_blocks, V, target, inv_temp, m, log_s, entropy, g, h,
+                   BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
+                   EVICT: tl.constexpr, ORDER: tl.constexpr):
+    """dL/dlogits of the ``i``-th block of columns in ``ORDER`` (``row_write_dlogits``)."""
+    block = i
+    if ORDER == ORDER_BACKWARD:
+        block = n_blocks - 1 - i
+    cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_vocab = cols < V
+    z = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf"),
+                eviction_policy=_STREAM if EVICT else _NO_HINT).to(ACC) * inv_temp
+    logp = (z - m) - log_s
+    p = tl.exp(logp)
+    d = tl.where(cols == target, g, 0.0) - g * p
+    if WITH_ENTROPY:
+        d -= h * p * (tl.maximum(logp, _LOG_TINY) + entropy)
+    tl.store(drow_ptr + cols, (d * inv_temp).to(drow_ptr.dtype.element_ty), mask=in_vocab,
+             eviction_policy=_STREAM if EVICT else _NO_HINT)
+
+
+@triton.jit
 def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, m, log_s, entropy, g, h,
-                      BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
+                      BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
+                      EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr):
     """Writes dL/dlogits of one row, given g = dL/dlogp and h = dL/dentropy.
 
     With z = x / tau, p = softmax(z), lse = m + log s, logp = z[y] - lse, H = lse - sum_u p_u z_u:
@@ -81,39 +135,41 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, m, log_s, entropy,
                    so z_v - zbar = (z_v - lse) + H = log p_v + H
       dL/dx_v    = ( g (1[v = y] - p_v) - h p_v (log p_v + H) ) / tau
 
-    The blocks go last to first: right after a logsumexp pass over the same row (the single-pass
-    losses) the blocks read last are the likeliest to be still in L2.
+    Blocks in ``ORDER`` (``BLOCK_ORDERS``); ``EVICT``: the loads and stores go first out of L2
+    (the row has been read for the last time, dlogits is not read here again); ``NUM_STAGES``:
+    ``COMPILER_STAGES`` or the pipelining depth of the loop.
     """
     n_blocks = tl.cdiv(V, BLOCK_V)
-    for i in range(0, n_blocks):
-        cols = (n_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        in_vocab = cols < V
-        z = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(ACC) * inv_temp
-        logp = (z - m) - log_s
-        p = tl.exp(logp)
-        d = tl.where(cols == target, g, 0.0) - g * p
-        if WITH_ENTROPY:
-            d -= h * p * (tl.maximum(logp, _LOG_TINY) + entropy)
-        tl.store(drow_ptr + cols, (d * inv_temp).to(drow_ptr.dtype.element_ty), mask=in_vocab)
+    if NUM_STAGES == COMPILER_STAGES:
+        for i in range(0, n_blocks):
+            _dlogits_block(row_ptr, drow_ptr, i, n_blocks, V, target, inv_temp, m, log_s,
+                           entropy, g, h, BLOCK_V, WITH_ENTROPY, ACC, EVICT, ORDER)
+    else:
+        for i in tl.range(0, n_blocks, num_stages=NUM_STAGES):
+            _dlogits_block(row_ptr, drow_ptr, i, n_blocks, V, target, inv_temp, m, log_s,
+                           entropy, g, h, BLOCK_V, WITH_ENTROPY, ACC, EVICT, ORDER)
 
 
 @triton.jit
-def row_write_zeros(drow_ptr, V, BLOCK_V: tl.constexpr):
+def row_write_zeros(drow_ptr, V, BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
+    """Zeros over one row of dlogits (``EVICT``: the stores go first out of L2)."""
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        tl.store(drow_ptr + cols, tl.zeros([BLOCK_V], drow_ptr.dtype.element_ty), mask=cols < V)
+        tl.store(drow_ptr + cols, tl.zeros([BLOCK_V], drow_ptr.dtype.element_ty), mask=cols < V,
+                 eviction_policy=_STREAM if EVICT else _NO_HINT)
 
 
 @triton.jit
-def program_token(mask_ptr, T, S, offset, stride_mb, stride_mt, HAS_MASK: tl.constexpr):
-    """(token, b, s, t, in_window, is_actor) of the row this program handles: one program per
-    row s of batch b of ``[B, S, V]`` logits (a 1-D grid: no grid-dimension limit). Row s
-    predicts the token t = s - offset of the ``[B, T]`` inputs (``token = b T + t``); a row
-    outside the window [offset, offset + T) is no actor (its t is clamped to 0 and must not be
-    used), nor is a masked one."""
-    row = tl.program_id(0).to(tl.int64)
-    b = row // S
-    s = row % S
+def program_token(row, mask_ptr, T, S, offset, stride_mb, stride_mt, HAS_MASK: tl.constexpr):
+    """(token, b, s, t, in_window, is_actor) of ``row``, the flat index b S + s of a row of
+    ``[B, S, V]`` logits (one program per row: its program id, a 1-D grid with no
+    grid-dimension limit). Row s predicts the token t = s - offset of the ``[B, T]`` inputs
+    (``token = b T + t``); a row outside the window [offset, offset + T) is no actor (its t is
+    clamped to 0 and must not be used), nor is a masked one."""
+    # Rows number less than 2^31 (a grid dimension): divided in int32, then int64 for the
+    # pointer arithmetic (tl.cast also takes the Python ints of the interpreter's row loops).
+    b = tl.cast(row // S, tl.int64)
+    s = tl.cast(row % S, tl.int64)
     t = s - offset
     in_window = (t >= 0) & (t < T)
     t = tl.where(in_window, t, 0)
@@ -125,11 +181,11 @@ def program_token(mask_ptr, T, S, offset, stride_mb, stride_mt, HAS_MASK: tl.con
 
 
 @triton.jit
-def program_row(targets_ptr, mask_ptr, T, S, offset, stride_yb, stride_yt, stride_mb, stride_mt,
-                HAS_MASK: tl.constexpr):
+def program_row(row, targets_ptr, mask_ptr, T, S, offset, stride_yb, stride_yt, stride_mb,
+                stride_mt, HAS_MASK: tl.constexpr):
     """(token, b, s, target id, in_window, is_actor): ``program_token`` and the target of the
     row (read only for actor rows)."""
-    token, b, s, t, in_window, is_actor = program_token(mask_ptr, T, S, offset, stride_mb,
+    token, b, s, t, in_window, is_actor = program_token(row, mask_ptr, T, S, offset, stride_mb,
                                                         stride_mt, HAS_MASK)
     y = tl.load(targets_ptr + b * stride_yb + t * stride_yt, mask=is_actor, other=0)
     return token, b, s, y.to(tl.int64), in_window, is_actor
@@ -157,15 +213,16 @@ def _token_logprobs_fwd_kernel(
     inv_temp,
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
 ):
-    row, b, t, y, _, is_actor = program_row(targets_ptr, mask_ptr, T, T, 0, stride_yb, stride_yt,
-                                            stride_mb, stride_mt, HAS_MASK)
+    row, b, t, y, _, is_actor = program_row(tl.program_id(0), targets_ptr, mask_ptr, T, T, 0,
+                                            stride_yb, stride_yt, stride_mb, stride_mt, HAS_MASK)
     logp = tl.zeros((), ACC)
     m = tl.zeros((), ACC)
     log_s = tl.zeros((), ACC)
     entropy = tl.zeros((), ACC)
     if is_actor:
         row_ptr = logits_ptr + b * stride_lb + t * stride_lt
-        m, log_s, entropy = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, WITH_ENTROPY, ACC)
+        m, log_s, entropy = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, WITH_ENTROPY, ACC,
+                                          False, COMPILER_STAGES)
         logp = (load_target_logit(row_ptr, y, V, inv_temp, ACC) - m) - log_s
     tl.store(logp_ptr + row, logp)
     tl.store(stats_ptr + N_STAT_COLS * row + STAT_MAX, m)
@@ -190,8 +247,9 @@ def _token_logprobs_bwd_kernel(
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
 ):
     # One program per row of the whole [B, S] logits: rows outside the window get zeros.
-    row, b, s, y, _, is_actor = program_row(targets_ptr, mask_ptr, T, S, offset, stride_yb,
-                                            stride_yt, stride_mb, stride_mt, HAS_MASK)
+    row, b, s, y, _, is_actor = program_row(tl.program_id(0), targets_ptr, mask_ptr, T, S,
+                                            offset, stride_yb, stride_yt, stride_mb, stride_mt,
+                                            HAS_MASK)
     drow_ptr = dlogits_ptr + b * stride_db + s * stride_dt
     if is_actor:
         g = tl.load(dlogp_ptr + row).to(ACC)
@@ -203,9 +261,10 @@ def _token_logprobs_bwd_kernel(
         m = tl.load(stats_ptr + N_STAT_COLS * row + STAT_MAX).to(ACC)
         log_s = tl.load(stats_ptr + N_STAT_COLS * row + STAT_LOG_SUM).to(ACC)
         row_write_dlogits(logits_ptr + b * stride_lb + s * stride_lt, drow_ptr, V, y, inv_temp,
-                          m, log_s, entropy, g, h, BLOCK_V, WITH_ENTROPY, ACC)
+                          m, log_s, entropy, g, h, BLOCK_V, WITH_ENTROPY, ACC, False,
+                          COMPILER_STAGES, ORDER_BACKWARD)
     else:
-        row_write_zeros(drow_ptr, V, BLOCK_V)
+        row_write_zeros(drow_ptr, V, BLOCK_V, False)
 
 
 @triton.jit
@@ -220,7 +279,8 @@ def _scale_rows_kernel(
 ):
     # x[b, s] *= scale at actor rows (the others hold zeros), in the compute dtype; the scale is
     # read on the device, and when it is 1 no row is read or written.
-    _, b, s, _, _, is_actor = program_token(mask_ptr, T, S, offset, stride_mb, stride_mt, True)
+    _, b, s, _, _, is_actor = program_token(tl.program_id(0), mask_ptr, T, S, offset, stride_mb,
+                                            stride_mt, True)
     scale = tl.load(scale_ptr).to(ACC)
     if (scale != 1.0) & is_actor:
         row_ptr = x_ptr + b * stride_xb + s * stride_xt

@@ -16,7 +16,8 @@ log-prob of a row first) replaces r by s_b = exp(mean over the row's actor token
 
 Three kernels: forward and backward from log-probs ``[B, T]``, and the single pass from logits
 that computes each row's logsumexp, its log-prob, the surrogate and writes ``dlogits`` at once
-(one read and one write of the logits).
+(one read and one write of the logits, plus a re-read of the row that L2 may serve: its launch
+configuration is ``single_pass.SinglePassConfig``).
 """
 from __future__ import annotations
 
@@ -27,10 +28,11 @@ import triton
 import triton.language as tl
 
 from .._types import compute_dtype
+from . import single_pass
 from .gppo import region_bounds, region_codes, region_sizes
 from .logprobs import (load_target_logit, mask_args, program_row, row_logsumexp,
                        row_write_dlogits, row_write_zeros)
-from .utils import constexpr_codes, empty, time_block, tl_compute_dtype, vocab_launch_config
+from .utils import constexpr_codes, empty, time_block, tl_compute_dtype
 
 # Columns of the per-row (from log-probs) and per-token (from logits) partial sums.
 SUM_COLUMNS = ("loss", "clip_low", "clip_high", "dual_clip", "ratio", "neg_log_ratio",
@@ -200,6 +202,61 @@ def _surrogate_bwd_kernel(
 
 
 @triton.jit
+def _surrogate_logits_row(
+    row,                                # b S + s
+    logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr, row_scale_ptr, dlogits_ptr,
+    sums_ptr,
+    stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
+    stride_ob, stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_db, stride_dt,
+    T, S, offset, V,
+    inv_temp, low_hi, low_lo, high_hi, high_lo, dual_clip,
+    BLOCK_V: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
+    WRITE_DLOGITS: tl.constexpr, HAS_OLD: tl.constexpr, EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
+):
+    # Row s of the [B, S] logits (rows outside the window [offset, offset + T) only get zeros):
+    # lse = m + log s by the online pass, lp = (z_y - m) - log s, the surrogate, then
+    # dL/dlogits = g (onehot(y) - p) / tau with g = dL/dlp = -row_scale[b] w dJ/dlp (for an
+    # upstream gradient of 1; the backward rescales otherwise). On policy: old = lp.
+    token, b, s, y, in_window, is_actor = program_row(row, targets_ptr, mask_ptr, T, S, offset,
+                                                      stride_yb, stride_yt, stride_mb, stride_mt,
+                                                      True)
+    t = token - b * T
+    out = sums_ptr + token * N_SUM_COLS
+    if is_actor:
+        row_ptr = logits_ptr + b * stride_lb + s * stride_lt
+        # z[y] is read before the logsumexp pass, whose block reductions (barriers) order it
+        # before any thread's dlogits store: in place, the write pass overwrites z[y].
+        z_y = load_target_logit(row_ptr, y, V, inv_temp, ACC)
+        m, log_s, _ = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, False, ACC, EVICT, NUM_STAGES)
+        lp = (z_y - m) - log_s
+        old, adv, w = _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, t, True, stride_ob,
+                                    stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
+                                    HAS_OLD)
+        lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
+        log_ratio = lp - old
+        j, dj, low, high, dual, bad = clipped_surrogate(log_ratio, adv, lo, hi, dual_clip)
+        row_scale = tl.load(row_scale_ptr + b).to(ACC)
+        if WRITE_DLOGITS:
+            row_write_dlogits(row_ptr, dlogits_ptr + b * stride_db + s * stride_dt, V, y,
+                              inv_temp, m, log_s, 0.0, -row_scale * w * dj, 0.0, BLOCK_V, False,
+                              ACC, EVICT, NUM_STAGES, ORDER)
+        tl.store(out + SUM_LOSS, j * w * row_scale)
+        tl.store(out + SUM_CLIP_LOW, low.to(ACC))
+        tl.store(out + SUM_CLIP_HIGH, high.to(ACC))
+        tl.store(out + SUM_DUAL_CLIP, dual.to(ACC))
+        tl.store(out + SUM_RATIO, tl.exp(log_ratio))
+        tl.store(out + SUM_NEG_LOG_RATIO, -log_ratio)
+        tl.store(out + SUM_OVERFLOW, bad.to(ACC))
+    else:
+        if WRITE_DLOGITS:
+            row_write_zeros(dlogits_ptr + b * stride_db + s * stride_dt, V, BLOCK_V, EVICT)
+        if in_window:
+            for col in tl.static_range(N_SUM_COLS):
+                tl.store(out + col, tl.zeros((), ACC))
+
+
+@triton.jit
 def _surrogate_logits_kernel(
     # pointers
     logits_ptr, targets_ptr, mask_ptr,  # [B, S, V], [B, T], [B, T] uint8
@@ -212,52 +269,37 @@ def _surrogate_logits_kernel(
     stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
     stride_ob, stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_db, stride_dt,
     # sizes
-    T, S, offset, V,
+    T, S, offset, V, n_rows,            # n_rows = B S
     # scalars
     inv_temp, low_hi, low_lo, high_hi, high_lo, dual_clip,
     BLOCK_V: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
     WRITE_DLOGITS: tl.constexpr, HAS_OLD: tl.constexpr,
+    # launch configuration (single_pass.SinglePassConfig)
+    PERSISTENT: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
-    # One row s of the [B, S] logits (rows outside the window [offset, offset + T) only get
-    # zeros): lse = m + log s by the online pass, lp = (z_y - m) - log s, the surrogate, then
-    # dL/dlogits = g (onehot(y) - p) / tau with g = dL/dlp = -row_scale[b] w dJ/dlp (for an
-    # upstream gradient of 1; the backward rescales otherwise). On policy: old = lp.
-    token, b, s, y, in_window, is_actor = program_row(targets_ptr, mask_ptr, T, S, offset,
-                                                      stride_yb, stride_yt, stride_mb, stride_mt,
-                                                      True)
-    t = token - b * T
-    out = sums_ptr + token * N_SUM_COLS
-    if is_actor:
-        row_ptr = logits_ptr + b * stride_lb + s * stride_lt
-        # z[y] is read before the logsumexp pass, whose block reductions (barriers) order it
-        # before any thread's dlogits store: in place, the write pass overwrites z[y].
-        z_y = load_target_logit(row_ptr, y, V, inv_temp, ACC)
-        m, log_s, _ = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, False, ACC)
-        lp = (z_y - m) - log_s
-        old, adv, w = _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, t, True, stride_ob,
-                                    stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
-                                    HAS_OLD)
-        lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
-        log_ratio = lp - old
-        j, dj, low, high, dual, bad = clipped_surrogate(log_ratio, adv, lo, hi, dual_clip)
-        row_scale = tl.load(row_scale_ptr + b).to(ACC)
-        if WRITE_DLOGITS:
-            row_write_dlogits(row_ptr, dlogits_ptr + b * stride_db + s * stride_dt, V, y,
-                              inv_temp, m, log_s, 0.0, -row_scale * w * dj, 0.0, BLOCK_V, False,
-                              ACC)
-        tl.store(out + SUM_LOSS, j * w * row_scale)
-        tl.store(out + SUM_CLIP_LOW, low.to(ACC))
-        tl.store(out + SUM_CLIP_HIGH, high.to(ACC))
-        tl.store(out + SUM_DUAL_CLIP, dual.to(ACC))
-        tl.store(out + SUM_RATIO, tl.exp(log_ratio))
-        tl.store(out + SUM_NEG_LOG_RATIO, -log_ratio)
-        tl.store(out + SUM_OVERFLOW, bad.to(ACC))
+    # One program per row; PERSISTENT: a grid capped near the SM count, each program taking the
+    # rows pid, pid + programs, ... in turn, so that fewer rows are in flight between the two
+    # reads of a row.
+    if PERSISTENT:
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            _surrogate_logits_row(
+                row, logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr,
+                row_scale_ptr, dlogits_ptr, sums_ptr,
+                stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_ob,
+                stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_db, stride_dt,
+                T, S, offset, V,
+                inv_temp, low_hi, low_lo, high_hi, high_lo, dual_clip,
+                BLOCK_V, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, EVICT, NUM_STAGES,
+                ORDER)
     else:
-        if WRITE_DLOGITS:
-            row_write_zeros(dlogits_ptr + b * stride_db + s * stride_dt, V, BLOCK_V)
-        if in_window:
-            for col in tl.static_range(N_SUM_COLS):
-                tl.store(out + col, tl.zeros((), ACC))
+        _surrogate_logits_row(
+            tl.program_id(0), logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr,
+            row_scale_ptr, dlogits_ptr, sums_ptr,
+            stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_ob,
+            stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_db, stride_dt,
+            T, S, offset, V,
+            inv_temp, low_hi, low_lo, high_hi, high_lo, dual_clip,
+            BLOCK_V, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, EVICT, NUM_STAGES, ORDER)
 
 
 def region_args(region):
@@ -341,7 +383,8 @@ def surrogate_logits(logits, targets, mask, old_lp, adv, weights, row_scale, reg
     ``targets [B, T]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])`` with ``dlogits`` of the
     whole ``[B, S, V]`` (zero rows outside the window) for an upstream gradient of 1, written
     into ``dlogits`` when given (None without ``write_dlogits``: the loss alone, one read of
-    the window). ``old_lp`` None: on policy (old = lp, formed in the kernel)."""
+    the window). ``old_lp`` None: on policy (old = lp, formed in the kernel). Launched in the
+    configuration ``single_pass.current()`` (``RLFUSE_SINGLE_PASS``)."""
     B, T = targets.shape
     if not write_dlogits:
         logits, offset = logits[:, offset:offset + T], 0   # only the window is read
@@ -353,9 +396,10 @@ def surrogate_logits(logits, targets, mask, old_lp, adv, weights, row_scale, reg
     if B * S == 0:
         return dlogits, sums
     (geometry_code, topology_code), scalars = region_args(region)
-    block_v, num_warps = vocab_launch_config(V, logits.element_size())
+    config = single_pass.current()
+    block_v, num_warps = config.block_and_warps(V, logits.element_size())
     mask_u8, stride_mb, stride_mt = mask_args(mask)
-    _surrogate_logits_kernel[(B * S,)](
+    _surrogate_logits_kernel[(config.programs(B * S, logits.device),)](
         logits, targets, mask_u8,
         old_lp, adv, _weights(weights, row_scale),
         row_scale,
@@ -364,10 +408,12 @@ def surrogate_logits(logits, targets, mask, old_lp, adv, weights, row_scale, reg
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
         stride_mb, stride_mt, *_strides(old_lp), *_strides(adv), *_strides(weights),
         *((dlogits.stride(0), dlogits.stride(1)) if write_dlogits else (0, 0)),
-        T, S, offset, V,
+        T, S, offset, V, B * S,
         1.0 / temperature, *scalars,
         BLOCK_V=block_v, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits,
-        HAS_OLD=old_lp is not None, num_warps=num_warps,
+        HAS_OLD=old_lp is not None,
+        PERSISTENT=config.persistent, EVICT=config.evict, NUM_STAGES=config.stages_code,
+        ORDER=config.order_code, num_warps=num_warps, maxnreg=config.maxnreg(num_warps),
     )
     return dlogits, sums

@@ -30,10 +30,13 @@ def constexpr_codes(names, *wanted):
     return tuple(tl.constexpr(names.index(name)) for name in wanted)
 
 
-def vocab_launch_config(vocab_size: int, element_size: int):
-    """(BLOCK_V, num_warps) for a kernel that streams one row of ``vocab_size`` logits."""
-    block = min(triton.next_power_of_2(vocab_size), _MAX_BLOCK_V[element_size])
-    num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+def vocab_launch_config(vocab_size: int, element_size: int, block_v=None, num_warps=None):
+    """(BLOCK_V, num_warps) for a kernel that streams one row of ``vocab_size`` logits: from the
+    table, or ``block_v`` / ``num_warps`` when given (a block is never wider than the row's next
+    power of two; the warps follow the block unless given)."""
+    block = min(triton.next_power_of_2(vocab_size), block_v or _MAX_BLOCK_V[element_size])
+    if num_warps is None:
+        num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     return block, num_warps
 
 
