@@ -68,6 +68,11 @@ timeout $((BENCH_BUDGET + 60)) "$PY" -m bench --out "$OUT" --budget-s "$BENCH_BU
 bench_rc=${PIPESTATUS[0]}
 echo "bench exit code: $bench_rc" | tee -a "$OUT/bench.txt"
 
+# A vocabulary split needs more than one GPU to time; on one, what it would send is computed.
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+echo "== vocabulary split: $gpus GPU(s); bytes per call (computed)" | tee -a "$OUT/bench.txt"
+"$PY" -m bench --comm 2>&1 | tee -a "$OUT/bench.txt"
+
 # The sweep's last configuration may start at its budget's end and run SWEEP_RUN_TIMEOUT (60 s).
 left=$((CHECK_BUDGET - SECONDS))
 sweep_rc=0
