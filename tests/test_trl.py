@@ -227,6 +227,9 @@ def _ddp_worker(out_dir: str) -> None:
                        "ddp": isinstance(trainer.model_wrapped, DistributedDataParallel),
                        "moved": (after - before).abs().max().item(),
                        "rank_spread": (ranks - ranks[0]).abs().max().item()}, f)
+    # an orderly teardown: a process that exits with gloo's threads alive may abort
+    trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
 
 
 def test_ddp_ranks_stay_in_sync(tmp_path):
