@@ -29,9 +29,11 @@ The model (``GPUS`` below, rates with their sources) turns the counts into time 
 shape (N = 16384 rows, V = 151936): ``issue`` is the warp-instructions over 4 per clock per SM,
 ``MUFU`` the MUFU lane operations over 16 per clock per SM, ``memory`` the kernel's logical bytes
 per logit (one read; one read + one write for a kernel that writes dlogits) over 90% of the peak
-HBM bandwidth. A row runs the loop bodies ``ceil(V / BLOCK_V)`` times (the masked tail lanes
-issue too) and the code outside the loops once, counted as every instruction there, taken or not
-(an upper bound: 1-13% of a row's instructions at V = 151936, the most in the single pass).
+HBM bandwidth. A row runs each loop body once per block it covers: ``V // BLOCK_V`` times for a
+loop whose global loads carry no predicate (it reads whole blocks only; the row's partial block
+is code outside it), ``ceil(V / BLOCK_V)`` times for a masked loop (the masked tail lanes issue
+too); and the code outside the loops once, counted as every instruction there, taken or not (an
+upper bound: 4-31% of a row's instructions at V = 151936, the most in the single pass).
 The ratios issue / memory and MUFU / memory say which limit binds; they are a model from SASS,
 not a timing.
 
@@ -272,6 +274,12 @@ class Loop:
         return any(i.base in _GLOBAL_LOADS for i in self.instructions)
 
     @property
+    def full_blocks(self) -> bool:
+        """No global load of the loop is predicated: it never reads past the row, so it runs
+        over whole blocks only (the row's partial block is code outside it)."""
+        return not any(i.predicated for i in self.instructions if i.base in _GLOBAL_LOADS)
+
+    @property
     def stores(self) -> bool:
         return any(i.base in _GLOBAL_STORES for i in self.instructions)
 
@@ -410,7 +418,7 @@ def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num
         "loops": [{"header": f"{lp.header:#06x}", "latch": f"{lp.latch:#06x}",
                    "blocks": len(lp.blocks), "instructions": len(lp.instructions),
                    "inner": lp.inner, "loads": lp.loads, "stores": lp.stores,
-                   "counted": lp in counted, "classes": lp.classes,
+                   "counted": lp in counted, "full_blocks": lp.full_blocks, "classes": lp.classes,
                    "calls": sum(i.base == "CALL" for i in lp.instructions),
                    "logits_loaded_per_thread": lp.global_bytes("load") / element,
                    "logits_stored_per_thread": lp.global_bytes("store") / element}
@@ -431,11 +439,17 @@ def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num
 def model(row: dict, arch: int, n_rows: int = HEADLINE_N, vocab: int = HEADLINE_V) -> dict:
     """Issue, MUFU and memory time (ms) of one launch over ``n_rows x vocab`` logits on each GPU
     that runs this arch's SASS, and issue / memory and MUFU / memory."""
-    # per thread and row: the loop bodies ceil(V / BLOCK_V) times, the code outside them once
-    iterations = math.ceil(vocab / row["BLOCK_V"])
-    warp_instr = n_rows * row["num_warps"] * (iterations * row["body"] + row["per_row"])
-    mufu_lanes = n_rows * row["num_warps"] * 32 * (iterations * row["body_mufu"] +
-                                                   row["per_row_mufu"])
+    # per thread and row: each vocabulary loop's body once per block it runs over (V // BLOCK_V
+    # full blocks, ceil(V / BLOCK_V) for a masked loop), the code outside the loops once
+    body = mufu = 0
+    for lp in row["loops"]:
+        if lp["counted"]:
+            trips = (vocab // row["BLOCK_V"] if lp["full_blocks"]
+                     else math.ceil(vocab / row["BLOCK_V"]))
+            body += trips * lp["instructions"]
+            mufu += trips * lp["classes"]["mufu"]
+    warp_instr = n_rows * row["num_warps"] * (body + row["per_row"])
+    mufu_lanes = n_rows * row["num_warps"] * 32 * (mufu + row["per_row_mufu"])
     nbytes = n_rows * vocab * row["floor"]["bytes_per_logit"]
     out = {}
     for gpu in GPUS:

@@ -30,8 +30,8 @@ import triton.language as tl
 from .._types import compute_dtype
 from . import single_pass
 from .gppo import region_bounds, region_codes, region_sizes
-from .logprobs import (load_target_logit, mask_args, program_row, row_logsumexp,
-                       row_write_dlogits, row_write_zeros)
+from .logprobs import (at, load_target_logit, mask_args, program_token, row_logsumexp,
+                       row_write_dlogits, row_write_zeros, target_column, target_logprob)
 from .utils import constexpr_codes, empty, time_block, tl_compute_dtype
 
 # Columns of the per-row (from log-probs) and per-token (from logits) partial sums.
@@ -218,29 +218,31 @@ def _surrogate_logits_row(
     # lse = m + log s by the online pass, lp = (z_y - m) - log s, the surrogate, then
     # dL/dlogits = g (onehot(y) - p) / tau with g = dL/dlp = -row_scale[b] w dJ/dlp (for an
     # upstream gradient of 1; the backward rescales otherwise). On policy: old = lp.
-    token, b, s, y, in_window, is_actor = program_row(row, targets_ptr, mask_ptr, T, S, offset,
-                                                      stride_yb, stride_yt, stride_mb, stride_mt,
-                                                      True)
-    t = token - b * T
-    out = sums_ptr + token * N_SUM_COLS
+    # Little of a row lives through its pass and the fp64 calls of its trust region (ptxas
+    # holds a 16-warp program to 40 registers, three to an SM, and spills what does not fit):
+    # b, s, t stay int32, the token's inputs and addresses are read and formed after the pass,
+    # the sums are stored before the write pass.
+    token, b, s, t, in_window, is_actor = program_token(row, mask_ptr, T, S, offset, stride_mb,
+                                                        stride_mt, True)
     if is_actor:
-        row_ptr = logits_ptr + b * stride_lb + s * stride_lt
-        # z[y] is read before the logsumexp pass, whose block reductions (barriers) order it
-        # before any thread's dlogits store: in place, the write pass overwrites z[y].
-        z_y = load_target_logit(row_ptr, y, V, inv_temp, ACC)
+        row_ptr = logits_ptr + at(b, stride_lb, s, stride_lt)
         m, log_s, _ = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, False, ACC, EVICT, NUM_STAGES)
-        lp = (z_y - m) - log_s
-        old, adv, w = _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, t, True, stride_ob,
-                                    stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
-                                    HAS_OLD)
-        lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
+        # In place the write pass overwrites x[y]: it waits at a barrier for every thread's read
+        column = target_column(tl.load(targets_ptr + at(b, stride_yb, t, stride_yt)), V)
+        x_y = load_target_logit(row_ptr, column, ACC)
+        lp = target_logprob(x_y, inv_temp, m, log_s)
+        old = lp
+        if HAS_OLD:
+            old = tl.load(old_ptr + at(b, stride_ob, t, stride_ot)).to(ACC)
+        adv = tl.load(adv_ptr + at(b, stride_ab, t, stride_at)).to(ACC)
+        w = tl.load(weight_ptr + at(b, stride_wb, t, stride_wt)).to(ACC)
         log_ratio = lp - old
-        j, dj, low, high, dual, bad = clipped_surrogate(log_ratio, adv, lo, hi, dual_clip)
         row_scale = tl.load(row_scale_ptr + b).to(ACC)
+        out = sums_ptr + at(b, T * N_SUM_COLS, t, N_SUM_COLS)    # the token b T + t
         if WRITE_DLOGITS:
-            row_write_dlogits(row_ptr, dlogits_ptr + b * stride_db + s * stride_dt, V, y,
-                              inv_temp, m, log_s, 0.0, -row_scale * w * dj, 0.0, BLOCK_V, False,
-                              ACC, EVICT, NUM_STAGES, ORDER)
+            drow_ptr = dlogits_ptr + at(b, stride_db, s, stride_dt)
+        lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
+        j, dj, low, high, dual, bad = clipped_surrogate(log_ratio, adv, lo, hi, dual_clip)
         tl.store(out + SUM_LOSS, j * w * row_scale)
         tl.store(out + SUM_CLIP_LOW, low.to(ACC))
         tl.store(out + SUM_CLIP_HIGH, high.to(ACC))
@@ -248,12 +250,17 @@ def _surrogate_logits_row(
         tl.store(out + SUM_RATIO, tl.exp(log_ratio))
         tl.store(out + SUM_NEG_LOG_RATIO, -log_ratio)
         tl.store(out + SUM_OVERFLOW, bad.to(ACC))
+        if WRITE_DLOGITS:
+            tl.debug_barrier()
+            row_write_dlogits(row_ptr, drow_ptr, V, column, inv_temp, m, log_s, 0.0,
+                              -row_scale * w * dj, 0.0, BLOCK_V, False, ACC, EVICT, NUM_STAGES,
+                              ORDER)
     else:
         if WRITE_DLOGITS:
-            row_write_zeros(dlogits_ptr + b * stride_db + s * stride_dt, V, BLOCK_V, EVICT)
+            row_write_zeros(dlogits_ptr + at(b, stride_db, s, stride_dt), V, BLOCK_V, EVICT)
         if in_window:
             for col in tl.static_range(N_SUM_COLS):
-                tl.store(out + col, tl.zeros((), ACC))
+                tl.store(sums_ptr + token * N_SUM_COLS + col, tl.zeros((), ACC))
 
 
 @triton.jit

@@ -21,6 +21,9 @@ POISON_OUTPUTS = False
 # Vocabulary block per loop iteration, by logits element size: large enough to keep many loads in
 # flight, small enough that the fp32 working set of a block stays in registers.
 _MAX_BLOCK_V = {2: 8192, 4: 4096, 8: 2048}
+# The narrowest block: a row helper's thread reads a line of two 16-byte loads from each block
+# (``logprobs.row_logsumexp``), 16 logits of 2 bytes.
+_MIN_BLOCK_V = 16
 
 
 def constexpr_codes(names, *wanted):
@@ -33,8 +36,9 @@ def constexpr_codes(names, *wanted):
 def vocab_launch_config(vocab_size: int, element_size: int, block_v=None, num_warps=None):
     """(BLOCK_V, num_warps) for a kernel that streams one row of ``vocab_size`` logits: from the
     table, or ``block_v`` / ``num_warps`` when given (a block is never wider than the row's next
-    power of two; the warps follow the block unless given)."""
-    block = min(triton.next_power_of_2(vocab_size), block_v or _MAX_BLOCK_V[element_size])
+    power of two, nor narrower than 16; the warps follow the block unless given)."""
+    block = max(_MIN_BLOCK_V, min(triton.next_power_of_2(vocab_size),
+                                  block_v or _MAX_BLOCK_V[element_size]))
     if num_warps is None:
         num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     return block, num_warps
