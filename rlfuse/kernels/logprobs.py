@@ -10,6 +10,15 @@ The row helpers ``row_logsumexp`` and ``row_write_dlogits`` are shared with the 
 work straight from logits. Their cache and loop switches (``EVICT``, ``NUM_STAGES``, ``ORDER``)
 serve the single pass, which reads each row twice (``single_pass.SinglePassConfig``); the kernels
 here read a row once per launch and pass the defaults.
+
+Their loops are written to an instruction budget (a row kernel can be limited by instruction
+issue before bandwidth on an H200; ``python -m bench --sass`` counts them from SASS and
+``tests/sass_pins.json`` holds the counts): exponentials in base 2 (``tl.math.exp2`` is one
+MUFU.EX2 in fp32) with log2(e) / tau folded into one scale, a running max and sum per thread
+combined across threads once after the loop, full blocks without masks and the partial block
+apart, the target column compared (in int32) only in the one block that holds it, bf16 pairs
+unpacked by shift and mask, and fmas written as ``tl.fma``. The numerics argument of each is
+beside it.
 """
 from __future__ import annotations
 
