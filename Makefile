@@ -1,18 +1,24 @@
 # `make test` sets up .venv on a fresh machine (with the test and train extras: the suite runs a
 # short demo and the TRL / verl integrations) and runs the suite with the Triton interpreter;
-# `make demo` runs the main job.
+# `make demo` sets up .venv with the train extra only and runs the main job.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU wheel of torch (a plain `pip install torch` would fetch a multi-GB CUDA build).
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup test clean
+.PHONY: setup test demo clean
 
-$(VENV)/.installed: setup.py
+# The venv with torch (CPU build unless one is there) and the package with the train extra.
+$(VENV)/.demo-installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_CPU)
+	$(PY) -m pip install --quiet -e ".[train]"
+	touch $@
+
+# ... and the test extra, with verl (--no-deps: its own pins clash with ours).
+$(VENV)/.installed: $(VENV)/.demo-installed
 	$(PY) -m pip install --quiet -e ".[test,train]"
 	$(PY) -m pip install --quiet --no-deps verl==0.9.1
 	touch $@
@@ -27,6 +33,5 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
 # `make demo`: a tiny transformers + peft LoRA policy trained by each loss, kernels interpreted.
-.PHONY: demo
-demo: setup
+demo: $(VENV)/.demo-installed
 	TRITON_INTERPRET=1 $(PY) -m rlfuse.demo

@@ -6,9 +6,9 @@ Examples::
     python -m bench                                  # the full grid (on a GPU)
     python -m bench --op token_logprobs,gppo_logits --N 16384 --V 151936
     TRITON_INTERPRET=1 python -m bench --quick       # CPU smoke through the Triton interpreter
-    python -m bench --traffic                        # bytes per row of logits, every op (CPU)
-    python -m bench --comm                           # bytes a vocabulary split sends per call
-    python -m bench --sass                           # SASS instructions per logit (no GPU)
+
+The byte counts and the SASS counts of the same cases are development tools:
+``python -m tools.traffic``, ``python -m tools.sass``.
 
 On a GPU results go to ``bench/results/<gpu>-<commit>.json`` (or ``$OUT``); on the CPU to a
 temporary directory unless ``--out`` is given: speed claims come from GPU runs only.
@@ -76,19 +76,6 @@ def parse_args(argv=None):
     p.add_argument("--no-validate", action="store_true",
                    help="pass validate=False to the losses (skips the [B, T] value checks)")
     p.add_argument("--no-report", action="store_true", help="write the JSON only")
-    p.add_argument("--traffic", action="store_true",
-                   help="count the bytes every kernel moves per row of logits (Triton "
-                        "interpreter, small N, --V default 151936, first --dtype, --op) and the "
-                        "torch passes outside them, against each op's floor; --out: where "
-                        "traffic.json / traffic.md go")
-    p.add_argument("--readme", help="with --traffic: write its table into this README")
-    p.add_argument("--comm", action="store_true",
-                   help="print the bytes a vocabulary split over 2, 4, 8 ranks sends per call "
-                        "(computed) at the first --N (default 16384), --V (151936), --dtype")
-    p.add_argument("--sass", action="store_true",
-                   help="count the SASS instructions per logit of every row kernel, compiled for "
-                        "sm_90 and sm_80 without a GPU, against the memory floor (bench/sass.py; "
-                        "its options: python -m bench --sass --help)")
     p.add_argument("--commit", help="commit to record (default: $RLFUSE_COMMIT, else git)")
     args = p.parse_args(argv)
     args.op = _split(args.op) or list(cases.OPS)
@@ -301,38 +288,8 @@ def out_dir(args, device_type: str) -> Path:
     return Path(tempfile.mkdtemp(prefix="rlfuse-bench-"))   # CPU numbers never land in the repo
 
 
-def traffic_main(args, argv) -> int:
-    """``--traffic``: in the Triton interpreter, which must be chosen before triton is imported
-    (a CUDA machine runs this again in a process that chooses it)."""
-    from rlfuse.kernels.utils import INTERPRET
-
-    if not INTERPRET:
-        argv = sys.argv[1:] if argv is None else list(argv)
-        return subprocess.call([sys.executable, "-m", "bench", *argv],
-                               env=dict(os.environ, TRITON_INTERPRET="1"))
-    from . import traffic
-
-    traffic.main(args.V[0] if args.V else traffic.TRAFFIC_V,
-                 args.dtype[0] if args.dtype else torch.bfloat16, args.op, args.out, args.readme)
-    return 0
-
-
 def main(argv=None) -> int:
-    raw = sys.argv[1:] if argv is None else list(argv)
-    if "--sass" in raw:              # bench/sass.py has options of its own
-        from . import sass
-        return sass.main([a for a in raw if a != "--sass"])
     args = parse_args(argv)
-    if args.traffic:
-        return traffic_main(args, argv)
-    if args.comm:
-        from . import traffic
-
-        dtype = args.dtype[0] if args.dtype else torch.bfloat16
-        print(traffic.communication_table(args.N[0] if args.N else max(cases.DEFAULT_N),
-                                          args.V[0] if args.V else traffic.TRAFFIC_V,
-                                          cases.HIDDEN, torch.finfo(dtype).bits // 8))
-        return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     directory = out_dir(args, device)
     directory.mkdir(parents=True, exist_ok=True)

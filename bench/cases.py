@@ -1,5 +1,8 @@
-"""What the benchmark runs: the shapes, ONE input factory (used for speed and for memory alike),
-the ops, the implementations that run them, and each op's minimal HBM byte count (its floor).
+"""What is measured: the shapes, ONE input factory (used for speed and for memory alike), the
+ops, the implementations that run them, and each op's minimal HBM byte count (its floor) — the
+one registry of the benchmark, the byte counts and the SASS counts (``tools.traffic``,
+``tools.sass``) and their tests. ``VARIANTS`` are the forms a trainer calls beyond the
+benchmark's grid (a whole output with an offset, ``loss_scale``, ...), held to an op's floor.
 
 An op is a function of the inputs made by :func:`make_inputs`; every implementation of it goes
 through the same call (``Op.run(lib, x)`` with ``lib`` = ``rlfuse``, ``rlfuse.reference`` or the
@@ -96,13 +99,16 @@ def _own_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def make_inputs(shape: Shape, device, *, seed: int = 0, validate: bool = True) -> SimpleNamespace:
+def make_inputs(shape: Shape, device, *, seed: int = 0, validate: bool = True,
+                full_output: bool = False) -> SimpleNamespace:
     """Realistic inputs: logits ``randn * 2`` in the dtype, random targets, padded responses with
     ~85% actor tokens, old/ref log-probs = the policy's own + small noise (ratios near 1), a
     teacher further off, rewards 0/1. Leaves that require grad: ``logits`` (the ``[:, :-1]``
     view; its gradient is what the fused kernels write), ``logits_full`` (for Liger), ``lp``,
     and for the LinearHead ops ``hidden [B, T+1, H]`` and a trainable ``weight [V, H]`` (scaled
-    so that their logits look like the others: ``randn * 2``).
+    so that their logits look like the others: ``randn * 2``). ``full_output``: also a model's
+    whole output ``full_output [B, T + 2, V]`` whose rows ``1 .. T`` predict the targets (for
+    the variants).
     """
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -128,6 +134,9 @@ def make_inputs(shape: Shape, device, *, seed: int = 0, validate: bool = True) -
         x.hidden = randn(B, T + 1, shape.hidden, dtype=shape.dtype).requires_grad_()
         x.weight = randn(shape.V, shape.hidden, dtype=shape.dtype).mul_(
             2.0 / shape.hidden ** 0.5).requires_grad_()
+        if full_output:
+            x.full_output = randn(B, T + 2, shape.V, dtype=shape.dtype).mul_(2.0) \
+                .requires_grad_()
     x.lp = own.clone().requires_grad_()
     x.old_lp = (own + 0.05 * randn(B, T)).clamp_max(0.0)
     x.ref_lp = (own + 0.05 * randn(B, T)).clamp_max(0.0)
@@ -163,6 +172,10 @@ class Op:
     # LinearHead ops: the matmuls of [N, H] x [H, V] a mode needs at least (2 N H V FLOPs
     # each); their floor is compute, not bytes
     matmuls: Optional[Dict[str, int]] = None
+    # (x) -> the tensors a step differentiates; None: by form (logits, log-probs, hidden+weight)
+    leaves: Optional[Callable] = None
+    # (x) -> (rows S of the logits, the first row of the window); None: (T, 0)
+    window: Optional[Callable] = None
 
     def bytes(self, shape: Shape, mode: str, actor_rows: Optional[int] = None) -> int:
         """The floor in bytes: each actor row of logits read ``reads`` times, every row written
@@ -296,6 +309,40 @@ _HEAD_MATMULS = {"fwd+bwd": 3}
 _HEAD_FLOOR = {"fwd+bwd": (0, 0, TGT + MSK + 2 * F32)}   # the [B, T] side data only
 
 
+def _gppo(lib, policy, x, **kw):
+    return lib.gppo_loss(policy, x.old_lp, x.advantages, x.mask, **kw).loss
+
+
+def _variants():
+    """What a trainer does beyond the benchmark's calls, with GPPO's single pass (PPO's is the
+    same kernel): a whole model output with offset, loss_scale, an upstream gradient that is
+    not 1, the gradient written into the logits' own buffer, a chunked LinearHead. Each is held
+    to the floor of the op it varies."""
+    logits, head = OPS["gppo_logits"], OPS["gppo_head"]
+    step = ("fwd+bwd",)
+
+    def variant(op, **fields):
+        return dataclasses.replace(op, liger=None, **fields)
+
+    return {v.name: v for v in (
+        variant(logits, name="gppo_logits, full output + offset",
+                run=lambda lib, x: _gppo(lib, lib.Logits(x.full_output, x.targets, offset=1), x),
+                leaves=lambda x: x.full_output, window=lambda x: (x.shape.T + 2, 1)),
+        variant(logits, name="gppo_logits, loss_scale=1/8", fused_modes=step, modes=step,
+                run=lambda lib, x: _gppo(lib, lib.Logits(x.logits, x.targets), x,
+                                         loss_scale=0.125)),
+        variant(logits, name="gppo_logits, upstream gradient 1/8", fused_modes=step,
+                modes=step,
+                run=lambda lib, x: _gppo(lib, lib.Logits(x.logits, x.targets), x) * 0.125),
+        variant(logits, name="gppo_logits, inplace_backward", fused_modes=step, modes=step,
+                run=lambda lib, x: _gppo(lib, lib.Logits(x.logits, x.targets,
+                                                         inplace_backward=True), x)),
+        variant(head, name="gppo_head, chunk_tokens=5",
+                run=lambda lib, x: _gppo(lib, lib.LinearHead(x.hidden, x.weight, x.targets,
+                                                             chunk_tokens=5), x)),
+    )}
+
+
 def _ops():
     ops = [Op("token_logprobs", True,
               lambda lib, x: lib.token_logprobs(x.logits, x.targets, mask=x.mask),
@@ -326,6 +373,7 @@ def _ops():
 
 
 OPS = _ops()
+VARIANTS = _variants()
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,7 +418,9 @@ def forward_fn(op: Op, impl: str, lib, x) -> Optional[Callable]:
     """``forward() -> (outputs tuple, leaves)`` of ``impl`` on ``op``; None when ``impl`` has no
     such op (Liger has no GGPO and no entropy). The leaves: the logits (Liger: its
     ``[B, T+1, V]`` logits), the log-probs, or a LinearHead's hidden states and weight."""
-    if op.matmuls is not None:
+    if op.leaves is not None:
+        leaves = op.leaves(x)
+    elif op.matmuls is not None:
         leaves = (x.hidden, x.weight)
     elif impl == "liger":
         leaves = x.logits_full
@@ -382,8 +432,8 @@ def forward_fn(op: Op, impl: str, lib, x) -> Optional[Callable]:
         run = lambda: op.liger(lib, x)  # noqa: E731
     else:
         run = lambda: op.run(lib, x)  # noqa: E731
-    return lambda: (_as_tuple(run()), leaves)
+    return lambda: (as_tuple(run()), leaves)
 
 
-def _as_tuple(out):
+def as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)

@@ -20,7 +20,7 @@
 #     RLFUSE_COMMIT=<short sha> bash bench/gpu_check.sh
 # (the copy of the tree there has no .git, so write the commit into the command). Without the
 # wheel, Liger is listed under "missing_impls" and has no rows. Afterwards, on the dev machine:
-# copy the JSON into bench/results/ and `python -m bench.report --readme README.md`.
+# copy the JSON into bench/results/ and `python -m bench.report --readme docs/performance.md`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -71,7 +71,7 @@ echo "bench exit code: $bench_rc" | tee -a "$OUT/bench.txt"
 # A vocabulary split needs more than one GPU to time; on one, what it would send is computed.
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 echo "== vocabulary split: $gpus GPU(s); bytes per call (computed)" | tee -a "$OUT/bench.txt"
-"$PY" -m bench --comm 2>&1 | tee -a "$OUT/bench.txt"
+"$PY" -m tools.traffic --comm 2>&1 | tee -a "$OUT/bench.txt"
 
 # The sweep's last configuration may start at its budget's end and run SWEEP_RUN_TIMEOUT (60 s).
 left=$((CHECK_BUDGET - SECONDS))

@@ -1,7 +1,7 @@
 """Render benchmark results: a markdown table, a PNG plot, and the README's table.
 
     python -m bench.report RESULTS.json [--md OUT.md] [--png OUT.png] [--mode fwd+bwd]
-    python -m bench.report --readme README.md     # newest GPU results in bench/results
+    python -m bench.report --readme docs/performance.md     # newest GPU results in bench/results
 
 The README's table sits between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``; it is only
 ever filled from a GPU run (CPU timings go through the Triton interpreter and mean nothing).
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
             return 1
         return 0
     if not args.results:
-        p.error("give a results JSON, or --readme README.md")
+        p.error("give a results JSON, or --readme docs/performance.md")
     results = load(args.results)
     md = markdown(results, modes=args.mode)
     if args.md:

@@ -1,12 +1,13 @@
-"""rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD losses."""
+"""rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD reinforcement-learning losses."""
 from . import reference
+from ._api import (ggpo_loss, gppo_bounds, gppo_loss, gr_opd_advantages, gr_opd_loss,
+                   policy_logprobs, ppo_loss, token_logprobs)
 from ._dispatch import use_kernels
+from ._math import group_advantages           # plain torch on [B]-sized data: one for both
 from ._types import LinearHead, Logits, LossOutput
-from .fused_losses import (GGPOLoss, GPPOLoss, GROPDLoss, PPOLoss, ggpo_loss, gppo_bounds,
-                           gppo_loss, gr_opd_advantages, gr_opd_loss, policy_logprobs, ppo_loss,
-                           token_logprobs)
-from .parallel import global_counts, packed_index  # plain torch, [B, T]-sized: one for both
-from .reference import group_advantages  # plain torch on [B]-sized data: one implementation
+from .modules import GGPOLoss, GPPOLoss, GROPDLoss, PPOLoss
+from .scaleout.data_parallel import global_counts
+from .scaleout.layout import packed_index    # plain torch, [B, T]-sized: one for both
 
 __all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "LinearHead", "Logits", "LossOutput", "PPOLoss",
            "ggpo_loss", "global_counts", "gppo_bounds", "gppo_loss", "gr_opd_advantages",

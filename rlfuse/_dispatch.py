@@ -1,24 +1,26 @@
 """Which implementation a call runs: the Triton kernels or the plain-torch reference."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
-from typing import Callable
+import os
+from typing import Callable, Union
 
 import torch
 
-from ._contract import policy_device
+from ._policy import policy_device
 
-try:
-    from .kernels.utils import INTERPRET
-    HAVE_TRITON = True
-except ImportError:  # a platform without triton: the reference still works
-    INTERPRET = False
-    HAVE_TRITON = False
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+# `@triton.jit` picks the interpreter when the kernels are decorated, at their import right
+# after this one (``kernels.utils.INTERPRET`` records the same decision).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def use_kernels(device: torch.device) -> bool:
+def use_kernels(device: Union[torch.device, str]) -> bool:
     """CUDA tensors run the kernels; CPU tensors too when ``TRITON_INTERPRET=1`` was set before
-    rlfuse was imported (the Triton interpreter); anything else falls back to the reference."""
+    rlfuse was imported (the Triton interpreter); anything else falls back to the reference.
+    ``device``: a ``torch.device`` or what it accepts (``"cuda"``, ``"cpu"``, ``"cuda:1"``)."""
+    device = torch.device(device)
     if not HAVE_TRITON:
         return False
     if device.type == "cuda":

@@ -1,12 +1,13 @@
-"""The building blocks of the argument checks (``_contract`` assembles them per function).
+"""The building blocks of the argument checks (``_policy`` and ``_args`` assemble them).
 
-Every check reads only ``[B, T]``-sized data (never the logits' values) and raises a
-``ValueError`` / ``TypeError`` that names the argument and what was expected.
+Every check reads only metadata and ``[B, T]``-sized data (never the logits' values) and raises
+a ``ValueError`` / ``TypeError`` that names the argument and what was expected. The checks of
+values (``validate=True``) sync with the host; with ``validate=False`` only metadata is read.
 """
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -169,7 +170,7 @@ def check_token_tensors(mask, tensors: Mapping[str, torch.Tensor], *, shape: Seq
         mask = check_mask(mask, shape, device)
     else:
         check_tensor("mask", mask, shape=shape, device=device)
-        mask = mask if mask.dtype == torch.bool else mask != 0
+        mask = as_bool_mask(mask)
     for name, x in tensors.items():
         check_tensor(name, x, shape=shape, device=device, floating=True)
         if validate:
@@ -183,3 +184,73 @@ def check_sequence_tensor(name: str, x, *, batch: int, device: torch.device,
     check_tensor(name, x, shape=(batch,), device=device, floating=True)
     if validate:
         check_finite(name, x)
+
+
+def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_count(name: str, value, device: torch.device, validate: bool):
+    """A global count: None (the local one), a number > 0, or a 0-dim tensor on ``device``
+    (e.g. all-reduced over a process group: never read on the host unless ``validate``)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        check_tensor(name, value, shape=(), device=device)
+        if validate and not bool(value > 0):
+            raise ValueError(f"{name}: expected a count > 0, got {value.item()}")
+        return value
+    return check_positive(name, value)
+
+
+def check_loss_scale(loss_scale) -> float:
+    """A finite number that multiplies the loss and every gradient."""
+    value = check_number("loss_scale", loss_scale)
+    if abs(value) == math.inf:
+        raise ValueError(f"loss_scale: expected a finite number, got {value}")
+    return value
+
+
+def check_sides(name: str, value, check: Callable) -> Tuple[float, float]:
+    """One value or a ``(low, high)`` pair, each side checked by ``check(name, side)``."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{name}: expected a number or a (low, high) pair, got {value!r}")
+        return check(f"{name}[0]", value[0]), check(f"{name}[1]", value[1])
+    value = check(name, value)
+    return value, value
+
+
+def _check_clip_side(name: str, value) -> float:
+    value = check_number(name, value)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name}: expected a clip range in (0, 1), got {value}")
+    return value
+
+
+def check_clip(name: str, clip) -> Tuple[float, float]:
+    """PPO's ``eps`` or ``(eps_low, eps_high)``, each in (0, 1): the region
+    ``[1 - eps_low, 1 + eps_high]``."""
+    return check_sides(name, clip, _check_clip_side)
+
+
+def check_dual_clip(dual_clip) -> float:
+    """None (no dual clip: inf) or a finite ``c > 1``."""
+    if dual_clip is None:
+        return math.inf
+    value = check_number("dual_clip", dual_clip)
+    if not 1.0 < value < math.inf:
+        raise ValueError(f"dual_clip: expected None or a finite value > 1, got {value}")
+    return value
+
+
+def raise_on_overflow(count: torch.Tensor, dtype: torch.dtype) -> None:
+    """The surrogate losses' refusal of an unrepresentable ``r A`` (``count``: the tokens where
+    the selected unclipped ``r A`` overflowed ``dtype``). One host sync, so it runs only when
+    the loss validates; otherwise the count becomes the ``overflow`` metric."""
+    n = int(count.item())
+    if n:
+        raise ValueError(
+            f"policy: the unclipped surrogate r*A overflows {dtype} at {n} actor token(s) "
+            f"(log-ratio lp - old_lp too large); the importance ratio is not representable, "
+            f"refusing to return inf/NaN (validate=False reports it as the 'overflow' metric)")

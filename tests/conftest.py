@@ -1,7 +1,9 @@
-"""Shared test configuration: the tolerance table, the three-way check, output poisoning.
+"""Shared test configuration: the tolerances, the three-way check, the implementations under test,
+output poisoning, and the guard that the kernels really run.
 
 The suite runs the real Triton kernels on the CPU through the interpreter (``TRITON_INTERPRET=1``
-must be set before triton is imported; ``make test`` does). Tests marked ``gpu`` need CUDA.
+must be set before triton is imported; ``make test`` does, and so does this file when it is
+first). Tests marked ``gpu`` need CUDA.
 """
 import importlib
 import os
@@ -12,7 +14,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
+import rlfuse  # noqa: E402
 import rlfuse.kernels.utils as kernel_utils  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# --------------------------------------------------------------------------------------------
+# Tolerances
+# --------------------------------------------------------------------------------------------
 
 # Three-way rule (STYLE.md): with ref64 the float64 reference on the same (rounded) inputs and
 # ref the reference run on the inputs' own dtype,
@@ -28,6 +37,61 @@ ATOL = {
     torch.float16: 2e-3,   # ~2 ulp at 1
     torch.bfloat16: 1.6e-2,  # ~2 ulp at 1
 }
+
+# Direct comparisons (``torch.testing.assert_close(a, b, **TOL[name])``), each with its reason.
+TOL = {
+    # the same arithmetic in the same order: launch configurations, layouts, wrappers
+    "exact": dict(rtol=0, atol=0),
+    # fp64 results of the same math in another order (a few ulp of the terms summed)
+    "fp64": dict(rtol=1e-12, atol=1e-14),
+    # fp64 gradients with terms of ~1e-3 (a few ulp of them)
+    "fp64_grad": dict(rtol=1e-12, atol=1e-15),
+    # fp64 through more operations (a loss and its gradient over several kernels, log-space
+    # bounds)
+    "fp64_chain": dict(rtol=1e-10, atol=1e-12),
+    # fp64 sums over a batch whose terms cancel (micro-batches adding up, shifted rewards)
+    "fp64_sum": dict(rtol=1e-12, atol=1e-12),
+    # fp64 trust-region bounds from the kernels' closed forms and fixed-iteration root finding
+    # against the reference's bisection: ratios around 1, relative, absolute where 1 - x cancels
+    "bounds_fp64": dict(rtol=1e-9, atol=1e-12),
+    # fp32 bounds: fp64 computed, rounded once to fp32 (1 ulp = 6e-8 at 1)
+    "bounds_fp32": dict(rtol=1e-6, atol=1e-7),
+    # fp32 results against fp64 of one short computation (a log-prob, one loss term)
+    "fp32": dict(rtol=1e-6, atol=1e-7),
+    # fp32 results of a reduction over a row or a batch (a few ulp of its largest terms)
+    "fp32_sum": dict(rtol=2e-6, atol=1e-6),
+    # fp32 against fp32 in another order, through a chain (losses from logits, head gradients)
+    "fp32_chain": dict(rtol=1e-5, atol=1e-6),
+    # fp32 gradients through matmuls in another order (a LinearHead's chunks against one
+    # matmul, a model's layers: cuBLAS / MKL blocking differs)
+    "fp32_matmul": dict(rtol=1e-4, atol=1e-6),
+    # fp64 with hyper-parameters exact in fp64 (the regions' fp32 pairs hi + lo): the same math
+    # in another order, to a few ulp
+    "fp64_pairs": dict(rtol=1e-13, atol=1e-15),
+    # fp64 through a LinearHead's chunked matmuls (the matmuls' own reassociation)
+    "fp64_head": dict(rtol=1e-12, atol=1e-13),
+    # fp32 log-probs and entropies of rows of logits of size ~10 against fp64 (a few ulp of the
+    # row's logsumexp)
+    "fp32_logprob": dict(rtol=1e-6, atol=1e-6),
+    # fp32 losses of one batch computed two ways (in another order, or with another wrapper's
+    # normaliser, e.g. verl's 1e-8 in seq-mean-token-mean)
+    "fp32_reduce": dict(rtol=2e-6, atol=1e-7),
+    # fp32 gradients of ~1e-3 per token (a few ulp of them)
+    "fp32_grad": dict(rtol=2e-6, atol=1e-8),
+    # fp32 log-probs of two implementations over rows of V ~ 1000 (Liger's kernel and ours): a
+    # few ulp of |log p| <= 16, absolute
+    "fp32_logprob_abs": dict(rtol=0, atol=4e-6),
+    # fp32 log-softmax on a GPU against torch's on a GPU (approximate math in both)
+    "fp32_gpu": dict(rtol=1e-5, atol=1e-5),
+    # a bf16 gradient on a GPU against fp64 (one bf16 rounding, 2^-8, of terms up to ~2)
+    "bf16_grad": dict(rtol=2e-2, atol=1e-9),
+}
+# A vocabulary split against the whole vocabulary in one process: both compute in the same
+# precision and differ in summation order (log S, the entropy's chain rule): a few units of
+# rounding of the compute dtype (fp32 for bf16 logits) on values; a bf16 gradient is rounded
+# once on each side, so one bf16 unit of its scale.
+SPLIT_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-5}
+SPLIT_GRAD_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2.0 ** -7}
 
 
 # On a GPU, Triton passes Python floats to kernels as fp32 scalars, so a float64 kernel run sees
@@ -58,12 +122,54 @@ def assert_three_way(fused: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor
     assert err <= bound, f"{name}: max error {err:.3e} vs float64 exceeds {bound:.3e}"
 
 
+# --------------------------------------------------------------------------------------------
+# What runs
+# --------------------------------------------------------------------------------------------
+
+def kernels_run_on(device: torch.device) -> bool:
+    """The fused functions run the kernels on ``device`` (on the CPU: interpreted)."""
+    if not rlfuse.use_kernels(device):
+        return False
+    if device.type == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(kernel_utils.load_tile, InterpretedFunction)
+    return True
+
+
+@pytest.fixture(autouse=True)
+def kernels_must_run(request):
+    """Every test fails, rather than compare the reference with itself, where the fused
+    functions would fall back to it: on a CPU whose Triton was imported before
+    ``TRITON_INTERPRET=1`` was set. (Tests of the reference alone are exempt.)"""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("impl") == "reference":
+        return
+    if not kernels_run_on(DEVICE):
+        pytest.fail(f"the kernels do not run on {DEVICE}: set TRITON_INTERPRET=1 before Python "
+                    f"starts (make test does); the fused functions would silently run the "
+                    f"reference", pytrace=False)
+
+
+@pytest.fixture
+def device():
+    """Where the kernel tests run: CUDA when there is one, else the CPU through the interpreter."""
+    return DEVICE
+
+
+@pytest.fixture(params=["fused", "reference"])
+def impl(request):
+    """The implementation under test: ``rlfuse`` (the kernels) or ``rlfuse.reference`` (plain
+    torch), the same functions with the same signatures."""
+    return rlfuse if request.param == "fused" else rlfuse.reference
+
+
 @pytest.fixture(autouse=True)
 def poison_outputs():
     """Every kernel output starts as NaN, so an element a kernel does not write fails."""
-    kernel_utils.POISON_OUTPUTS = True
+    kernel_utils.OUTPUT_FILL = float("nan")
     yield
-    kernel_utils.POISON_OUTPUTS = False
+    kernel_utils.OUTPUT_FILL = None
 
 
 def pytest_configure(config):
@@ -86,9 +192,3 @@ def integration(module: str):
     if os.environ.get("RLFUSE_REQUIRE_INTEGRATIONS") == "1":
         return importlib.import_module(module)
     return pytest.importorskip(module)
-
-
-@pytest.fixture
-def device():
-    """Where the kernel tests run: CUDA when there is one, else the CPU through the interpreter."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,16 +1,28 @@
-"""The public API's shape: every fused function and its reference twin, and the fallback."""
+"""The public API and the package's shape: every public function and its reference twin (one
+signature, one docstring that documents every argument), the dispatch and its fallback, every
+launch under its tensors' device, and the
+layout of ``rlfuse/`` (layers, no import cycle, no module above 500 lines, a reference that
+speaks only of math)."""
 import ast
+import contextlib
 import inspect
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
 import rlfuse
-from rlfuse._dispatch import falls_back_to
+from rlfuse._dispatch import falls_back_to, use_kernels
+from rlfuse.fused_losses import _op
 
+PACKAGE = Path(rlfuse.__file__).parent
 PUBLIC_FUNCTIONS = sorted(name for name in rlfuse.__all__
                           if inspect.isfunction(getattr(rlfuse, name)) and name != "use_kernels")
+LOSSES = ("ggpo_loss", "gppo_loss", "gr_opd_loss", "ppo_loss")
 
 
 def test_every_public_function_has_a_reference_twin():
@@ -19,16 +31,43 @@ def test_every_public_function_has_a_reference_twin():
                                      "packed_index", "policy_logprobs", "ppo_loss",
                                      "token_logprobs"}
     for name in PUBLIC_FUNCTIONS:
-        assert name in rlfuse.reference.__all__, name
+        fused, ref = getattr(rlfuse, name), getattr(rlfuse.reference, name)
+        assert inspect.signature(fused) == inspect.signature(ref), name
+        assert getattr(fused, "reference", ref) is ref, name
+
+
+def _arguments_section(doc: str) -> dict:
+    """{argument name: its text} of a docstring's ``Args:`` section (``a:`` or ``a, b, c:``
+    entries, continued on deeper-indented lines)."""
+    entries, current = {}, None
+    for line in doc.split("Args:", 1)[1].splitlines()[1:]:
+        if line.strip() and not line.startswith(" " * 8):
+            break
+        m = re.match(r"^ {8}([a-z_][a-z_0-9, ]*):(.*)", line)
+        if m:
+            current = [m.group(2)]
+            for name in m.group(1).split(","):
+                entries[name.strip()] = current
+        elif current is not None:
+            current.append(line.strip())
+    return {name: " ".join(text) for name, text in entries.items()}
 
 
 @pytest.mark.parametrize("name", PUBLIC_FUNCTIONS)
-def test_signature_and_docstring_equal_the_reference(name):
-    fused, ref = getattr(rlfuse, name), getattr(rlfuse.reference, name)
-    assert inspect.signature(fused) == inspect.signature(ref)
-    assert fused.__doc__ == ref.__doc__ and len(ref.__doc__) > 200
-    if fused is not ref:  # group_advantages is one plain-torch implementation for both
-        assert fused.reference is ref
+def test_the_docstring_documents_every_argument(name):
+    """Each public function's docstring (written once, in ``rlfuse._docs``, or beside a plain
+    torch function that both paths share) names every argument of its signature in its
+    ``Args:`` section, and no argument it does not take: the docs cannot drift from the code."""
+    fn = getattr(rlfuse, name)
+    assert fn.__doc__ and "Args:" in fn.__doc__, name
+    assert set(_arguments_section(fn.__doc__)) == set(inspect.signature(fn).parameters), name
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_every_loss_documents_every_policy_form(name):
+    text = _arguments_section(getattr(rlfuse, name).__doc__)["policy"]
+    for form in ("[B, T]", "rlfuse.Logits", "rlfuse.LinearHead"):
+        assert form in text, (name, form)
 
 
 def test_a_signature_that_drifts_fails_at_import():
@@ -66,26 +105,210 @@ def test_the_fallback_forwards_the_call_unchanged(monkeypatch):
     assert fused("not a tensor", 1) == "reference"
 
 
-def _imports(package: str):
-    """(module file, imported module) of every relative or rlfuse import in ``rlfuse/package``."""
-    root = Path(rlfuse.__file__).parent / package
-    for path in sorted(root.glob("*.py")):
+def test_use_kernels_takes_a_device_or_its_name():
+    for device in ("cpu", torch.device("cpu"), "meta"):
+        assert use_kernels(device) == use_kernels(torch.device(device))
+    assert use_kernels("cuda") and use_kernels("cuda:1")     # CUDA runs the kernels
+    assert not use_kernels("meta")
+    with pytest.raises(RuntimeError):
+        use_kernels("not a device")
+
+
+def test_without_the_interpreter_the_cpu_runs_the_reference():
+    """On the CPU without TRITON_INTERPRET, calls fall back to the reference, the same results."""
+    code = ("import torch, rlfuse; print(rlfuse.use_kernels('cpu')); "
+            "x = torch.randn(2, 3, 5); y = torch.randint(0, 5, (2, 3)); "
+            "print(torch.equal(rlfuse.token_logprobs(x, y), "
+            "rlfuse.reference.token_logprobs(x, y)))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_without_triton_the_reference_runs_every_call():
+    """A platform without Triton imports rlfuse and runs the reference (one guarded import)."""
+    code = ("import sys; sys.modules['triton'] = None; import rlfuse, torch; "
+            "assert not rlfuse.use_kernels('cuda'); "
+            "assert rlfuse.gppo_loss is rlfuse.reference.gppo_loss; "
+            "x = torch.randn(2, 3, requires_grad=True); "
+            "out = rlfuse.gppo_loss(x, x.detach(), torch.ones(2), torch.ones(2, 3, dtype=bool)); "
+            "out.loss.backward(); print(rlfuse.GPPOLoss()(x, x.detach(), torch.ones(2), "
+            "torch.ones(2, 3, dtype=bool)).loss.item() == out.loss.item())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+
+
+def test_every_launch_runs_under_its_tensors_device(monkeypatch, device):
+    """Triton launches on the current device: every op's implementation makes its tensors'
+    device current first. Checked with a fake device context that records the device entered
+    and a launcher that records the device current at each launch."""
+    current = []
+    launches = []
+
+    @contextlib.contextmanager
+    def fake_guard(dev):
+        current.append(dev)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    def recording(run):
+        def launch(self, *args, **kwargs):
+            dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+            launches.append((self.__name__, current[-1] if current else None, dev))
+            return run(self, *args, **kwargs)
+        return launch
+
+    if device.type == "cuda":
+        pytest.skip("the interpreter's launcher is what is recorded")
+    monkeypatch.setattr(_op, "device_guard", fake_guard)
+    monkeypatch.setattr(InterpretedFunction, "run", recording(InterpretedFunction.run))
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, V = 4, 3, 9
+    logits = torch.randn(B, T, V, generator=gen, requires_grad=True)
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    old = -torch.rand(B, T, generator=gen)
+    adv = torch.randn(B, generator=gen)
+    lp = old.clone().requires_grad_(True)
+    for policy in (lp, rlfuse.Logits(logits, targets)):
+        rlfuse.ggpo_loss(policy, old, adv, mask, group_size=2, beta=0.5).loss.backward()
+        rlfuse.gppo_loss(policy, old, adv, mask).loss.backward()
+        rlfuse.gr_opd_loss(policy, old, old - 0.5, mask, group_size=2).loss.backward()
+    rlfuse.token_logprobs(logits, targets, return_entropy=True)[1].sum().backward()
+    rlfuse.gppo_bounds(old, geometry="kl", topology="binary", delta=0.1)
+    rlfuse.gr_opd_advantages(old, old - 0.5, mask, group_size=2)
+    kernels = {name for name, _, _ in launches}
+    assert len(kernels) >= 10, kernels
+    for name, guard, dev in launches:
+        assert guard == dev, (name, guard, dev)
+
+
+# --------------------------------------------------------------------------------------------
+# The package's shape
+# --------------------------------------------------------------------------------------------
+
+def _modules():
+    """{module name: path} of every module of ``rlfuse``."""
+    return {"rlfuse." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts).replace(
+        ".__init__", ""): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(module: str, node, level_module: str) -> list:
+    """The rlfuse modules an import statement of ``module`` (a package when it is one) imports:
+    ``from . import x`` of a submodule ``x`` counts as importing it."""
+    modules = _modules()
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.startswith("rlfuse")]
+    base = level_module.split(".")
+    if node.level:
+        base = base[:len(base) - node.level + (1 if module in _packages() else 0)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    if not target.startswith("rlfuse"):
+        return []
+    found = [target]
+    for alias in node.names:
+        if f"{target}.{alias.name}" in modules:
+            found.append(f"{target}.{alias.name}")
+    return found
+
+
+def _packages():
+    return {name for name, path in _modules().items() if path.name == "__init__.py"}
+
+
+def import_graph():
+    """{module: modules it imports at its top level or in functions}, including each parent
+    package (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__``) but the module's own
+    (which are being imported already when it runs)."""
+    graph = {}
+    for name, path in _modules().items():
+        edges = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                yield path.name, "." * node.level + (node.module or ""), node
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    yield path.name, alias.name, node
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _resolve(name, node, name):
+                    parts = target.split(".")
+                    edges |= {".".join(parts[:i]) for i in range(2, len(parts) + 1)}
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
+        graph[name] = {e for e in edges if e in _modules() and e not in own}   # own packages:
+    return graph                                                              # already running
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycle = path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
 
 
 def test_the_layers():
-    """``_contract`` is below both paths: the reference imports neither kernels nor fused code;
-    the fused functions import the reference only as the twins they fall back to."""
-    for name, module, _ in _imports("reference"):
-        assert not module.startswith(("..kernels", "..fused_losses", "triton")), (name, module)
-    for name, module, node in _imports("fused_losses"):
-        if module.startswith("..reference") or (module == ".." and any(
-                a.name == "reference" for a in node.names)):
-            assert module == ".." and [a.name for a in node.names] == ["reference"], (name, module)
-    for name, module, _ in _imports("kernels"):
-        assert not module.startswith(("..reference", "..fused_losses")), (name, module)
+    """The checks, names and shared math sit below both paths; the reference imports neither
+    kernels nor fused code, and the fused path imports the reference only as the twins it
+    falls back to (and the docstrings they carry); the kernels import neither."""
+    graph = import_graph()
+    for module, imports in graph.items():
+        if module.startswith("rlfuse.reference"):
+            assert not {i for i in imports if i.startswith(
+                ("rlfuse.kernels", "rlfuse.fused_losses", "rlfuse.scaleout.vocab_op",
+                 "rlfuse.integrations", "rlfuse._api"))}, module
+        if module.startswith("rlfuse.kernels"):
+            assert all(i.startswith(("rlfuse.kernels", "rlfuse._names", "rlfuse._types"))
+                       for i in imports), (module, imports)
+        if module.startswith(("rlfuse._validation", "rlfuse._names", "rlfuse._types")):
+            assert not imports - {"rlfuse._names", "rlfuse._types", "rlfuse._validation"}, module
+
+
+def test_no_module_above_500_lines():
+    for name, path in _modules().items():
+        assert len(path.read_text().splitlines()) <= 500, name
+
+
+def test_the_reference_holds_only_math():
+    """``reference/`` never mentions kernels, Triton or the fused path."""
+    for path in sorted((PACKAGE / "reference").glob("*.py")):
+        text = path.read_text().lower()
+        for word in ("kernel", "triton", "fused"):
+            assert word not in text, (path.name, word)
+
+
+def test_one_switch_for_a_missing_triton():
+    """Only the kernels import Triton, every module imports the kernels at its top (no import
+    inside a function guards a missing Triton), and one module decides whether the fused
+    modules are imported at all (``rlfuse._api``)."""
+    modules = _modules()
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""]
+            if any(t.split(".")[0] == "triton" for t in targets):
+                assert name.startswith("rlfuse.kernels"), name
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if isinstance(node, ast.ImportFrom):
+                        assert "kernels" not in (node.module or ""), (name, function.name)
+    importers = {name for name, imports in import_graph().items()
+                 if any(i.startswith("rlfuse.fused_losses") for i in imports)
+                 and not name.startswith(("rlfuse.fused_losses", "rlfuse.scaleout.vocab_op"))}
+    assert importers == {"rlfuse._api"}

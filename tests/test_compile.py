@@ -1,5 +1,7 @@
-"""Compile-ready ops: torch.compile(fullgraph=True) over every op and policy form, opcheck on every
-custom op, no graph break, no host read with ``validate=False``; CUDA graphs on a GPU."""
+"""Compile-ready ops: torch.compile(fullgraph=True) over every op and policy form (packed rows
+included; the vocabulary split in ``vocab_split_worker.py``, which needs a process group),
+opcheck on every custom op, no graph break, no host read with ``validate=False``; CUDA graphs on
+a GPU."""
 import contextlib
 from types import SimpleNamespace
 
@@ -8,6 +10,9 @@ import torch
 
 import rlfuse
 from rlfuse.fused_losses import ggpo, gppo, gr_opd, linear_head, logprobs, surrogate
+
+from conftest import TOL
+from vocab_split_worker import SPLIT_OPS
 
 B, T, V, M, H = 4, 5, 37, 2, 8   # an odd vocabulary; two groups of two; hidden size 8
 
@@ -31,14 +36,34 @@ def make_inputs(device, seed=0, *, batch=B, time=T):
     return SimpleNamespace(**{k: v.to(device) for k, v in x.items()})
 
 
+def packed(x, rows: int, first: int):
+    """``(targets [B (T+1)], index)`` of the ``[B, T + 1, ...]`` rows flattened: row ``first +
+    t`` of each sequence predicts its token t, the other row predicts nothing (-1)."""
+    batch, time = x.targets.shape
+    s = torch.arange(rows, device=x.targets.device)
+    t = s - first
+    inside = (t >= 0) & (t < time)
+    index = torch.where(inside, torch.arange(batch, device=s.device)[:, None] * time + t, -1)
+    targets = x.targets.gather(1, t.clamp(0, time - 1).expand(batch, rows))
+    return targets.reshape(-1), index.reshape(-1)
+
+
 def policy_of(leaf, x, form, **kw):
     """The policy of a leaf: log-probs (a [:, :-1] view), logits (the whole [B, T+1, V], rows
-    0..T-1 used) or a linear head over hidden states (rows 1..T, chunks of 7 tokens)."""
+    0..T-1 used) or a linear head over hidden states (rows 1..T, chunks of 7 tokens), and the
+    same rows packed (``index``)."""
     if form == "head":
         return rlfuse.LinearHead(leaf, x.weight, x.targets, x.bias, 0.9, offset=1,
                                  chunk_tokens=7)
     if form == "logits":
         return rlfuse.Logits(leaf, x.targets, 0.9, **kw)
+    if form == "packed_logits":
+        targets, index = packed(x, leaf.shape[1], 0)
+        return rlfuse.Logits(leaf.reshape(-1, leaf.shape[-1]), targets, 0.9, index=index)
+    if form == "packed_head":
+        targets, index = packed(x, leaf.shape[1], 1)
+        return rlfuse.LinearHead(leaf.reshape(-1, leaf.shape[-1]), x.weight, targets, x.bias,
+                                 0.9, chunk_tokens=7, index=index)
     return leaf[:, :-1]
 
 
@@ -52,7 +77,7 @@ STEPS = {
         lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
             *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
                                    return_entropy=True, validate=False))),
-    "policy_logprobs": (("logits", "head"), lambda leaf, x, form: (
+    "policy_logprobs": (("logits", "head", "packed_logits"), lambda leaf, x, form: (
         lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
             *rlfuse.policy_logprobs(policy_of(leaf, x, form), return_entropy=True,
                                     validate=False))),
@@ -62,20 +87,29 @@ STEPS = {
     "ggpo_clipped": (("logprobs",), lambda leaf, x, form: _loss(rlfuse.ggpo_loss(
         policy_of(leaf, x, form), x.ref, x.rewards, x.mask, group_size=M, beta=0.5,
         clip_radius=0.1, num_tokens=11.0, validate=False))),
-    "gppo": (("logprobs", "logits", "head"), lambda leaf, x, form: _loss(rlfuse.gppo_loss(
-        policy_of(leaf, x, form), x.old, x.adv, x.mask, geometry="kl", topology="binary",
-        delta=0.1, agg="seq-mean-token-mean", validate=False))),
+    "gppo": (("logprobs", "logits", "head", "packed_head"), lambda leaf, x, form: _loss(
+        rlfuse.gppo_loss(
+            policy_of(leaf, x, form), x.old, x.adv, x.mask, geometry="kl", topology="binary",
+            delta=0.1, agg="seq-mean-token-mean", validate=False))),
     "gppo_inplace": (("logits",), lambda leaf, x, form: _loss(rlfuse.gppo_loss(
         policy_of(leaf, x, form, inplace_backward=True), x.old, x.adv, x.mask,
         validate=False))),
     "gr_opd": (("logprobs", "logits", "head"), lambda leaf, x, form: _loss(rlfuse.gr_opd_loss(
         policy_of(leaf, x, form), x.old, x.teacher, x.mask, group_size=M, validate=False))),
+    "ppo": (("logprobs", "logits", "head", "packed_logits", "packed_head"),
+            lambda leaf, x, form: _loss(rlfuse.ppo_loss(
+                policy_of(leaf, x, form), x.old, x.adv, x.mask, clip=(0.2, 0.28), dual_clip=3.0,
+                agg="seq-mean-token-mean", validate=False))),
+    "gspo": (("logits", "head"), lambda leaf, x, form: _loss(rlfuse.ppo_loss(
+        policy_of(leaf, x, form), x.old, x.adv, x.mask, ratio_level="sequence",
+        validate=False))),
 }
 CASES = [(name, form) for name, (forms, _) in STEPS.items() for form in forms]
 
 
 def run_step(step, x, form, dtype=torch.float32):
-    leaf = {"logits": x.logits, "head": x.hidden}.get(form, x.lp)
+    leaf = {"logits": x.logits, "head": x.hidden, "packed_logits": x.logits,
+            "packed_head": x.hidden}.get(form, x.lp)
     leaf = leaf.to(dtype).clone().requires_grad_(True)
     scalar, outputs = step(leaf, x, form)
     (grad,) = torch.autograd.grad(scalar * 1.5, leaf)
@@ -83,7 +117,7 @@ def run_step(step, x, form, dtype=torch.float32):
 
 
 def assert_same(eager, compiled, exact):
-    kw = dict(rtol=0, atol=0) if exact else dict(rtol=2e-6, atol=1e-6)
+    kw = TOL["exact"] if exact else TOL["fp32_sum"]
     torch.testing.assert_close(compiled[0], eager[0], **kw)
     assert compiled[1].keys() == eager[1].keys()
     for name in eager[1]:
@@ -137,7 +171,7 @@ def test_compiled_bounds_and_advantages(backend, device):
     eager = fn(x.old, x.teacher, x.mask)
     compiled = torch.compile(fn, backend=backend, fullgraph=True)(x.old, x.teacher, x.mask)
     for a, b in zip(eager, compiled):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(b, a, **TOL["exact"])
 
 
 def test_no_graph_break(device):
@@ -174,7 +208,7 @@ def test_validate_under_compile_still_checks(device):
         torch.compile(fn, backend="aot_eager", fullgraph=True)(lp, x.mask)
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager")
-    torch.testing.assert_close(compiled(lp, x.mask), fn(lp, x.mask), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(lp, x.mask), fn(lp, x.mask), **TOL["exact"])
     with pytest.raises(ValueError, match="mask"):
         compiled(lp, x.mask.float() * 2)
 
@@ -205,21 +239,21 @@ def _op_cases(device):
                            (full, x.targets, x.mask, 0.9, True, False, 1)],
         "logits_grad_": [(dlogits, logits.detach(), x.targets, x.mask, stats, None,
                           torch.randn(B, T, device=device), None, 0.9, 0)],
-        "surrogate": [(lp, x.old, x.adv, x.mask, None, weights, "chi2", "atomic", 0.04, 0.04,
-                       inf, False),
+        "surrogate": [(lp, x.old, x.adv, x.mask, None, weights, "clip", "chi2", "atomic", 0.04, 0.04,
+                       [inf], False),
                       (lp, x.old, x.adv[:, None].expand(B, T), x.mask, token_w, weights,
-                       "ppo_clip", "mc", 0.2, 0.28, 3.0, False),
-                      (lp, None, x.adv, x.mask, token_w, weights, "ppo_clip", "mc", 0.1, 0.2,
-                       inf, True)],
+                       "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], False),
+                      (lp, None, x.adv, x.mask, token_w, weights, "clip", "ppo_clip", "mc", 0.1, 0.2,
+                       [inf], True)],
         "surrogate_backward": [(lp.detach(), x.old, x.adv, x.mask, token_w, weights, None,
-                                torch.tensor(2.0, device=device), "tv", "binary", 0.1, 0.2,
-                                2.0)],
-        "surrogate_logits": [(logits, x.targets, x.mask, x.old, x.adv, None, weights, 0.9, "kl",
-                              "binary", 0.1, 0.1, inf, True, False, 0),
+                                torch.tensor(2.0, device=device), "clip", "tv", "binary", 0.1, 0.2,
+                                [2.0])],
+        "surrogate_logits": [(logits, x.targets, x.mask, x.old, x.adv, None, weights, 0.9, "clip", "kl",
+                              "binary", 0.1, 0.1, [inf], True, False, 0),
                              (logits.detach(), x.targets, x.mask, None, x.adv, token_w, weights,
-                              1.0, "two_sided_log", "atomic", 0.1, 0.3, 2.0, False, False, 0),
-                             (full, x.targets, x.mask, x.old, x.adv, None, weights, 0.9, "tv",
-                              "mc", 0.1, 0.1, inf, True, False, 1)],
+                              1.0, "clip", "two_sided_log", "atomic", 0.1, 0.3, [2.0], False, False, 0),
+                             (full, x.targets, x.mask, x.old, x.adv, None, weights, 0.9, "clip", "tv",
+                              "mc", 0.1, 0.1, [inf], True, False, 1)],
         "scale_rows_": [(torch.randn(B, T, V, device=device), x.mask,
                          torch.tensor(0.5, device=device), 0)],
         "ggpo": [(lp, x.ref, x.rewards, x.mask, M, 0.5, None, 1.0, None),
@@ -235,10 +269,10 @@ def _op_cases(device):
                                       torch.randn(B, T, device=device), 0.9, 1, 7, False,
                                       [True, True, True])],
         "linear_surrogate": [(hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, None,
-                              weights, 0.9, "chi2", "atomic", 0.04, 0.04, inf, 1, 7, False,
+                              weights, 0.9, "clip", "chi2", "atomic", 0.04, 0.04, [inf], 1, 7, False,
                               [True, True, False]),
                              (hidden, weight, None, x.targets, x.mask, None, x.adv, token_w,
-                              weights, 1.0, "ppo_clip", "mc", 0.2, 0.28, 3.0, 0, 3, True,
+                              weights, 1.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 0, 3, True,
                               [True, True, False])],
         "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6,
                                torch.float64)],
@@ -258,9 +292,12 @@ ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
 
 
 def test_every_registered_op_is_opchecked(device):
+    """Every custom op is opchecked here, or, those of the vocabulary split (which need a
+    process group), by ``vocab_split_worker.py`` on every rank."""
     registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
                   if n.startswith("rlfuse::")}
-    assert registered == set(OPS) == set(_op_cases(device))
+    assert set(OPS) == set(_op_cases(device)) and not set(OPS) & set(SPLIT_OPS)
+    assert registered == set(OPS) | set(SPLIT_OPS)
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
@@ -283,10 +320,10 @@ def test_opcheck(name, device):
             aot = torch.compile(loss_and_sums, backend="aot_eager", dynamic=True,
                                 fullgraph=True)(*args)
             for a, b in zip(eager, aot):
-                torch.testing.assert_close(b, a, rtol=0, atol=0)
+                torch.testing.assert_close(b, a, **TOL["exact"])
             if args[0].requires_grad:
                 grads = [torch.autograd.grad(out[0] * 0.5, args[0])[0] for out in (eager, aot)]
-                torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+                torch.testing.assert_close(grads[1], grads[0], **TOL["exact"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,7 +412,8 @@ def test_gpu_no_sync_and_cuda_graph(name, form):
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
-    leaf = (x.logits if form == "logits" else x.lp).clone().requires_grad_(True)
+    leaf = {"logits": x.logits, "head": x.hidden, "packed_logits": x.logits,
+            "packed_head": x.hidden}.get(form, x.lp).clone().requires_grad_(True)
     static = leaf.detach().clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 import rlfuse
 from rlfuse import reference
-from rlfuse._contract import AGGREGATIONS, GEOMETRIES, TOPOLOGIES, aggregation_weights
-from rlfuse.reference.gppo import clipped_surrogate
+from rlfuse._math import aggregation_weights
+from rlfuse._names import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
+from rlfuse.reference.objectives import clip as clipped_surrogate
 
 from conftest import assert_three_way, fp32_exact
 from loss_harness import check_three_way, with_garbage

@@ -7,7 +7,7 @@ import torch
 import rlfuse
 from rlfuse import reference
 
-from conftest import assert_three_way
+from conftest import TOL, assert_three_way
 
 pytestmark = pytest.mark.gpu
 B, T, V, M = 4, 6, 8192 + 77, 2   # bf16: two 8192-wide blocks of 16 warps, a ragged tail
@@ -144,8 +144,7 @@ def test_real_size_single_pass_int64_offsets():
                                   old[b:b + 1, rows].double(), adv[b:b + 1].double(),
                                   mask[b:b + 1, rows], num_tokens=n_tok)
         (ref_grad,) = torch.autograd.grad(ref.loss, sub)
-        torch.testing.assert_close(grad[b:b + 1, rows].double(), ref_grad, rtol=2e-2,
-                                   atol=1e-9)
+        torch.testing.assert_close(grad[b:b + 1, rows].double(), ref_grad, **TOL["bf16_grad"])
 
 
 @pytest.mark.parametrize("scale", [1e4, 30.0])
@@ -185,13 +184,13 @@ def test_fp64_hyper_parameters_on_the_gpu():
     got = rlfuse.token_logprobs(x["logits"], x["targets"], temperature=0.7)
     torch.testing.assert_close(got, reference.token_logprobs(x["logits"], x["targets"],
                                                              temperature=1 / inv),
-                               rtol=1e-12, atol=1e-12)
+                               **TOL["fp64_sum"])
     old = torch.linspace(-12, -1e-3, 64, dtype=torch.float64, device="cuda")
     for geometry, topology in (("chi2", "atomic"), ("kl", "binary")):
         got = rlfuse.gppo_bounds(old, geometry=geometry, topology=topology, delta=0.1)
         want = reference.gppo_bounds(old.cpu(), geometry=geometry, topology=topology, delta=0.1)
         for g, w in zip(got, want):
-            torch.testing.assert_close(g.cpu(), w, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(g.cpu(), w, **TOL["fp64"])
 
 
 @pytest.mark.parametrize("group_size", [256, 1024])

@@ -1,5 +1,5 @@
-"""Every kernel compiles for a GPU (CUDA sm_90) without register spills: ``gpu_compile.py`` in
-a process of its own, since this one runs the kernels through the Triton interpreter."""
+"""Every kernel compiles for a GPU (CUDA sm_90) without register spills: ``tools.gpu_compile``
+in a process of its own, since this one runs the kernels through the Triton interpreter."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _nvidia_backend():
@@ -24,8 +24,7 @@ def _nvidia_backend():
 def test_every_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")   # compile, don't reuse
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(HERE / "gpu_compile.py"), "--arch", "90"],
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu_compile", "--arch", "90"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 failed" in proc.stdout

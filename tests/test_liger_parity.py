@@ -5,20 +5,15 @@ which Liger's ``GrpoLossFunction`` implements in its own Triton kernels; per-tok
 Liger's selective log-softmax. Both are called through the benchmark's adapters
 (``bench.cases``), so this also checks that the peer rows of the benchmark do rlfuse's work.
 """
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import rlfuse
+from bench import cases
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `bench` is a folder of the repo, not an installed package
-    sys.path.insert(0, str(ROOT))
-
-from bench import cases  # noqa: E402
+from conftest import TOL
 
 liger = pytest.importorskip(cases.LIGER_MODULE)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,7 +46,7 @@ def test_token_logprobs_match_liger(inputs):
     ours = rlfuse.token_logprobs(x.logits, x.targets, mask=x.mask)
     theirs = cases.OPS["token_logprobs"].liger(liger, x)
     assert theirs.shape == ours.shape
-    torch.testing.assert_close(ours.detach()[x.mask], theirs[x.mask], rtol=0, atol=4e-6)
+    torch.testing.assert_close(ours.detach()[x.mask], theirs[x.mask], **TOL["fp32_logprob_abs"])
 
 
 def test_gr_opd_with_advantages_is_liger_grpo(inputs):

@@ -7,7 +7,7 @@ import torch
 import rlfuse
 from rlfuse import reference
 
-from conftest import assert_three_way
+from conftest import TOL, assert_three_way
 from test_policy_forms import Allocations
 
 B, S, H, V, M = 4, 8, 8, 37, 2
@@ -85,7 +85,7 @@ def test_float64_exact_without_bias_and_with_a_frozen_weight(name, device):
         ref = run(reference, name, case, torch.float64, "cpu", **kw)
         assert len(fused) == len(ref) == 3
         for f, r in zip(fused, ref):
-            torch.testing.assert_close(f, r, rtol=1e-12, atol=1e-13)
+            torch.testing.assert_close(f, r, **TOL["fp64_head"])
 
 
 @pytest.mark.parametrize("name", ["gppo", "policy_logprobs"])
@@ -94,7 +94,7 @@ def test_a_row_without_actor_tokens(name, device):
     fused = run(rlfuse, name, case, torch.float64, device)
     ref = run(reference, name, case, torch.float64, "cpu")
     for f, r in zip(fused, ref):
-        torch.testing.assert_close(f, r, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(f, r, **TOL["fp64_head"])
     if name == "gppo":   # the empty row's hidden states get no gradient
         assert (fused[1][1] == 0).all()
 
@@ -107,7 +107,7 @@ def test_gathering_actor_rows_changes_nothing(name, device):
     with_gather = run(rlfuse, name, case, torch.float32, device, validate=True)
     without = run(rlfuse, name, case, torch.float32, device, validate=False)
     for a, b in zip(with_gather, without):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, b, **TOL["fp32"])
 
 
 def test_tied_embeddings(device):
@@ -122,7 +122,7 @@ def test_tied_embeddings(device):
         loss = LOSSES["gppo"](lib, rlfuse.LinearHead(hidden, emb, c["targets"], offset=OFFSET,
                                                      chunk_tokens=4), c)
         grads.append(torch.autograd.grad(loss, emb)[0].cpu())
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(grads[0], grads[1], **TOL["fp64_head"])
 
 
 @pytest.mark.parametrize("lib", [rlfuse, reference], ids=["fused", "reference"])

@@ -7,9 +7,9 @@ import torch
 
 import rlfuse
 from rlfuse import reference
-from rlfuse._contract import AGGREGATIONS
+from rlfuse._names import AGGREGATIONS
 
-from conftest import assert_three_way, fp32_exact
+from conftest import TOL, assert_three_way, fp32_exact
 
 B, T, V, H = 4, 6, 37, 8
 
@@ -102,8 +102,8 @@ def test_float64_exact_all_options(form, device):
     for extra in ({}, {"ratio_level": "sequence"}, {"old": None}):
         fused = run(rlfuse, case, form, torch.float64, device, **kw, **extra)
         ref = run(reference, case, form, torch.float64, "cpu", **kw, **extra)
-        torch.testing.assert_close(fused[0], ref[0], rtol=1e-12, atol=1e-14)
-        torch.testing.assert_close(fused[2], ref[2], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(fused[0], ref[0], **TOL["fp64"])
+        torch.testing.assert_close(fused[2], ref[2], **TOL["fp64"])
 
 
 def trl_verl_loss(lp, old, adv, mask, *, eps_low, eps_high, dual_clip=None, level="token",
@@ -143,8 +143,8 @@ def test_the_formulas_trainers_write(level, dual, weighted, device):
                            weights=None if weights is None else weights.to(dev),
                            agg="seq-mean-token-mean")
         (grad,) = torch.autograd.grad(out.loss, x)
-        torch.testing.assert_close(out.loss.cpu(), want, rtol=1e-12, atol=1e-14)
-        torch.testing.assert_close(grad.cpu(), want_grad, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(out.loss.cpu(), want, **TOL["fp64"])
+        torch.testing.assert_close(grad.cpu(), want_grad, **TOL["fp64"])
 
 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
@@ -166,7 +166,7 @@ def test_empty_responses_count_as_zero(agg, lib, device):
         # the same as the three other rows alone, with the count of four
         count = {"num_sequences": float(B)} if agg != "token-mean" else {}
         ref = fn(kept["lp"], kept["old"], kept["adv"], kept["mask"], agg=agg, **count).loss
-        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(loss, ref, **TOL["fp64"])
     with pytest.raises(ValueError, match="mask.*sequence 2"):
         lib.gr_opd_loss(c["lp"], c["old"], c["old"] - 0.5, c["mask"], group_size=2)
 
@@ -188,7 +188,7 @@ def test_gppo_and_gr_opd_options(lib, device):
                          eps=(0.1, 0.3), advantages=adv[:, None]).loss
     ppo = lib.ppo_loss(c["lp"], c["old"], adv, c["mask"], clip=(0.1, 0.3),
                        agg="seq-mean-token-mean").loss
-    torch.testing.assert_close(gr, ppo, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gr, ppo, **TOL["fp64"])
     g1 = lib.gppo_loss(c["lp"], c["old"], adv[:, None], c["mask"]).loss
     g2 = lib.gppo_loss(c["lp"], c["old"], adv, c["mask"]).loss
     assert torch.equal(g1, g2)
@@ -246,5 +246,5 @@ def test_every_option_combination_runs(device):
             kw["weights"] = case["weights"]
         fused = run(rlfuse, case, "logits", torch.float32, device, **kw)
         ref = run(reference, case, "logits", torch.float32, "cpu", **kw)
-        torch.testing.assert_close(fused[0], ref[0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(fused[2], ref[2], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(fused[0], ref[0], **TOL["fp32_chain"])
+        torch.testing.assert_close(fused[2], ref[2], **TOL["fp32_matmul"])

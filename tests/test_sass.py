@@ -1,11 +1,11 @@
-"""The instruction counts of the row kernels, read from their SASS (``bench/sass.py``): the loop
+"""The instruction counts of the row kernels, read from their SASS (``tools/sass.py``): the loop
 finder on a hand-written listing, then every row kernel variant compiled for sm_90 and sm_80 in
 processes of their own (compiled, not interpreted), the table printed (``pytest -s``), its
 structure checked, and each kernel's instructions per logit held to its pin in
 ``tests/sass_pins.json``: a rise of more than ``TOLERANCE`` fails, a drop is reported. After a
 kernel change that lowers (or knowingly raises) a count, refresh the pins with
 
-    python -m bench --sass --write-pins tests/sass_pins.json
+    python -m tools.sass --write-pins tests/sass_pins.json
 
 Pins hold for the Triton that wrote them (``"triton"`` in the file): another compiler version
 emits other code, so there the counts are printed and checked, not compared.
@@ -18,11 +18,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `bench` is a folder of the repo, not an installed package
-    sys.path.insert(0, str(ROOT))
+from tools import sass
 
-from bench import sass  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PINS = ROOT / "tests" / "sass_pins.json"
 TOLERANCE = 0.5          # instructions per logit a kernel may add before the test fails
@@ -35,6 +33,8 @@ LABELS = ("token_logprobs fwd", "token_logprobs bwd", "token_logprobs fwd + entr
 BF16_ONLY = ("GGPO fwd (log-probs)", "GGPO bwd (dlogits)")
 EXPECTED = {f"{label}, bf16" for label in LABELS + BF16_ONLY} | {f"{label}, fp32"
                                                                  for label in LABELS}
+assert EXPECTED == {f"{label}, {dtype}" for label, _, _, dtypes in sass.VARIANTS
+                    for dtype in dtypes}
 
 
 def _nvidia_backend():
@@ -125,11 +125,10 @@ def test_pins_fail_a_rise_only():
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
-    """``python -m bench --sass`` for sm_90 and sm_80 in a process of its own; its sass.json."""
+    """``python -m tools.sass`` for sm_90 and sm_80 in a process of its own; its sass.json."""
     out = tmp_path_factory.mktemp("sass")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "bench", "--sass", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tools.sass", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -169,7 +168,7 @@ def test_counts_held_to_their_pins(counted):
         pytest.skip(f"pins written with triton {pins['triton']}, this is {version}: counted, "
                     f"not compared")
     rises, drops, missing, unpinned = sass.compare_pins(counted["results"], pins, TOLERANCE)
-    refresh = "refresh with: python -m bench --sass --write-pins tests/sass_pins.json"
+    refresh = "refresh with: python -m tools.sass --write-pins tests/sass_pins.json"
     for line in drops:
         print(f"fewer instructions per logit than pinned (lower the pin; {refresh}): {line}")
     assert not rises, "instructions per logit rose:\n" + "\n".join(rises)

@@ -11,7 +11,7 @@ import rlfuse
 from rlfuse import reference
 from rlfuse._dispatch import use_kernels
 
-from conftest import assert_three_way
+from conftest import TOL, assert_three_way
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -90,8 +90,8 @@ def test_no_mask_and_flat_rows(device):
     (lp64, ent64), _ = run(reference.token_logprobs, logits.double(), targets, None,
                            entropy=True, pad_time=0)
     assert lp.shape == (11,)
-    torch.testing.assert_close(lp.double(), lp64, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ent.double(), ent64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lp.double(), lp64, **TOL["fp32_logprob"])
+    torch.testing.assert_close(ent.double(), ent64, **TOL["fp32_logprob"])
 
 
 def test_masked_positions(device):
@@ -116,8 +116,8 @@ def test_transposed_and_strided_views(device):
     lp, ent = rlfuse.token_logprobs(logits, targets, mask=mask, return_entropy=True)
     lp64, ent64 = reference.token_logprobs(logits.double().contiguous(), targets.contiguous(),
                                            mask=mask, return_entropy=True)
-    torch.testing.assert_close(lp.double(), lp64, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ent.double(), ent64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lp.double(), lp64, **TOL["fp32_logprob"])
+    torch.testing.assert_close(ent.double(), ent64, **TOL["fp32_logprob"])
 
 
 def test_extreme_logits_and_shift_invariance(device):
@@ -158,7 +158,7 @@ def test_inplace_backward_matches(device):
     g2 = torch.randn(ent.shape, generator=gen, dtype=torch.float64).to(ent)
     (dlogits,) = torch.autograd.grad((lp * g1).sum() + (ent * g2).sum(), logits)
     assert dlogits.data_ptr() == logits.data_ptr()  # written into the logits' own buffer
-    torch.testing.assert_close(dlogits, d_out[:, :-1], rtol=0, atol=0)
+    torch.testing.assert_close(dlogits, d_out[:, :-1], **TOL["exact"])
 
 
 def test_backward_of_a_plain_sum(device):
@@ -169,7 +169,7 @@ def test_backward_of_a_plain_sum(device):
         logits = base[:, :-1].clone().requires_grad_(True)
         fn(logits, targets, mask=mask).sum().backward()
         grads.append(logits.grad)
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grads[0], grads[1], **TOL["fp32"])
 
 
 def test_gradient_of_entropy_alone(device):
@@ -180,7 +180,7 @@ def test_gradient_of_entropy_alone(device):
     logits64 = logits.detach().clone().requires_grad_(True)
     _, ent64 = reference.token_logprobs(logits64, targets, mask=mask, return_entropy=True)
     (g64,) = torch.autograd.grad(ent64.sum(), logits64)
-    torch.testing.assert_close(g, g64, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g, g64, **TOL["fp64_chain"])
 
 
 def test_gradcheck_float64(device):
@@ -240,7 +240,7 @@ def test_numeric_mask(fn, validate, device):
         got = fn(base[:, :-1], targets, mask=mask.to(dtype), return_entropy=True,
                  validate=validate)
         for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=0, atol=0)
+            torch.testing.assert_close(g, w, **TOL["exact"])
 
 
 def test_out_of_range_target_allowed_when_masked(device):
@@ -295,7 +295,7 @@ def test_gpu_many_rows():
     targets = torch.randint(0, V, (N,), device="cuda")
     lp = rlfuse.token_logprobs(logits, targets)
     torch.testing.assert_close(lp, torch.log_softmax(logits.float(), -1).gather(
-        -1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+        -1, targets[:, None])[:, 0], **TOL["fp32_gpu"])
     lp.sum().backward()
     assert torch.isfinite(logits.grad).all()
 

@@ -1,4 +1,4 @@
-"""The bytes every kernel moves, counted in the Triton interpreter (``bench/traffic.py``), pinned
+"""The bytes every kernel moves, counted in the Triton interpreter (``tools/traffic.py``), pinned
 per row of logits: each op at its floor in reads and writes per actor row, masked rows read
 nothing and get one row of zeros, no op adds a torch pass over logits outside its kernels. A
 change that adds a read or a write of a row, or a byte to any row, fails here.
@@ -6,21 +6,13 @@ change that adds a read or a write of a row, or a byte to any row, fails here.
 The counts are exact element counts over ``rows x V``; a forward kernel also reads each actor
 row's target logit once on its own (``z[y]``, one element: ``1 / V`` of a row).
 """
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `bench` is a folder of the repo, not an installed package
-    sys.path.insert(0, str(ROOT))
-
-from bench import cases as bench_cases  # noqa: E402
-from bench import traffic  # noqa: E402
+from tools import traffic
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="counts bytes in the Triton interpreter (CPU)")
@@ -33,7 +25,7 @@ def unpoisoned(monkeypatch):
     """Poisoning (conftest) fills every output before the kernel writes it: a write of its own."""
     from rlfuse.kernels import utils
 
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", False)
+    monkeypatch.setattr(utils, "OUTPUT_FILL", None)
 
 
 @triton.jit
@@ -81,15 +73,14 @@ def test_copy_of_rows_counts_one_read_and_one_write_per_row():
         assert tuple(totals[c]) == (expected * counts[c] * V,) * 3, name
 
 
-def _expected(case, mode):
-    """The pinned counts of ``case`` in ``mode``: per row class ``(reads, distinct reads,
-    writes)`` in rows; the torch ops over logits outside the kernels per actor row; and the
-    logits-sized allocations per row of the [B, T] window."""
-    op = bench_cases.OPS[case.floor]
+def _expected(name, op, mode):
+    """The pinned counts of the registry's op (or variant) ``name`` in ``mode``: per row class
+    ``(reads, distinct reads, writes)`` in rows; the torch ops over logits outside the kernels
+    per actor row; and the logits-sized allocations per row of the [B, T] window."""
     if not op.from_logits:
         return {}, {}, 0.0
     target = 1 / V      # z[y], read once by a forward kernel
-    single_pass = not case.floor.startswith(("token_logprobs", "ggpo"))   # token-local losses
+    single_pass = not name.startswith(("token_logprobs", "ggpo"))   # token-local losses
     writes = 0 if mode == "fwd" else 1
     if mode == "fwd":
         actor = (1 + target, 1, 0)
@@ -99,23 +90,23 @@ def _expected(case, mode):
         actor = (2 + target, 1, 1)              # one read, one L2 re-read, one write
     else:
         actor = (2 + target, 2, 1)              # the log-prob pass, then the gradient pass
-    if "upstream gradient" in case.name:        # the backward rescales the written rows
+    if "upstream gradient" in name:             # the backward rescales the written rows
         actor = (actor[0] + 1, actor[1] + 1, actor[2] + 1)
-    if case.head:
+    if op.matmuls is not None:
         rows = {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": actor}
         formed = 1 if single_pass else 2        # GGPO forms each chunk twice
         return rows, {"linear": (0, formed), "matmul": (2, 0)}, 0.0
     rows = {"actor": actor, "masked": (0, 0, writes)}
     window_rows = 1.0
-    if "offset" in case.name:
+    if "offset" in name:
         rows["outside"] = (0, 0, writes)
         window_rows = (traffic.TRAFFIC_T + 2) / traffic.TRAFFIC_T
-    if mode == "fwd" or "inplace" in case.name:
+    if mode == "fwd" or "inplace" in name:
         window_rows = 0.0
     return rows, {}, window_rows
 
 
-CASES = [(case, mode) for case in traffic.make_cases() for mode in case.modes]
+CASES = [(name, mode) for name, op in traffic.cases().items() for mode in traffic.modes_of(op)]
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +115,12 @@ def inputs():
             False: traffic.traffic_inputs(None, torch.float32)}
 
 
-@pytest.mark.parametrize("case,mode", CASES, ids=[f"{c.name}-{m}" for c, m in CASES])
-def test_bytes_per_row_are_pinned(inputs, case, mode):
-    x = inputs[bench_cases.OPS[case.floor].from_logits]
-    measured = traffic.run_case(case, x, mode)
-    rows, torch_ops, allocated = _expected(case, mode)
+@pytest.mark.parametrize("name,mode", CASES, ids=[f"{n}-{m}" for n, m in CASES])
+def test_bytes_per_row_are_pinned(inputs, name, mode):
+    op = traffic.cases()[name]
+    x = inputs[op.from_logits]
+    measured = traffic.run_case(op, x, mode)
+    rows, torch_ops, allocated = _expected(name, op, mode)
     assert set(measured.per_row) == set(rows)
     for name, expected in rows.items():
         assert measured.per_row[name] == pytest.approx(expected, rel=1e-12, abs=1e-12), name
@@ -142,8 +134,8 @@ def test_bytes_per_row_are_pinned(inputs, case, mode):
         assert (read / actor, written / actor) == pytest.approx(torch_ops[name]), name
     window = x.shape.batch * x.shape.T
     assert sum(r for _, r in measured.allocations) / window == pytest.approx(allocated)
-    floor = traffic.floor_of(case, mode)
-    if floor is not None and rows and "upstream" not in case.name:
+    floor = traffic.floor_of(op, mode)
+    if floor is not None and rows and "upstream" not in name:
         # at the floor: every distinct read and every write is one the floor counts
         assert rows["actor"][1:] == floor[:2]
 
@@ -151,13 +143,11 @@ def test_bytes_per_row_are_pinned(inputs, case, mode):
 @pytest.mark.parametrize("name", ["token_logprobs", "gppo_logits", "ggpo", "gr_opd"])
 def test_side_data_does_not_grow_with_the_vocabulary(name):
     """The bytes outside the rows of logits are the [B, T] data: the same at any V."""
-    case = next(c for c in traffic.make_cases() if c.name == name)
-    mode = "fwd+bwd"
+    op = traffic.cases()[name]
     side = []
     for vocab in (1001, 9001):
-        x = traffic.traffic_inputs(vocab if bench_cases.OPS[name].from_logits else None,
-                                   torch.bfloat16)
-        side.append(traffic.run_case(case, x, mode).side_bytes_per_token)
+        x = traffic.traffic_inputs(vocab if op.from_logits else None, torch.bfloat16)
+        side.append(traffic.run_case(op, x, "fwd+bwd").side_bytes_per_token)
     assert side[0] == side[1]
     assert 0 < side[0] < 64
 
@@ -165,8 +155,7 @@ def test_side_data_does_not_grow_with_the_vocabulary(name):
 def test_fp32_logits_count_the_same_rows():
     x = traffic.traffic_inputs(V, torch.float32)
     for name, expected in (("token_logprobs", (2 + 1 / V, 2, 1)), ("ppo_logits", (2 + 1 / V, 1, 1))):
-        case = next(c for c in traffic.make_cases() if c.name == name)
-        measured = traffic.run_case(case, x, "fwd+bwd")
+        measured = traffic.run_case(traffic.cases()[name], x, "fwd+bwd")
         assert measured.per_row["actor"] == pytest.approx(expected, rel=1e-12)
         assert measured.per_row["masked"] == (0, 0, 1)
 
@@ -182,13 +171,11 @@ def test_a_torch_pass_over_the_logits_is_seen():
     assert measured.per_row == {"actor": (0, 0, 0), "masked": (0, 0, 0)}
 
 
-def test_bench_traffic_cli_writes_the_table(tmp_path):
-    from bench.__main__ import main
-
+def test_the_cli_writes_the_table(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{traffic.MARK_BEGIN}\nSTALE\n{traffic.MARK_END}\nafter\n")
-    assert main(["--traffic", "--V", "1001", "--op", "token_logprobs,ppo_logits",
-                 "--out", str(tmp_path), "--readme", str(readme)]) == 0
+    assert traffic.main(["--V", "1001", "--op", "token_logprobs", "--op", "ppo_logits",
+                         "--out", str(tmp_path), "--readme", str(readme)]) == 0
     table = (tmp_path / "traffic.md").read_text()
     text = readme.read_text()
     assert text.startswith(f"before\n{traffic.MARK_BEGIN}\n" + table) and "STALE" not in text
@@ -201,10 +188,10 @@ def test_bench_traffic_cli_writes_the_table(tmp_path):
 def test_the_counter_refuses_poisoned_outputs(monkeypatch):
     from rlfuse.kernels import utils
 
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(utils, "OUTPUT_FILL", float("nan"))
     geometry = traffic.Geometry(B=1, S=1, T=1, V=V, offset=0, mask=torch.ones(1, 1, dtype=bool),
                                 element_size=2)
-    with pytest.raises(RuntimeError, match="POISON_OUTPUTS"):
+    with pytest.raises(RuntimeError, match="OUTPUT_FILL"):
         traffic.measure_case(lambda: None, geometry)
 
 
@@ -220,9 +207,9 @@ def test_row_of_ignores_addresses_outside_the_tensor():
 
 
 def test_vocab_parallel_communication_is_computed_per_rank():
-    """The volume `python -m bench --comm` prints: the forward's all-gather of 4 fp32 per row
+    """The volume `python -m tools.traffic --comm` prints: the forward's all-gather of 4 fp32 per row
     to every other rank, the LinearHead backward's ring all-reduce of [N, H]."""
-    from rlfuse.parallel import SHARD_COLUMNS
+    from rlfuse.scaleout.vocab import SHARD_COLUMNS
 
     logits, head = traffic.communication(N=1000, V=64, H=16, world=4, element_size=2)
     assert len(SHARD_COLUMNS) == 4

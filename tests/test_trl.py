@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import integration  # noqa: E402
+from conftest import TOL, integration  # noqa: E402
 
 trl = integration("trl")
 transformers = integration("transformers")
@@ -105,10 +105,10 @@ def test_ppo_reproduces_trl(case, accumulation, tmp_path):
     want, want_grads = loss_and_grads(theirs, inputs, accumulation)
     got, got_grads = loss_and_grads(ours, inputs, accumulation)
     assert theirs._metrics["train"]["clip_ratio/region_mean"][-1] > 0    # the clip is active
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, **TOL["fp32_chain"])
     assert got_grads.keys() == want_grads.keys()
     for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6,
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
                                    msg=name)
     for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         assert ours._metrics["train"][name][-1] == pytest.approx(
@@ -137,9 +137,9 @@ def test_per_token_multipliers(loss_type, ratio_shape, tmp_path):
         trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
     want, want_grads = loss_and_grads(theirs, inputs, 1)
     got, got_grads = loss_and_grads(ours, inputs, 1)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, **TOL["fp32_chain"])
     for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6,
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
                                    msg=name)
 
 
@@ -188,10 +188,10 @@ def test_lora_policy(tmp_path):
                                        generator=torch.Generator().manual_seed(2))
     want, want_grads = loss_and_grads(theirs, inputs, 1)
     got, got_grads = loss_and_grads(ours, inputs, 1)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, **TOL["fp32_chain"])
     assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in got_grads)
     for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6,
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
                                    msg=name)
 
 

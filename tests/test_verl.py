@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import integration  # noqa: E402
+from conftest import TOL, integration  # noqa: E402
 
 core_algos = integration("verl.trainer.ppo.core_algos")
 from verl.workers.config import ActorConfig  # noqa: E402
@@ -55,8 +55,8 @@ def test_rlfuse_ppo_is_verl_vanilla(mode, info, weighted, device):
     ours = losses("rlfuse_ppo", old, lp, adv, mask, mode, cfg, w)
     theirs = losses("vanilla", old, lp, adv, mask, mode, cfg, w)
     # fp32 rounding of the same sums in another order (and verl's 1e-8 in seq-mean-token-mean)
-    torch.testing.assert_close(ours[0], theirs[0], rtol=2e-6, atol=1e-6)
-    torch.testing.assert_close(ours[1], theirs[1], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(ours[0], theirs[0], **TOL["fp32_sum"])
+    torch.testing.assert_close(ours[1], theirs[1], **TOL["fp32_reduce"])
     for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
         assert ours[2][key] == pytest.approx(theirs[2][key], rel=1e-5, abs=1e-6), key
     assert ours[2]["actor/rlfuse_overflow"] == 0.0
@@ -71,8 +71,8 @@ def test_clip_settings(low, high, c, device):
     theirs = losses("vanilla", old, lp, adv, mask, "token-mean", cfg, None)
     assert theirs[2]["actor/pg_clipfrac"] > 0
     assert (theirs[2]["actor/pg_clipfrac_lower"] > 0) == (c < 5)   # r > c happens for c <= 3
-    torch.testing.assert_close(ours[0], theirs[0], rtol=2e-6, atol=1e-6)
-    torch.testing.assert_close(ours[1], theirs[1], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(ours[0], theirs[0], **TOL["fp32_sum"])
+    torch.testing.assert_close(ours[1], theirs[1], **TOL["fp32_reduce"])
     for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"):
         assert ours[2][key] == pytest.approx(theirs[2][key], rel=1e-6), key
 
@@ -87,14 +87,14 @@ def test_rlfuse_gppo_and_register_gppo(device):
     rows = (mask.sum(-1) > 0).sum().float()
     ref = rlfuse.gppo_loss(x, old, adv, mask.bool(), agg="seq-mean-token-mean",
                            num_sequences=rows).loss
-    torch.testing.assert_close(ours[0], ref.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours[0], ref.detach(), **TOL["fp32"])
     rlfuse.integrations.verl.register_gppo("rlfuse_gppo_kl", geometry="kl", topology="binary",
                                            delta=(0.05, 0.2))
     kl = losses("rlfuse_gppo_kl", old, lp, adv, mask, "token-mean", cfg, None)
     x = lp.clone().requires_grad_(True)
     ref = rlfuse.gppo_loss(x, old, adv, mask.bool(), geometry="kl", topology="binary",
                            delta=(0.05, 0.2)).loss
-    torch.testing.assert_close(kl[0], ref.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(kl[0], ref.detach(), **TOL["fp32"])
 
 
 def test_gr_opd_as_advantage_estimator(device):
@@ -111,8 +111,8 @@ def test_gr_opd_as_advantage_estimator(device):
                              advantages=adv).loss
     (ref_grad,) = torch.autograd.grad(ref, x)
     assert ours[2]["actor/pg_clipfrac"] > 0
-    torch.testing.assert_close(ours[0], ref.detach(), rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(ours[1], ref_grad, rtol=2e-6, atol=1e-8)
+    torch.testing.assert_close(ours[0], ref.detach(), **TOL["fp32_reduce"])
+    torch.testing.assert_close(ours[1], ref_grad, **TOL["fp32_grad"])
 
 
 def test_dp_without_global_counts_is_refused(device):

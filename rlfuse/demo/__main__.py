@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import sys
-import warnings
 from typing import List, Optional
 
 import torch
@@ -63,17 +62,22 @@ def step_line(method: str, steps: int, record: dict) -> str:
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     defaults = Settings()
-    parser = argparse.ArgumentParser(prog="python -m rlfuse.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rlfuse.demo", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--method", choices=list(METHODS), action="append",
-                        help="repeatable; default: all three, one after another")
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--group-size", type=int, default=defaults.group_size)
-    parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
-    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
+                        help="repeatable; None: all three, one after another")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help="optimizer steps of each method")
+    parser.add_argument("--group-size", type=int, default=defaults.group_size,
+                        help="responses sampled per prompt")
+    parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step,
+                        help="prompts of each rollout")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+                        help="bytes generated per response")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="AdamW learning rate")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="default: cuda if available, else cpu")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="None: cuda if available, else cpu")
+    parser.add_argument("--seed", type=int, default=0, help="of the model, prompts and sampling")
     parser.add_argument("--impl", choices=["fused", "reference"], default="fused",
                         help="rlfuse (fused) or rlfuse.reference: same calls, same signatures")
     parser.add_argument("--policy", choices=["linear", "logits"], default=defaults.policy,
@@ -83,7 +87,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="split the head's vocabulary over this many processes "
                              "(torchrun --nproc_per_node TP -m rlfuse.demo --tp TP; gloo on CPU)")
     parser.add_argument("--json", help="write the results (rewards, every step) to this file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False (a CPU build of torch, "
+                     "or no GPU visible); use --device cpu or leave --device out")
+    return args
 
 
 def vocab_parallel_group(tp: int):
@@ -104,9 +112,6 @@ def vocab_parallel_group(tp: int):
 
 def main(argv: Optional[List[str]] = None) -> List:
     args = parse_args(argv)
-    # The interpreter warns about IEEE results (log 0) in lanes the kernels compute and discard,
-    # as a GPU does silently (pytest.ini filters the same warning).
-    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     methods = args.method or list(METHODS)
     device = resolve_device(args.device)
     group = vocab_parallel_group(args.tp)

@@ -8,7 +8,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import rlfuse
-from rlfuse import parallel, use_kernels
+from rlfuse import use_kernels
+from rlfuse.scaleout.vocab import SumGradOverGroup
 
 from .methods import METHODS
 from .model import (build_policy, frozen_copy, last_hidden_and_head, load_weights,
@@ -99,7 +100,7 @@ def learner(lib, policy, batch, form: str, vocab_parallel_group=None):
     if form == "logits":
         logits = next_token_logits(policy, batch.sequences)
         if group is not None:   # each rank's shard gradient reaches the replicated model: summed
-            logits = parallel.SumGradOverGroup.apply(logits, group)
+            logits = SumGradOverGroup.apply(logits, group)
         return lib.Logits(vocab_shard(logits, group, -1, float("-inf")), batch.responses,
                           offset=batch.prompt_len - 1, vocab_parallel_group=group)
     raise ValueError(f"policy: expected 'linear' or 'logits', got {form!r}")

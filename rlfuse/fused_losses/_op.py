@@ -1,17 +1,26 @@
-"""How rlfuse registers its custom ops (``torch.ops.rlfuse.<name>``).
+"""How rlfuse registers its custom ops (``torch.ops.rlfuse.<name>``) and their autograd formulas.
 
 Triton launches a kernel on the *current* CUDA device, not on its tensors' device: a call on
 ``cuda:1`` tensors while ``cuda:0`` is current would run on device 0 with device-1 pointers.
 Every kernel launch happens inside an op's implementation, and every implementation runs here
 under the device of its first tensor argument: the one place that guards them all.
+
+An op's autograd formula sees its inputs by name (``inputs.mask``, not ``inputs[3]``) and
+returns the gradients it has by name; every other input gets None.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
-from typing import Callable, Sequence
+import inspect
+from typing import Callable, Dict, Sequence
 
 import torch
+
+from .._args import Objective
+
+_INPUTS: Dict[object, type] = {}   # op -> the namedtuple of its inputs
 
 
 def device_guard(device: torch.device):
@@ -31,7 +40,37 @@ def custom_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable:
                 return impl(*args, **kwargs)
 
         schema = torch.library.infer_schema(impl, mutates_args=tuple(mutates_args))
-        return torch.library.custom_op(f"rlfuse::{name}", on_its_device,
-                                       mutates_args=tuple(mutates_args), schema=schema)
+        op = torch.library.custom_op(f"rlfuse::{name}", on_its_device,
+                                     mutates_args=tuple(mutates_args), schema=schema)
+        _INPUTS[op] = collections.namedtuple(f"{name.strip('_')}_inputs",
+                                             list(inspect.signature(impl).parameters))
+        return op
 
     return register
+
+
+def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
+    """``op``'s autograd formula: ``setup_context(ctx, inputs, output)`` with the inputs as a
+    namedtuple, and ``backward(ctx, *output_grads) -> {input name: gradient}``."""
+    inputs_of = _INPUTS[op]
+    names = inputs_of._fields
+
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs_of(*inputs), output)
+
+    def backward_all(ctx, *grads):
+        named = backward(ctx, *grads) or {}
+        unknown = set(named) - set(names)
+        if unknown:
+            raise TypeError(f"rlfuse::{op._name}: gradients of unknown inputs {sorted(unknown)}")
+        return tuple(named.get(name) for name in names)
+
+    op.register_autograd(backward_all, setup_context=setup)
+
+
+def objective_of(inputs) -> Objective:
+    """The ``Objective`` of a surrogate op's named inputs, which carry its fields flat
+    (``objective`` (the name), ``geometry``, ``topology``, ``delta_low``, ``delta_high``,
+    ``params``): an op's schema takes no tuples."""
+    return Objective(inputs.objective, inputs.geometry, inputs.topology, inputs.delta_low,
+                     inputs.delta_high, tuple(inputs.params))

@@ -7,11 +7,12 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._contract import check_ggpo_args
+from .._args import check_ggpo_args
 from .._dispatch import falls_back_to
 from .._types import LossOutput, compute_dtype
-from ._op import custom_op
-from .logprobs import learner_logprobs
+from ..kernels.ggpo import GROUP_COLUMNS, ggpo_bwd, ggpo_fwd
+from ._op import custom_op, register_autograd
+from .policy import learner_logprobs
 
 
 @custom_op("ggpo")
@@ -21,21 +22,17 @@ def ggpo_op(lp: Tensor, ref_lp: Tensor, rewards: Tensor, mask: Tensor, group_siz
     """``(loss, group_sums [G, GROUP_COLUMNS], coef [B], t_tok)`` from learner log-probs
     ``lp [B, T]``: the group kernel's coefficients ``c_i`` and the token normaliser over the
     loss scale (``T_tok / loss_scale``) are what the backward needs."""
-    from ..kernels import ggpo as k
-
-    coef, group_sums = k.ggpo_fwd(lp, ref_lp, mask, rewards, group_size, beta, clip_radius)
+    coef, group_sums = ggpo_fwd(lp, ref_lp, mask, rewards, group_size, beta, clip_radius)
     if num_tokens is None:
-        t_tok = group_sums[:, k.GROUP_COLUMNS.index("tokens")].sum().clamp_min(1) / loss_scale
+        t_tok = group_sums[:, GROUP_COLUMNS.index("tokens")].sum().clamp_min(1) / loss_scale
     else:  # a fill, not a host-to-device copy
         t_tok = torch.full((), num_tokens / loss_scale, dtype=coef.dtype, device=coef.device)
-    loss = group_sums[:, k.GROUP_COLUMNS.index("loss")].sum() / t_tok
+    loss = group_sums[:, GROUP_COLUMNS.index("loss")].sum() / t_tok
     return loss, group_sums, coef, t_tok
 
 
 @ggpo_op.register_fake
 def _(lp, ref_lp, rewards, mask, group_size, beta, clip_radius, loss_scale, num_tokens):
-    from ..kernels.ggpo import GROUP_COLUMNS
-
     acc = compute_dtype(lp.dtype)
     B = lp.shape[0]
     return (lp.new_empty((), dtype=acc),
@@ -48,8 +45,6 @@ def ggpo_backward_op(coef: Tensor, mask: Tensor, grad: Tensor, t_tok: Tensor,
                      dtype: torch.dtype) -> Tensor:
     """``dlp [B, T]`` of ``dtype``: ``-c_i M_it grad / t_tok`` (every scalar read on the
     device)."""
-    from ..kernels.ggpo import ggpo_bwd
-
     return ggpo_bwd(coef, mask, grad, t_tok, dtype)
 
 
@@ -59,25 +54,21 @@ def _(coef, mask, grad, t_tok, dtype):
 
 
 def _setup_context(ctx, inputs, output):
-    lp, mask = inputs[0], inputs[3]
     _, group_sums, coef, t_tok = output
-    ctx.save_for_backward(coef, mask, t_tok)
-    ctx.lp_dtype = lp.dtype
+    ctx.save_for_backward(coef, inputs.mask, t_tok)
+    ctx.lp_dtype = inputs.lp.dtype
     ctx.mark_non_differentiable(group_sums, coef, t_tok)
 
 
 def _backward(ctx, grad_loss, _group_sums, _coef, _t_tok):
     coef, mask, t_tok = ctx.saved_tensors
-    dlp = ggpo_backward_op(coef, mask, grad_loss.to(coef.dtype), t_tok, ctx.lp_dtype)
-    return (dlp,) + (None,) * 8
+    return {"lp": ggpo_backward_op(coef, mask, grad_loss.to(coef.dtype), t_tok, ctx.lp_dtype)}
 
 
-ggpo_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(ggpo_op, _backward, _setup_context)
 
 
 def _metrics(group_sums: Tensor, batch: int):
-    from ..kernels.ggpo import GROUP_COLUMNS
-
     if group_sums.shape[0] == 0:  # an empty batch: every metric 0, as in the reference
         group_sums = group_sums.new_zeros(1, group_sums.shape[1])
     column = dict(zip(GROUP_COLUMNS, group_sums.unbind(-1)))
@@ -94,27 +85,11 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
               group_size: int, beta: float, clip_radius: Optional[float] = None,
               loss_scale: float = 1.0, num_tokens: Optional[float] = None,
               validate: bool = True) -> LossOutput:
-    info, mask, m, beta, clip_radius, loss_scale, num_tokens = check_ggpo_args(
+    args = check_ggpo_args(
         policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
         clip_radius=clip_radius, loss_scale=loss_scale, num_tokens=num_tokens, validate=validate)
-    loss, group_sums, _, _ = ggpo_op(learner_logprobs(policy, mask, gather=validate),
-                                     ref_logprobs.detach(),
-                                     rewards.detach(), mask, m, beta, clip_radius, loss_scale,
-                                     num_tokens)
-    return LossOutput(loss, _metrics(group_sums, info.shape[0]))
-
-
-class GGPOLoss(torch.nn.Module):
-    """``ggpo_loss`` with its hyper-parameters held by the module."""
-
-    def __init__(self, *, group_size: int, beta: float, clip_radius: Optional[float] = None,
-                 loss_scale: float = 1.0, validate: bool = True):
-        super().__init__()
-        self.group_size, self.beta, self.clip_radius = group_size, beta, clip_radius
-        self.loss_scale, self.validate = loss_scale, validate
-
-    def forward(self, policy, ref_logprobs, rewards, mask, *, num_tokens=None) -> LossOutput:
-        return ggpo_loss(policy, ref_logprobs, rewards, mask, group_size=self.group_size,
-                         beta=self.beta, clip_radius=self.clip_radius,
-                         loss_scale=self.loss_scale, num_tokens=num_tokens,
-                         validate=self.validate)
+    loss, group_sums, _, _ = ggpo_op(learner_logprobs(policy, args.mask, validate=validate),
+                                     ref_logprobs.detach(), rewards.detach(), args.mask,
+                                     args.group_size, args.beta, args.clip_radius,
+                                     args.loss_scale, args.num_tokens)
+    return LossOutput(loss, _metrics(group_sums, args.info.shape[0]))

@@ -2,19 +2,19 @@
 nn.Module."""
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import reference
-from .._contract import (aggregation_weights, check_advantage_inputs, check_gr_opd_args,
-                         clamped_feedback, masked_mean)
+from .._args import check_advantage_inputs, check_gr_opd_args
 from .._dispatch import falls_back_to
+from .._math import aggregation_weights, clamped_feedback, masked_mean
 from .._types import LossOutput, compute_dtype
+from ..kernels.gr_opd import GROUP_COLUMNS, gr_opd_advantages_fwd
 from ._op import custom_op
-from .surrogate import Region, surrogate_loss
+from .surrogate import surrogate_loss
 
 
 @custom_op("gr_opd_advantages")
@@ -23,18 +23,14 @@ def gr_opd_advantages_op(old_logprobs: Tensor, teacher_logprobs: Tensor, mask: T
                          adv_clip: float, std_eps: float,
                          acc: torch.dtype) -> Tuple[Tensor, Tensor]:
     """``(advantages [B], group_sums [G, GROUP_COLUMNS])`` computed in ``acc``."""
-    from ..kernels.gr_opd import gr_opd_advantages_kernel
-
-    return gr_opd_advantages_kernel(old_logprobs, teacher_logprobs, mask, group_size=group_size,
-                                    gamma=gamma, lam=lam, feedback_clip=feedback_clip,
-                                    adv_clip=adv_clip, std_eps=std_eps, acc=acc)
+    return gr_opd_advantages_fwd(old_logprobs, teacher_logprobs, mask, group_size=group_size,
+                                 gamma=gamma, lam=lam, feedback_clip=feedback_clip,
+                                 adv_clip=adv_clip, std_eps=std_eps, acc=acc)
 
 
 @gr_opd_advantages_op.register_fake
 def _(old_logprobs, teacher_logprobs, mask, group_size, gamma, lam, feedback_clip, adv_clip,
       std_eps, acc):
-    from ..kernels.gr_opd import GROUP_COLUMNS
-
     B = old_logprobs.shape[0]
     return (old_logprobs.new_empty((B,), dtype=acc),
             old_logprobs.new_empty((B // group_size, len(GROUP_COLUMNS)), dtype=acc))
@@ -45,10 +41,11 @@ def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor
                       mask: torch.Tensor, *, group_size: int, gamma: float = 0.99,
                       lam: float = 0.25, feedback_clip: float = 5.0, adv_clip: float = 5.0,
                       std_eps: float = 1e-6, validate: bool = True) -> torch.Tensor:
-    mask, hyper = check_advantage_inputs(
+    args = check_advantage_inputs(
         old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
         feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps, validate=validate)
-    adv, _ = gr_opd_advantages_op(old_logprobs.detach(), teacher_logprobs.detach(), mask, *hyper,
+    adv, _ = gr_opd_advantages_op(old_logprobs.detach(), teacher_logprobs.detach(), args.mask,
+                                  *args.hyper,
                                   compute_dtype(old_logprobs.dtype, teacher_logprobs.dtype))
     return adv
 
@@ -60,53 +57,34 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
                 std_eps: float = 1e-6, advantages: Optional[torch.Tensor] = None,
                 loss_scale: float = 1.0, num_sequences: Optional[float] = None,
                 validate: bool = True) -> LossOutput:
-    info, mask, hyper, eps, advantages, loss_scale, num_sequences = check_gr_opd_args(
+    args = check_gr_opd_args(
         policy, old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma,
         lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
         advantages=advantages, loss_scale=loss_scale, num_sequences=num_sequences,
         validate=validate)
-    cdt = info.compute_dtype
+    mask, hyper, cdt = args.mask, args.hyper, args.info.compute_dtype
     old, teacher = old_logprobs.detach(), teacher_logprobs.detach()
     acc = compute_dtype(cdt, old.dtype, teacher.dtype)   # the advantages' widest input
-    if advantages is None:
-        from ..kernels.gr_opd import GROUP_COLUMNS
-
+    if args.advantages is None:
         adv, group_sums = gr_opd_advantages_op(old, teacher, mask, *hyper, acc)
         totals = dict(zip(GROUP_COLUMNS, group_sums.sum(0).unbind()))
         feedback_mean = totals["feedback"] / totals["tokens"].clamp_min(1)
     else:  # the metric alone, from [B, T] data
-        adv = advantages.detach()
+        adv = args.advantages.detach()
         feedback_mean = masked_mean(clamped_feedback(old.to(acc), teacher.to(acc), mask,
                                                      hyper.feedback_clip), mask)
 
-    weights = loss_scale * aggregation_weights(mask, "seq-mean-token-mean", cdt,
-                                               num_sequences=num_sequences)
-    loss, totals = surrogate_loss(policy, old, adv, mask, weights,
-                                  Region("ppo_clip", "mc", *eps, math.inf), validate=validate)
+    row_scale = args.loss_scale * aggregation_weights(mask, "seq-mean-token-mean", cdt,
+                                                      num_sequences=args.num_sequences)
+    loss, totals = surrogate_loss(policy, old, adv, mask, row_scale, args.objective,
+                                  validate=validate)
     adv_c = adv.to(cdt)
     tokens = mask.sum().to(cdt).clamp_min(1)
     metrics = {
         "clip_frac": (totals["clip_low"] + totals["clip_high"]) / tokens,
-        "adv_mean": adv_c.mean() if info.shape[0] else adv_c.new_zeros(()),
-        "adv_abs_mean": adv_c.abs().mean() if info.shape[0] else adv_c.new_zeros(()),
+        "adv_mean": adv_c.mean() if adv_c.numel() else adv_c.new_zeros(()),
+        "adv_abs_mean": adv_c.abs().mean() if adv_c.numel() else adv_c.new_zeros(()),
         "feedback_mean": feedback_mean,
         "overflow": (totals["overflow"] > 0).to(cdt),
     }
     return LossOutput(loss, metrics)
-
-
-class GROPDLoss(torch.nn.Module):
-    """``gr_opd_loss`` with its hyper-parameters held by the module."""
-
-    def __init__(self, *, group_size: int, gamma: float = 0.99, lam: float = 0.25,
-                 eps: float = 0.2, feedback_clip: float = 5.0, adv_clip: float = 5.0,
-                 std_eps: float = 1e-6, loss_scale: float = 1.0, validate: bool = True):
-        super().__init__()
-        self.kwargs = dict(group_size=group_size, gamma=gamma, lam=lam, eps=eps,
-                           feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
-                           loss_scale=loss_scale, validate=validate)
-
-    def forward(self, policy, old_logprobs, teacher_logprobs, mask, *, advantages=None,
-                num_sequences=None) -> LossOutput:
-        return gr_opd_loss(policy, old_logprobs, teacher_logprobs, mask, advantages=advantages,
-                           num_sequences=num_sequences, **self.kwargs)

@@ -24,7 +24,10 @@ import torch
 from torch import Tensor
 
 from .._types import compute_dtype
-from ._op import custom_op
+from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
+from ..kernels.objectives import SUM_COLUMNS
+from ..kernels.surrogate import surrogate_logits_fwd
+from ._op import custom_op, register_autograd
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # one chunk of logits: 1 GiB unless RLFUSE_CHUNK_BYTES says
 
@@ -117,9 +120,7 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
                        target_logit: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window; with
     ``target_logit`` the first output is the target's logit over the temperature instead (what
-    a shard of a split vocabulary contributes, ``rlfuse.parallel``)."""
-    from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_fwd
-
+    a shard of a split vocabulary contributes, ``scaleout.vocab``)."""
     acc = compute_dtype(hidden.dtype)
     B, T = targets.shape
     # rows left out of the chunks (masked, when gathering) have log-prob 0, entropy 0
@@ -145,8 +146,6 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
 @linear_logprobs_op.register_fake
 def _(hidden, weight, bias, targets, mask, temperature, offset, chunk_tokens, gather,
       with_entropy, target_logit=False):
-    from ..kernels.logprobs import STAT_COLUMNS
-
     acc = compute_dtype(hidden.dtype)
     return (hidden.new_empty(targets.shape, dtype=acc),
             hidden.new_empty(targets.shape if with_entropy else (0,), dtype=acc),
@@ -163,8 +162,6 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
     """``(dhidden, dweight, dbias)`` (empty where not needed) for the upstream ``dlogp`` /
     ``dentropy`` ``[B, T]``: each chunk's logits formed again, their gradient written in
     place."""
-    from ..kernels.logprobs import token_logprobs_bwd
-
     grads = HeadGradients(hidden, weight, bias, tuple(needs))
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
     dlogp, dentropy, entropy = _flat(dlogp), _flat(dentropy), _flat(entropy)
@@ -187,14 +184,12 @@ def _(hidden, weight, bias, targets, mask, stats, entropy, dlogp, dentropy, temp
 
 
 def _logprobs_setup(ctx, inputs, output):
-    hidden, weight, bias, targets, mask = inputs[:5]
-    ctx.args = inputs[5:9]   # temperature, offset, chunk_tokens, gather
-    with_entropy = inputs[9]
     _, entropy, stats = output
-    ctx.save_for_backward(hidden, weight, bias, targets, mask, stats,
-                          entropy if with_entropy else None)
+    ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.bias, inputs.targets, inputs.mask,
+                          stats, entropy if inputs.with_entropy else None)
+    ctx.chunking = (inputs.temperature, inputs.offset, inputs.chunk_tokens, inputs.gather)
     ctx.mark_non_differentiable(stats)
-    if not with_entropy:
+    if not inputs.with_entropy:
         ctx.mark_non_differentiable(entropy)
     ctx.set_materialize_grads(False)
 
@@ -205,16 +200,22 @@ def _logprobs_backward(ctx, dlogp, dentropy, _dstats):
         dentropy = None
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
     if (dlogp is None and dentropy is None) or not any(needs):
-        return (None,) * 11
+        return None
     if dlogp is None:
         dlogp = torch.zeros(targets.shape, dtype=stats.dtype, device=stats.device)
     dh, dw, db = linear_logprobs_backward_op(hidden, weight, bias, targets, mask, stats,
-                                             entropy, dlogp, dentropy, *ctx.args, needs)
-    return (dh if needs[0] else None, dw if needs[1] else None,
-            db if needs[2] and bias is not None else None) + (None,) * 8
+                                             entropy, dlogp, dentropy, *ctx.chunking, needs)
+    return head_gradients(needs, bias is not None, dh, dw, db)
 
 
-linear_logprobs_op.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)
+def head_gradients(needs, has_bias: bool, dhidden, dweight, dbias) -> dict:
+    """The gradients of the head's inputs by name, the needed ones only."""
+    needs = (needs[0], needs[1], needs[2] and has_bias)
+    grads = {"hidden": dhidden, "weight": dweight, "bias": dbias}
+    return {name: grad for (name, grad), needed in zip(grads.items(), needs) if needed}
+
+
+register_autograd(linear_logprobs_op, _logprobs_backward, _logprobs_setup)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,14 +226,14 @@ linear_logprobs_op.register_autograd(_logprobs_backward, setup_context=_logprobs
 def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                         mask: Tensor, old_lp: Optional[Tensor], adv: Tensor,
                         weights: Optional[Tensor], row_scale: Tensor, temperature: float,
-                        geometry: str, topology: str, delta_low: float, delta_high: float,
-                        dual_clip: float, offset: int, chunk_tokens: int, gather: bool,
+                        objective: str, geometry: str, topology: str, delta_low: float,
+                        delta_high: float, params: List[float], offset: int, chunk_tokens: int,
+                        gather: bool,
                         needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, totals [SUM_COLUMNS], dhidden, dweight, dbias)``: the clipped surrogate over the
-    head's window (``old_lp`` None: on policy) and its gradients for an upstream gradient of 1
-    (empty where not needed), each chunk's logits formed once."""
-    from ..kernels.surrogate import SUM_COLUMNS, surrogate_logits
-
+    """``(loss, totals [SUM_COLUMNS], dhidden, dweight, dbias)``: the surrogate ``objective``
+    over the head's window (``old_lp`` None: on policy) and its gradients for an upstream
+    gradient of 1 (empty where not needed), each chunk's logits formed once."""
+    spec = (objective, geometry, topology, delta_low, delta_high, params)
     grads = HeadGradients(hidden, weight, bias, tuple(needs))
     write = any(needs)
     B, T = targets.shape
@@ -241,14 +242,13 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     old_flat, w_flat = _flat(old_lp), _flat(weights)
     adv_flat = _flat(adv.unsqueeze(-1).expand(B, T) if adv.dim() == 1 else adv)
     scale_flat = row_scale.unsqueeze(-1).expand(B, T).reshape(-1)
-    region = (geometry, topology, delta_low, delta_high, dual_clip)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
         logits = chunk_logits(h_rows, weight, bias)
-        _, sums = surrogate_logits(
+        _, sums = surrogate_logits_fwd(
             logits, y_flat[tokens, None], m_flat[tokens, None],
             None if old_flat is None else old_flat[tokens, None], adv_flat[tokens],
-            None if w_flat is None else w_flat[tokens, None], scale_flat[tokens], region,
+            None if w_flat is None else w_flat[tokens, None], scale_flat[tokens], spec,
             temperature=temperature, write_dlogits=write, dlogits=logits if write else None)
         totals += sums.sum(0)
         if write:
@@ -259,29 +259,26 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 
 @linear_surrogate_op.register_fake
 def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, temperature,
-      geometry, topology, delta_low, delta_high, dual_clip, offset, chunk_tokens, gather, needs):
-    from ..kernels.surrogate import SUM_COLUMNS
-
+      objective, geometry, topology, delta_low, delta_high, params, offset, chunk_tokens, gather,
+      needs):
     return ((row_scale.new_empty(()), row_scale.new_empty((len(SUM_COLUMNS),)))
             + _gradients_fake(hidden, weight, bias, needs))
 
 
 def _surrogate_setup(ctx, inputs, output):
-    bias, needs = inputs[2], inputs[-1]
     _, totals, dh, dw, db = output
     ctx.save_for_backward(dh, dw, db)
-    ctx.needs = (needs[0], needs[1], needs[2] and bias is not None)
+    ctx.needs, ctx.has_bias = inputs.needs, inputs.bias is not None
     ctx.mark_non_differentiable(totals, dh, dw, db)
     ctx.set_materialize_grads(False)
 
 
 def _surrogate_backward(ctx, grad_loss, *_):
-    grads = [None, None, None]
-    if grad_loss is not None:
-        for i, (grad, needed) in enumerate(zip(ctx.saved_tensors, ctx.needs)):
-            if needed:   # one pass over a [N, H] / [V, H] gradient, no host sync
-                grads[i] = grad * grad_loss.to(grad.dtype)
-    return tuple(grads) + (None,) * 16
+    if grad_loss is None:
+        return None
+    needs = head_gradients(ctx.needs, ctx.has_bias, *ctx.saved_tensors)
+    # one pass over a [N, H] / [V, H] gradient each, no host sync
+    return {name: grad * grad_loss.to(grad.dtype) for name, grad in needs.items()}
 
 
-linear_surrogate_op.register_autograd(_surrogate_backward, setup_context=_surrogate_setup)
+register_autograd(linear_surrogate_op, _surrogate_backward, _surrogate_setup)

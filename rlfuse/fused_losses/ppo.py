@@ -1,5 +1,4 @@
-"""Fused PPO family (GRPO, DAPO, Dr. GRPO, GSPO): GPPO's kernels with PPO's region, the
-functional API and the nn.Module."""
+"""Fused PPO family (GRPO, DAPO, Dr. GRPO, GSPO): the surrogate kernels with PPO's region."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,11 +6,10 @@ from typing import Optional
 import torch
 
 from .. import reference
-from .._contract import check_ppo_args
+from .._args import check_ppo_args
 from .._dispatch import falls_back_to
 from .._types import LossOutput
-from .gppo import run_surrogate
-from .surrogate import Region
+from .surrogate import surrogate_family_loss
 
 
 @falls_back_to(reference.ppo_loss)
@@ -25,22 +23,5 @@ def ppo_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Ten
         policy, old_logprobs, advantages, mask, clip=clip, dual_clip=dual_clip,
         ratio_level=ratio_level, agg=agg, weights=weights, loss_scale=loss_scale,
         num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
-    region = Region("ppo_clip", "mc", *args.delta, args.dual_clip)
-    return run_surrogate(policy, old_logprobs, args, agg, region, validate=validate,
-                         sequence=ratio_level == "sequence")
-
-
-class PPOLoss(torch.nn.Module):
-    """``ppo_loss`` with its hyper-parameters held by the module."""
-
-    def __init__(self, *, clip=0.2, dual_clip: Optional[float] = None,
-                 ratio_level: str = "token", agg: str = "token-mean", loss_scale: float = 1.0,
-                 validate: bool = True):
-        super().__init__()
-        self.kwargs = dict(clip=clip, dual_clip=dual_clip, ratio_level=ratio_level, agg=agg,
-                           loss_scale=loss_scale, validate=validate)
-
-    def forward(self, policy, old_logprobs, advantages, mask, *, weights=None, num_tokens=None,
-                num_sequences=None) -> LossOutput:
-        return ppo_loss(policy, old_logprobs, advantages, mask, weights=weights,
-                        num_tokens=num_tokens, num_sequences=num_sequences, **self.kwargs)
+    return surrogate_family_loss(policy, old_logprobs, args, agg, validate=validate,
+                                 sequence=ratio_level == "sequence")

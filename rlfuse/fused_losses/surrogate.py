@@ -1,53 +1,43 @@
-"""The clipped surrogate shared by GPPO, GR-OPD and the PPO family: custom ops, autograd
-formulas, the dispatch over the policy forms.
+"""The surrogate losses fused (GPPO, GR-OPD, the PPO family): custom ops, autograd formulas, the
+dispatch over the policy forms, and the loss of GPPO and PPO from their checked arguments.
 
-Three ops: the forward and backward from learner log-probs ``[B, T]``, and the single pass from
-logits that writes ``dlogits`` in the forward (for an upstream gradient of 1). The single pass's
-backward rescales that buffer in place by the upstream gradient, read on the device: no host
-sync, and no pass over it when the gradient is 1. fp16 logits take the two-pass path instead
-(log-probs, then the surrogate; the backward forms ``dlogits`` from the logits at the true
-upstream scale), since a gradient rounded to fp16 at scale 1 would lose what a loss scaler's
-2^16 is meant to keep; so does GSPO's sequence-level ratio (every log-prob of a row first).
+Three ops over ``kernels.surrogate``: the forward and backward from learner log-probs ``[B, T]``,
+and the single pass from logits that writes ``dlogits`` in the forward (for an upstream gradient
+of 1; ``linear_head.linear_surrogate_op`` is its chunked twin for a ``LinearHead``). The single
+pass's backward rescales that buffer in place by the upstream gradient, read on the device: no
+host sync, and no pass over it when the gradient is 1. fp16 logits take the two-pass path
+instead (log-probs, then the surrogate; the backward forms ``dlogits`` from the logits at the
+true upstream scale), since a gradient rounded to fp16 at scale 1 would lose what a loss
+scaler's 2^16 is meant to keep; so do GSPO's sequence-level ratio (every log-prob of a row
+first), packed rows and a split vocabulary (their gradient needs the whole row's logsumexp
+first).
 
-Every op takes the region as (geometry name, topology, delta_low, delta_high, dual_clip):
-GPPO's cells, or ``ppo_clip`` with ``(eps_low, eps_high)``; ``dual_clip`` inf is none.
+Every op takes the objective flat (``_op.objective_of``): its name, the region's geometry and
+topology, the sizes of the region's two sides, and the objective's parameters.
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .._contract import raise_on_overflow
-from .._types import LinearHead, Logits
-from ..parallel import is_scaled_out
-from ._op import custom_op
+from .._args import Objective
+from .._math import aggregation_weights
+from .._types import LinearHead, LossOutput, Logits
+from .._validation import raise_on_overflow
+from ..kernels.objectives import SUM_COLUMNS
+from ..kernels.surrogate import (surrogate_bwd, surrogate_fwd, surrogate_logits_bwd,
+                                 surrogate_logits_fwd)
+from ..scaleout.layout import is_scaled_out
+from ._op import custom_op, objective_of, register_autograd
 from .linear_head import chunk_tokens_for, linear_surrogate_op
-from .logprobs import as_rows, learner_logprobs
+from .logprobs import batched_rows
+from .policy import learner_logprobs
 
 
-class Region(NamedTuple):
-    """A surrogate's region: a name of ``kernels.gppo.REGION_GEOMETRIES``, a topology, the
-    sizes of its lower and upper sides, and the dual clip (inf: none)."""
-
-    geometry: str
-    topology: str
-    delta_low: float
-    delta_high: float
-    dual_clip: float
-
-
-def _column(sums: Tensor, name: str) -> Tensor:
-    from ..kernels.surrogate import SUM_COLUMNS
-
-    return sums[..., SUM_COLUMNS.index(name)]
-
-
-def _sums_shape(rows) -> Tuple:
-    from ..kernels.surrogate import SUM_COLUMNS
-
-    return (rows, len(SUM_COLUMNS))
+def _loss(sums: Tensor) -> Tensor:
+    return -sums[..., SUM_COLUMNS.index("loss")].sum()
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,66 +46,58 @@ def _sums_shape(rows) -> Tuple:
 
 @custom_op("surrogate")
 def surrogate_op(lp: Tensor, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
-                 weights: Optional[Tensor], row_scale: Tensor, geometry: str, topology: str,
-                 delta_low: float, delta_high: float, dual_clip: float,
+                 weights: Optional[Tensor], row_scale: Tensor, objective: str, geometry: str,
+                 topology: str, delta_low: float, delta_high: float, params: List[float],
                  sequence: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """``(loss, sums [B, SUM_COLUMNS], seq_grad)`` from learner log-probs ``lp [B, T]``
     (``old_lp`` None: on policy); ``row_scale``: the aggregation weight of each row's tokens;
     ``sequence``: GSPO's ratio, whose per-row gradient coefficient ``seq_grad [B]`` the backward
     needs (empty otherwise)."""
-    from ..kernels.surrogate import surrogate_fwd
-
-    region = (geometry, topology, delta_low, delta_high, dual_clip)
-    sums, seq_grad = surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, region,
+    spec = (objective, geometry, topology, delta_low, delta_high, params)
+    sums, seq_grad = surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, spec,
                                    sequence=sequence)
-    return -_column(sums, "loss").sum(), sums, row_scale.new_empty(0) if seq_grad is None \
-        else seq_grad
+    return _loss(sums), sums, row_scale.new_empty(0) if seq_grad is None else seq_grad
 
 
 @surrogate_op.register_fake
-def _(lp, old_lp, adv, mask, weights, row_scale, geometry, topology, delta_low, delta_high,
-      dual_clip, sequence):
-    return (row_scale.new_empty(()), row_scale.new_empty(_sums_shape(lp.shape[0])),
+def _(lp, old_lp, adv, mask, weights, row_scale, objective, geometry, topology, delta_low,
+      delta_high, params, sequence):
+    return (row_scale.new_empty(()), row_scale.new_empty((lp.shape[0], len(SUM_COLUMNS))),
             row_scale.new_empty(lp.shape[0] if sequence else 0))
 
 
 @custom_op("surrogate_backward")
 def surrogate_backward_op(lp: Tensor, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                           weights: Optional[Tensor], row_scale: Tensor,
-                          seq_grad: Optional[Tensor], grad: Tensor, geometry: str,
-                          topology: str, delta_low: float, delta_high: float,
-                          dual_clip: float) -> Tensor:
+                          seq_grad: Optional[Tensor], grad: Tensor, objective: str,
+                          geometry: str, topology: str, delta_low: float, delta_high: float,
+                          params: List[float]) -> Tensor:
     """``dlp [B, T]`` for the upstream gradient ``grad`` (0-dim, read on the device)."""
-    from ..kernels.surrogate import surrogate_bwd
-
-    region = (geometry, topology, delta_low, delta_high, dual_clip)
-    return surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq_grad, grad, region)
+    spec = (objective, geometry, topology, delta_low, delta_high, params)
+    return surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq_grad, grad, spec)
 
 
 @surrogate_backward_op.register_fake
-def _(lp, old_lp, adv, mask, weights, row_scale, seq_grad, grad, geometry, topology, delta_low,
-      delta_high, dual_clip):
+def _(lp, old_lp, adv, mask, weights, row_scale, seq_grad, grad, objective, geometry, topology,
+      delta_low, delta_high, params):
     return torch.empty_like(lp, memory_format=torch.contiguous_format)
 
 
 def _surrogate_setup(ctx, inputs, output):
-    lp, old_lp, adv, mask, weights, row_scale = inputs[:6]
-    sequence = inputs[-1]
     _, sums, seq_grad = output
-    ctx.save_for_backward(lp, old_lp, adv, mask, weights, row_scale,
-                          seq_grad if sequence else None)
-    ctx.region = inputs[6:11]
+    ctx.save_for_backward(inputs.lp, inputs.old_lp, inputs.adv, inputs.mask, inputs.weights,
+                          inputs.row_scale, seq_grad if inputs.sequence else None)
+    ctx.objective = objective_of(inputs)
     ctx.mark_non_differentiable(sums, seq_grad)
 
 
 def _surrogate_backward(ctx, grad_loss, _grad_sums, _grad_seq):
     lp, old_lp, adv, mask, weights, row_scale, seq_grad = ctx.saved_tensors
-    dlp = surrogate_backward_op(lp, old_lp, adv, mask, weights, row_scale, seq_grad,
-                                grad_loss.to(row_scale.dtype), *ctx.region)
-    return (dlp,) + (None,) * 11
+    return {"lp": surrogate_backward_op(lp, old_lp, adv, mask, weights, row_scale, seq_grad,
+                                        grad_loss.to(row_scale.dtype), *ctx.objective)}
 
 
-surrogate_op.register_autograd(_surrogate_backward, setup_context=_surrogate_setup)
+register_autograd(surrogate_op, _surrogate_backward, _surrogate_setup)
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,8 +107,9 @@ surrogate_op.register_autograd(_surrogate_backward, setup_context=_surrogate_set
 @custom_op("surrogate_logits")
 def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: Optional[Tensor],
                         adv: Tensor, weights: Optional[Tensor], row_scale: Tensor,
-                        temperature: float, geometry: str, topology: str, delta_low: float,
-                        delta_high: float, dual_clip: float, write_dlogits: bool, inplace: bool,
+                        temperature: float, objective: str, geometry: str, topology: str,
+                        delta_low: float, delta_high: float, params: List[float],
+                        write_dlogits: bool, inplace: bool,
                         offset: int) -> Tuple[Tensor, Tensor, Tensor]:
     """``(loss, sums [B*T, SUM_COLUMNS], dlogits)`` in one pass over ``logits [B, S, V]``, whose
     rows ``[offset, offset + T)`` predict ``targets [B, T]`` (``old_lp`` None: on policy, the
@@ -137,39 +120,36 @@ def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: O
     ``inplace``, where it is written into the logits' own buffer (``stride(-1) == 1`` required),
     which the op does not return: an op's outputs never alias its inputs.
     """
-    from ..kernels.surrogate import surrogate_logits
-
-    region = (geometry, topology, delta_low, delta_high, dual_clip)
-    dlogits, sums = surrogate_logits(
-        logits, targets, mask, old_lp, adv, weights, row_scale, region, temperature=temperature,
+    spec = (objective, geometry, topology, delta_low, delta_high, params)
+    dlogits, sums = surrogate_logits_fwd(
+        logits, targets, mask, old_lp, adv, weights, row_scale, spec, temperature=temperature,
         write_dlogits=write_dlogits, dlogits=logits if inplace and write_dlogits else None,
         offset=offset)
     if dlogits is None or inplace:
         dlogits = logits.new_empty(0)
-    return -_column(sums, "loss").sum(), sums, dlogits
+    return _loss(sums), sums, dlogits
 
 
 @surrogate_logits_op.register_fake
-def _(logits, targets, mask, old_lp, adv, weights, row_scale, temperature, geometry, topology,
-      delta_low, delta_high, dual_clip, write_dlogits, inplace, offset):
+def _(logits, targets, mask, old_lp, adv, weights, row_scale, temperature, objective, geometry,
+      topology, delta_low, delta_high, params, write_dlogits, inplace, offset):
     dlogits_shape = logits.shape if write_dlogits and not inplace else (0,)
-    return (row_scale.new_empty(()), row_scale.new_empty(_sums_shape(targets.numel())),
+    return (row_scale.new_empty(()), row_scale.new_empty((targets.numel(), len(SUM_COLUMNS))),
             logits.new_empty(dlogits_shape))
 
 
 def _surrogate_logits_setup(ctx, inputs, output):
-    logits, mask, inplace, offset = inputs[0], inputs[2], inputs[-2], inputs[-1]
     _, sums, dlogits = output
-    ctx.save_for_backward(logits if inplace else dlogits, mask)
+    ctx.save_for_backward(inputs.logits if inputs.inplace else dlogits, inputs.mask)
     ctx.mark_non_differentiable(sums, dlogits)
     ctx.set_materialize_grads(False)   # no zero-filled [B, S, V] "gradient" of dlogits
-    ctx.offset = offset
+    ctx.offset = inputs.offset
     ctx.backward_done = False
 
 
 def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
     if grad_loss is None:
-        return (None,) * 16
+        return None
     if ctx.backward_done:
         raise RuntimeError(
             "rlfuse: a surrogate loss (GPPO, GR-OPD, PPO) from Logits writes its gradient in the "
@@ -179,11 +159,10 @@ def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
     ctx.backward_done = True
     dlogits, mask = ctx.saved_tensors
     scale_rows_op(dlogits, mask, grad_loss, ctx.offset)
-    return (dlogits.view(dlogits.shape),) + (None,) * 15
+    return {"logits": dlogits.view(dlogits.shape)}
 
 
-surrogate_logits_op.register_autograd(_surrogate_logits_backward,
-                                      setup_context=_surrogate_logits_setup)
+register_autograd(surrogate_logits_op, _surrogate_logits_backward, _surrogate_logits_setup)
 
 
 @custom_op("scale_rows_", mutates_args=("x",))
@@ -191,9 +170,7 @@ def scale_rows_op(x: Tensor, mask: Tensor, scale: Tensor, offset: int) -> None:
     """``x[b, s] *= scale`` at the actor rows of ``x [B, S, V]`` (rows ``[offset, offset + T)``
     go with ``mask [B, T]``), in place; ``scale`` (0-dim) is read on the device, and a scale of
     1 reads and writes nothing."""
-    from ..kernels.logprobs import scale_rows_
-
-    scale_rows_(x, mask, scale, offset)
+    surrogate_logits_bwd(x, mask, scale, offset)
 
 
 @scale_rows_op.register_fake
@@ -205,18 +182,24 @@ def _(x, mask, scale, offset):
 # Every policy form
 # --------------------------------------------------------------------------------------------
 
+def _single_pass(policy, sequence: bool) -> bool:
+    """Whether ``policy``'s loss runs in one pass over its logits (see the module)."""
+    if sequence or not isinstance(policy, (Logits, LinearHead)) or is_scaled_out(policy):
+        return False
+    rows = policy.logits if isinstance(policy, Logits) else policy.hidden
+    return rows.dtype != torch.float16
+
+
 def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
-                   row_scale: Tensor, region: Region, *, weights: Optional[Tensor] = None,
+                   row_scale: Tensor, objective: Objective, *, weights: Optional[Tensor] = None,
                    sequence: bool = False, validate: bool) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """``(loss, {column: total})`` of the clipped surrogate for any policy form (``old_lp``
-    None: on policy); with ``validate`` an overflowing ``r A`` raises (one host sync)."""
-    region = tuple(region)
-    # fp16 takes two passes (its gradient is formed with the true upstream scale); packed rows
-    # and a split vocabulary too (the gradient needs the whole row's logsumexp first)
-    single_pass = not sequence and isinstance(policy, (Logits, LinearHead)) and (
-        policy.logits if isinstance(policy, Logits) else policy.hidden).dtype != torch.float16 \
-        and not is_scaled_out(policy)
-    if single_pass and isinstance(policy, LinearHead):
+    """``(loss, {column: total})`` of the surrogate ``objective`` for any policy form
+    (``old_lp`` None: on policy); with ``validate`` an overflowing objective raises (one host
+    sync)."""
+    name, geometry, topology, delta_low, delta_high, params = objective
+    objective = (name, geometry, topology, float(delta_low), float(delta_high),
+                 [float(p) for p in params])
+    if _single_pass(policy, sequence) and isinstance(policy, LinearHead):
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad
                  for t in (policy.hidden, policy.weight, policy.bias)]
@@ -224,21 +207,19 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                                  policy.chunk_tokens)
         loss, sums, *_ = linear_surrogate_op(policy.hidden, policy.weight, policy.bias,
                                              policy.targets, mask, old_lp, adv, weights,
-                                             row_scale, float(policy.temperature), *region,
+                                             row_scale, float(policy.temperature), *objective,
                                              int(policy.offset), chunk, validate, needs)
-    elif single_pass:
-        logits, targets, _ = as_rows(policy.logits, policy.targets, mask)
+    elif _single_pass(policy, sequence):
+        logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)
         write = policy.logits.requires_grad and torch.is_grad_enabled()
         inplace = bool(policy.inplace_backward) and logits is policy.logits
         loss, sums, _ = surrogate_logits_op(logits, targets, mask, old_lp, adv, weights,
-                                            row_scale, float(policy.temperature), *region,
+                                            row_scale, float(policy.temperature), *objective,
                                             write, inplace, int(policy.offset))
     else:
-        lp = learner_logprobs(policy, mask, gather=validate)
-        loss, sums, _ = surrogate_op(lp, old_lp, adv, mask, weights, row_scale, *region,
+        lp = learner_logprobs(policy, mask, validate=validate)
+        loss, sums, _ = surrogate_op(lp, old_lp, adv, mask, weights, row_scale, *objective,
                                      sequence)
-    from ..kernels.surrogate import SUM_COLUMNS
-
     totals = dict(zip(SUM_COLUMNS, (sums if sums.dim() == 1 else sums.sum(0)).unbind()))
     if validate:
         raise_on_overflow(totals["overflow"], row_scale.dtype)
@@ -256,3 +237,18 @@ def surrogate_metrics(totals: Dict[str, Tensor], tokens: Tensor) -> Dict[str, Te
         "approx_kl": totals["neg_log_ratio"] / tokens,
         "overflow": (totals["overflow"] > 0).to(tokens.dtype),
     }
+
+
+def surrogate_family_loss(policy, old_logprobs: Optional[Tensor], args, agg: str, *,
+                          validate: bool, sequence: bool = False) -> LossOutput:
+    """A GPPO or PPO loss from its checked ``args`` (``_args.SurrogateArgs``)."""
+    cdt = args.info.compute_dtype
+    row_scale = args.loss_scale * aggregation_weights(args.mask, agg, cdt,
+                                                      num_tokens=args.num_tokens,
+                                                      num_sequences=args.num_sequences)
+    old = None if old_logprobs is None else old_logprobs.detach()
+    weights = None if args.weights is None else args.weights.detach()
+    loss, totals = surrogate_loss(policy, old, args.advantages.detach(), args.mask, row_scale,
+                                  args.objective, weights=weights, sequence=sequence,
+                                  validate=validate)
+    return LossOutput(loss, surrogate_metrics(totals, args.mask.sum().to(cdt)))

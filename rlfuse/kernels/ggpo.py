@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .._types import compute_dtype
-from .logprobs import mask_args
-from .utils import constexpr_codes, empty, group_tile, load_tile, time_block, tl_compute_dtype
+from .utils import (constexpr_codes, empty, group_tile, load_tile, mask_args, time_block,
+                    tl_compute_dtype)
 
 # Columns of the per-group partial sums written by the forward kernel.
 GROUP_COLUMNS = ("gap", "loss", "q_max", "tokens", "clipped", "log_ratio")

@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprobs import mask_args
-from .utils import constexpr_codes, empty, group_tile, load_tile, tl_compute_dtype
+from .utils import constexpr_codes, empty, group_tile, load_tile, mask_args, tl_compute_dtype
 
 # Columns of the per-group sums: clamped feedback and actor tokens (the feedback_mean metric).
 GROUP_COLUMNS = ("feedback", "tokens")
@@ -71,9 +70,9 @@ def _gr_opd_adv_kernel(
     tl.store(group_ptr + group * N_GROUP_COLS + GROUP_TOKENS, tl.sum(seen, axis=0).to(ACC))
 
 
-def gr_opd_advantages_kernel(old_lp: torch.Tensor, teacher_lp: torch.Tensor, mask: torch.Tensor, *,
-                             group_size: int, gamma: float, lam: float, feedback_clip: float,
-                             adv_clip: float, std_eps: float, acc: torch.dtype):
+def gr_opd_advantages_fwd(old_lp: torch.Tensor, teacher_lp: torch.Tensor, mask: torch.Tensor, *,
+                          group_size: int, gamma: float, lam: float, feedback_clip: float,
+                          adv_clip: float, std_eps: float, acc: torch.dtype):
     """Returns ``(advantages [B], group_sums [G, N_GROUP_COLS])`` computed in ``acc`` (fp32 or
     fp64)."""
     B, T = old_lp.shape

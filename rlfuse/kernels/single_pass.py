@@ -41,7 +41,7 @@ from typing import Optional, Union
 
 import torch
 
-from .logprobs import BLOCK_ORDERS, COMPILER_STAGES
+from .rows import BLOCK_ORDERS, COMPILER_STAGES
 from .utils import vocab_launch_config
 
 ENV_VAR = "RLFUSE_SINGLE_PASS"

@@ -1,27 +1,20 @@
-"""The clipped policy-gradient surrogate shared by GPPO, GR-OPD and the PPO family.
+"""The surrogate losses' kernels (GPPO, GR-OPD, the PPO family): a per-token objective
+(``objectives.token_objective``) over each token's trust region (``regions.region_bounds``).
 
-Per actor token, with r = exp(lp - old_lp), advantage A, trust region [l, u]
-(``gppo.region_bounds``: a GPPO geometry/topology cell, or PPO's [1 - eps_low, 1 + eps_high]),
-optional dual clip c and per-token multiplier w:
-
-    J = w min(r A, clip(r, l, u) A)   (A < 0 with a dual clip: w max(min(...), c A)),
-    dJ/dlp = w A r 1[active],
-    active = not ((A > 0 and r > u) or (A < 0 and r < l) or (A < 0 and r > c))
-
-decided in log space; only the selected branch is exponentiated. Each token's loss weight
-``row_scale[b]`` (the aggregation: 1/N_tok, 1/(T_b N_seq), ...) is computed once on the host and
-used by the forward and the backward alike: loss = -sum_bt M J row_scale[b]. On policy (no old
-log-probs) old = lp, r = 1. GSPO's sequence-level ratio (from log-probs only: it needs every
-log-prob of a row first) replaces r by s_b = exp(mean over the row's actor tokens of lp - old).
+Per actor token, with r = exp(lp - old_lp), advantage A, the objective J and its derivative
+dJ/dlp, and an optional per-token multiplier w: loss = -sum_bt M w J row_scale[b], where the
+row weight ``row_scale[b]`` (the aggregation: 1/N_tok, 1/(T_b N_seq), ...) is computed once on
+the host and used by the forward and the backward alike. On policy (no old log-probs) old = lp,
+r = 1. GSPO's sequence-level ratio (from log-probs only: it needs every log-prob of a row
+first) replaces r by s_b = exp(mean over the row's actor tokens of lp - old).
 
 Three kernels: forward and backward from log-probs ``[B, T]``, and the single pass from logits
-that computes each row's logsumexp, its log-prob, the surrogate and writes ``dlogits`` at once
+that computes each row's logsumexp, its log-prob, the objective and writes ``dlogits`` at once
 (one read and one write of the logits, plus a re-read of the row that L2 may serve: its launch
-configuration is ``single_pass.SinglePassConfig``).
+configuration is ``single_pass.SinglePassConfig``); the single pass's backward scales those
+``dlogits`` by the upstream gradient (``surrogate_logits_bwd``).
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import triton
@@ -29,40 +22,14 @@ import triton.language as tl
 
 from .._types import compute_dtype
 from . import single_pass
-from .gppo import region_bounds, region_codes, region_sizes
-from .logprobs import (at, load_target_logit, mask_args, program_token, row_logsumexp,
-                       row_write_dlogits, row_write_zeros, target_column, target_logprob)
-from .utils import constexpr_codes, empty, time_block, tl_compute_dtype
-
-# Columns of the per-row (from log-probs) and per-token (from logits) partial sums.
-SUM_COLUMNS = ("loss", "clip_low", "clip_high", "dual_clip", "ratio", "neg_log_ratio",
-               "overflow")
-SUM_LOSS, SUM_CLIP_LOW, SUM_CLIP_HIGH, SUM_DUAL_CLIP, SUM_RATIO, SUM_NEG_LOG_RATIO, \
-    SUM_OVERFLOW = constexpr_codes(SUM_COLUMNS, *SUM_COLUMNS)
-N_SUM_COLS = tl.constexpr(len(SUM_COLUMNS))
-
-
-@triton.jit
-def clipped_surrogate(log_ratio, adv, lo, hi, dual_clip):
-    """(J, dJ/dlp, clipped_low, clipped_high, dual_clipped, overflow) of tokens with the given
-    log-ratios, advantages, fp64 bounds and dual clip ``c`` (inf: none).
-
-    The bounds are rounded to the compute dtype first, as the reference holds them: a bound
-    beyond the dtype's range is inf, so its branch is never the clipped one. Dual clip: for
-    A < 0, J = max(min(r A, clip(r) A), c A), i.e. the unclipped r A becomes the constant c A
-    (zero gradient) once r > c. ``overflow``: the selected J is not finite.
-    """
-    lo = lo.to(log_ratio.dtype)
-    hi = hi.to(log_ratio.dtype)
-    clipped_high = (adv > 0) & (log_ratio > tl.log(hi))
-    clipped_low = (adv < 0) & (log_ratio < tl.log(lo))
-    dual = (adv < 0) & ~clipped_low & (log_ratio > tl.log(dual_clip))
-    active = (adv != 0) & ~(clipped_high | clipped_low | dual)
-    dj = tl.where(active, tl.exp(tl.where(active, log_ratio, 0.0)) * adv, 0.0)
-    bound = tl.where(clipped_high, hi, tl.where(clipped_low, lo, tl.where(dual, dual_clip, 0.0)))
-    j = tl.where(active, dj, bound * adv)
-    overflow = ~(tl.abs(j) < float("inf"))
-    return j, dj, clipped_low, clipped_high, dual, overflow
+from .objectives import (N_SUM_COLS, SUM_CLIP_HIGH, SUM_CLIP_LOW, SUM_COLUMNS, SUM_DUAL_CLIP,
+                         SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW, SUM_RATIO, objective_args,
+                         token_objective)
+from .regions import region_bounds
+from .rows import (at, load_target_logit, program_token, row_logsumexp, row_write_dlogits,
+                   row_write_zeros, target_column, target_logprob)
+from .utils import (empty, mask_args, ones_if_none, time_block, tl_compute_dtype, token_strides,
+                    vocab_launch_config)
 
 
 @triton.jit
@@ -111,9 +78,10 @@ def _surrogate_fwd_kernel(
     # sizes
     T,
     # scalars
-    low_hi, low_lo, high_hi, high_lo, dual_clip,  # region sizes (gppo.region_bounds), c
-    BLOCK_T: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
-    HAS_OLD: tl.constexpr, SEQUENCE: tl.constexpr,
+    low_hi, low_lo, high_hi, high_lo,   # region sizes (regions.region_bounds)
+    p0, p1, p2, p3,                     # the objective's parameters
+    BLOCK_T: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
+    TOPOLOGY: tl.constexpr, ACC: tl.constexpr, HAS_OLD: tl.constexpr, SEQUENCE: tl.constexpr,
 ):
     # One row. SEQUENCE (GSPO): every token of the row takes the row's ratio
     # s_b = exp(mean_t (lp - old)), so dL/dlp_bt = -row_scale_b (sum_t' w dJ/dlog s) / T_b, the
@@ -142,7 +110,8 @@ def _surrogate_fwd_kernel(
         log_ratio = lp - old
         if SEQUENCE:
             log_ratio = tl.zeros_like(lp) + seq_lr
-        j, dj, low, high, dual, bad = clipped_surrogate(log_ratio, adv, lo, hi, dual_clip)
+        j, dj, low, high, dual, bad = token_objective(log_ratio, adv, lo, hi, p0, p1, p2, p3,
+                                                      OBJECTIVE)
         loss += tl.where(actor, j * w, 0.0)
         seq_grad += tl.where(actor, dj * w, 0.0)
         clip_low += (actor & low).to(ACC)
@@ -176,9 +145,9 @@ def _surrogate_bwd_kernel(
     # sizes
     T, n_t_blocks,
     # scalars
-    low_hi, low_lo, high_hi, high_lo, dual_clip,
-    BLOCK_T: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
-    HAS_OLD: tl.constexpr, SEQUENCE: tl.constexpr,
+    low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3,
+    BLOCK_T: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
+    TOPOLOGY: tl.constexpr, ACC: tl.constexpr, HAS_OLD: tl.constexpr, SEQUENCE: tl.constexpr,
 ):
     # dL/dlp_bt = -g row_scale[b] M_bt w_bt dJ/dlp_bt (token level), -g seq_grad[b] M_bt (GSPO)
     pid = tl.program_id(0).to(tl.int64)
@@ -195,7 +164,7 @@ def _surrogate_bwd_kernel(
                                     stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
                                     HAS_OLD)
         lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
-        _, dj, _, _, _, _ = clipped_surrogate(lp - old, adv, lo, hi, dual_clip)
+        _, dj, _, _, _, _ = token_objective(lp - old, adv, lo, hi, p0, p1, p2, p3, OBJECTIVE)
         scale = -grad * tl.load(row_scale_ptr + b).to(ACC)
         dlp = tl.where(actor, dj * w * scale, 0.0)
     tl.store(dlp_ptr + b * T + cols, dlp.to(dlp_ptr.dtype.element_ty), mask=inside)
@@ -209,10 +178,10 @@ def _surrogate_logits_row(
     stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
     stride_ob, stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_db, stride_dt,
     T, S, offset, V,
-    inv_temp, low_hi, low_lo, high_hi, high_lo, dual_clip,
-    BLOCK_V: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
-    WRITE_DLOGITS: tl.constexpr, HAS_OLD: tl.constexpr, EVICT: tl.constexpr,
-    NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
+    inv_temp, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3,
+    BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
+    TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
+    HAS_OLD: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
     # Row s of the [B, S] logits (rows outside the window [offset, offset + T) only get zeros):
     # lse = m + log s by the online pass, lp = (z_y - m) - log s, the surrogate, then
@@ -242,7 +211,8 @@ def _surrogate_logits_row(
         if WRITE_DLOGITS:
             drow_ptr = dlogits_ptr + at(b, stride_db, s, stride_dt)
         lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
-        j, dj, low, high, dual, bad = clipped_surrogate(log_ratio, adv, lo, hi, dual_clip)
+        j, dj, low, high, dual, bad = token_objective(log_ratio, adv, lo, hi, p0, p1, p2, p3,
+                                                      OBJECTIVE)
         tl.store(out + SUM_LOSS, j * w * row_scale)
         tl.store(out + SUM_CLIP_LOW, low.to(ACC))
         tl.store(out + SUM_CLIP_HIGH, high.to(ACC))
@@ -278,9 +248,10 @@ def _surrogate_logits_kernel(
     # sizes
     T, S, offset, V, n_rows,            # n_rows = B S
     # scalars
-    inv_temp, low_hi, low_lo, high_hi, high_lo, dual_clip,
-    BLOCK_V: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
-    WRITE_DLOGITS: tl.constexpr, HAS_OLD: tl.constexpr,
+    inv_temp, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3,
+    BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
+    TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
+    HAS_OLD: tl.constexpr,
     # launch configuration (single_pass.SinglePassConfig)
     PERSISTENT: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
@@ -295,9 +266,9 @@ def _surrogate_logits_kernel(
                 stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_ob,
                 stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_db, stride_dt,
                 T, S, offset, V,
-                inv_temp, low_hi, low_lo, high_hi, high_lo, dual_clip,
-                BLOCK_V, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, EVICT, NUM_STAGES,
-                ORDER)
+                inv_temp, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3,
+                BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, EVICT,
+                NUM_STAGES, ORDER)
     else:
         _surrogate_logits_row(
             tl.program_id(0), logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr,
@@ -305,87 +276,90 @@ def _surrogate_logits_kernel(
             stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_ob,
             stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_db, stride_dt,
             T, S, offset, V,
-            inv_temp, low_hi, low_lo, high_hi, high_lo, dual_clip,
-            BLOCK_V, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, EVICT, NUM_STAGES, ORDER)
+            inv_temp, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3,
+            BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, EVICT,
+            NUM_STAGES, ORDER)
 
 
-def region_args(region):
-    """The (GEOMETRY, TOPOLOGY) codes and the runtime scalars (``region_bounds``' sizes, the dual
-    clip) of ``region = (geometry name, topology, delta_low, delta_high, dual_clip)``: a name of
-    ``gppo.REGION_GEOMETRIES``, the sizes of the lower and upper sides, and ``c`` (inf: none)."""
-    geometry, topology, delta_low, delta_high, dual_clip = region
-    return (region_codes(geometry, topology),
-            region_sizes((delta_low, delta_high)) + (float(dual_clip),))
+@triton.jit
+def _scale_rows_kernel(
+    # pointers
+    x_ptr, mask_ptr, scale_ptr,  # [B, S, V] in and out, [B, T] uint8, 0-dim
+    # strides
+    stride_xb, stride_xt, stride_mb, stride_mt,
+    # sizes
+    T, S, offset, V,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
+    # The single pass's backward: x[b, s] *= scale at actor rows (the others hold zeros), in the
+    # compute dtype; the scale is read on the device, and when it is 1 no row is read or written.
+    _, b, s, _, _, is_actor = program_token(tl.program_id(0), mask_ptr, T, S, offset, stride_mb,
+                                            stride_mt, True)
+    scale = tl.load(scale_ptr).to(ACC)
+    if (scale != 1.0) & is_actor:
+        row_ptr = x_ptr + at(b, stride_xb, s, stride_xt)
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + cols, mask=cols < V).to(ACC)
+            tl.store(row_ptr + cols, (x * scale).to(x_ptr.dtype.element_ty), mask=cols < V)
 
 
-def _strides(x: Optional[torch.Tensor]):
-    """(stride_b, stride_t) of a per-token [B, T] tensor, a per-row [B] one (broadcast over t)
-    or None (0, 0)."""
-    if x is None:
-        return 0, 0
-    return (x.stride(0), 0) if x.dim() == 1 else (x.stride(0), x.stride(1))
-
-
-def _weights(weights: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """The per-token multipliers, or a single 1 read with strides (0, 0)."""
-    return like.new_ones(()) if weights is None else weights
-
-
-def surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, region, *,
+def surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, objective, *,
                   sequence: bool = False):
     """``(sums [B, N_SUM_COLS], seq_grad [B] or None)`` (compute dtype) from learner log-probs
-    ``lp [B, T]``; ``old_lp`` None: on policy; ``sequence``: GSPO's sequence-level ratio."""
+    ``lp [B, T]``; ``old_lp`` None: on policy; ``objective``: an ``rlfuse._args.Objective``;
+    ``sequence``: GSPO's sequence-level ratio."""
     B, T = lp.shape
     acc = compute_dtype(lp.dtype)
     sums = empty((B, len(SUM_COLUMNS)), dtype=acc, device=lp.device)
     seq_grad = empty((B,), dtype=acc, device=lp.device) if sequence else None
     if B == 0:
         return sums, seq_grad
-    (geometry_code, topology_code), scalars = region_args(region)
+    (objective_code, geometry_code, topology_code), scalars = objective_args(objective)
     mask_u8, stride_mb, stride_mt = mask_args(mask)
-    w = _weights(weights, row_scale)
     _surrogate_fwd_kernel[(B,)](
         lp, old_lp, adv, mask_u8,
-        w, row_scale,
+        ones_if_none(weights, row_scale), row_scale,
         sums, seq_grad,
-        lp.stride(0), lp.stride(1), *_strides(old_lp), *_strides(adv), stride_mb, stride_mt,
-        *_strides(weights),
+        lp.stride(0), lp.stride(1), *token_strides(old_lp), *token_strides(adv), stride_mb,
+        stride_mt, *token_strides(weights),
         T,
         *scalars,
-        BLOCK_T=time_block(T), GEOMETRY=geometry_code, TOPOLOGY=topology_code,
-        ACC=tl_compute_dtype(lp.dtype), HAS_OLD=old_lp is not None, SEQUENCE=sequence,
+        BLOCK_T=time_block(T), OBJECTIVE=objective_code, GEOMETRY=geometry_code,
+        TOPOLOGY=topology_code, ACC=tl_compute_dtype(lp.dtype), HAS_OLD=old_lp is not None,
+        SEQUENCE=sequence,
     )
     return sums, seq_grad
 
 
-def surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq_grad, grad, region):
+def surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq_grad, grad, objective):
     """``dlp [B, T]`` (dtype of ``lp``) for the upstream gradient ``grad`` (0-dim);
     ``seq_grad``: the forward's per-row coefficient of a sequence-level ratio, else None."""
     B, T = lp.shape
     dlp = empty((B, T), dtype=lp.dtype, device=lp.device)
     if B * T == 0:
         return dlp
-    (geometry_code, topology_code), scalars = region_args(region)
+    (objective_code, geometry_code, topology_code), scalars = objective_args(objective)
     block_t = time_block(T)
     n_t_blocks = triton.cdiv(T, block_t)
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _surrogate_bwd_kernel[(B * n_t_blocks,)](
-        lp, old_lp, adv, mask_u8, _weights(weights, row_scale), row_scale,
+        lp, old_lp, adv, mask_u8, ones_if_none(weights, row_scale), row_scale,
         seq_grad, grad,
         dlp,
-        lp.stride(0), lp.stride(1), *_strides(old_lp), *_strides(adv), stride_mb, stride_mt,
-        *_strides(weights),
+        lp.stride(0), lp.stride(1), *token_strides(old_lp), *token_strides(adv), stride_mb,
+        stride_mt, *token_strides(weights),
         T, n_t_blocks,
         *scalars,
-        BLOCK_T=block_t, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
-        ACC=tl_compute_dtype(lp.dtype), HAS_OLD=old_lp is not None,
+        BLOCK_T=block_t, OBJECTIVE=objective_code, GEOMETRY=geometry_code,
+        TOPOLOGY=topology_code, ACC=tl_compute_dtype(lp.dtype), HAS_OLD=old_lp is not None,
         SEQUENCE=seq_grad is not None,
     )
     return dlp
 
 
-def surrogate_logits(logits, targets, mask, old_lp, adv, weights, row_scale, region, *,
-                     temperature, write_dlogits=True, dlogits=None, offset=0):
+def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale, objective, *,
+                         temperature, write_dlogits=True, dlogits=None, offset=0):
     """The single pass from ``logits [B, S, V]``, whose rows ``[offset, offset + T)`` predict
     ``targets [B, T]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])`` with ``dlogits`` of the
     whole ``[B, S, V]`` (zero rows outside the window) for an upstream gradient of 1, written
@@ -402,25 +376,46 @@ def surrogate_logits(logits, targets, mask, old_lp, adv, weights, row_scale, reg
     sums = empty((B * T, len(SUM_COLUMNS)), dtype=acc, device=logits.device)
     if B * S == 0:
         return dlogits, sums
-    (geometry_code, topology_code), scalars = region_args(region)
+    (objective_code, geometry_code, topology_code), scalars = objective_args(objective)
     config = single_pass.current()
     block_v, num_warps = config.block_and_warps(V, logits.element_size())
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     _surrogate_logits_kernel[(config.programs(B * S, logits.device),)](
         logits, targets, mask_u8,
-        old_lp, adv, _weights(weights, row_scale),
+        old_lp, adv, ones_if_none(weights, row_scale),
         row_scale,
         dlogits,
         sums,
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
-        stride_mb, stride_mt, *_strides(old_lp), *_strides(adv), *_strides(weights),
+        stride_mb, stride_mt, *token_strides(old_lp), *token_strides(adv),
+        *token_strides(weights),
         *((dlogits.stride(0), dlogits.stride(1)) if write_dlogits else (0, 0)),
         T, S, offset, V, B * S,
         1.0 / temperature, *scalars,
-        BLOCK_V=block_v, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
-        ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits,
+        BLOCK_V=block_v, OBJECTIVE=objective_code, GEOMETRY=geometry_code,
+        TOPOLOGY=topology_code, ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits,
         HAS_OLD=old_lp is not None,
         PERSISTENT=config.persistent, EVICT=config.evict, NUM_STAGES=config.stages_code,
         ORDER=config.order_code, num_warps=num_warps, maxnreg=config.maxnreg(num_warps),
     )
     return dlogits, sums
+
+
+def surrogate_logits_bwd(dlogits: torch.Tensor, mask: torch.Tensor, grad: torch.Tensor,
+                         offset: int = 0) -> None:
+    """The single pass's backward: multiplies the actor rows of its ``dlogits [B, S, V]``
+    (``stride(-1) == 1``; rows ``[offset, offset + T)`` go with ``mask [B, T]``) by the 0-dim
+    upstream ``grad`` in place, without reading it on the host: a gradient of 1 costs no pass
+    over ``dlogits``."""
+    B, S, V = dlogits.shape
+    T = mask.shape[1]
+    if B * S == 0:
+        return
+    block_v, num_warps = vocab_launch_config(V, dlogits.element_size())
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
+    _scale_rows_kernel[(B * S,)](
+        dlogits, mask_u8, grad,
+        dlogits.stride(0), dlogits.stride(1), stride_mb, stride_mt,
+        T, S, offset, V,
+        BLOCK_V=block_v, ACC=tl_compute_dtype(dlogits.dtype), num_warps=num_warps,
+    )

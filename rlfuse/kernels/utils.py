@@ -1,22 +1,31 @@
 """Launch helpers shared by every kernel module: interpreter detection, named codes, block-size
-table, output allocation."""
+tables, output allocation, the layout arguments of ``[B, T]`` inputs, fp64 scalars."""
 from __future__ import annotations
 
 import math
 import os
 import struct
+import warnings
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 # `@triton.jit` picks the interpreter when the kernels are decorated, i.e. when this package is
-# imported; record the same decision for dispatch.
+# imported (``_dispatch.INTERPRET`` is the same decision).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRET:
+    # The interpreter runs the kernels on numpy, which warns about IEEE results (log 0, inf *
+    # 0, overflow) in the lanes a kernel computes and then discards with tl.where, as a GPU
+    # does silently.
+    warnings.filterwarnings("ignore", category=RuntimeWarning,
+                            module="triton.runtime.interpreter")
 
-# Tests set this to fill every freshly allocated kernel output with NaN (or -1 for integers), so an
-# element a kernel forgets to write fails the comparison instead of passing by luck.
-POISON_OUTPUTS = False
+# What every freshly allocated kernel output is filled with (None: nothing). Tests set NaN (-1 for
+# integers), so that an element a kernel forgets to write fails the comparison instead of passing
+# by luck; the compile-only driver (``tools/gpu_compile.py``), whose launches write nothing, 0.
+OUTPUT_FILL = None
 
 # Vocabulary block per loop iteration, by logits element size: large enough to keep many loads in
 # flight, small enough that the fp32 working set of a block stays in registers.
@@ -50,10 +59,11 @@ def tl_compute_dtype(dtype: torch.dtype):
 
 
 def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.empty`` for kernel outputs, poisoned when ``POISON_OUTPUTS`` is set."""
+    """``torch.empty`` for kernel outputs, filled with ``OUTPUT_FILL`` when it is set."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if POISON_OUTPUTS:
-        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    if OUTPUT_FILL is not None:
+        integer_fill = 0 if OUTPUT_FILL == 0 else -1
+        out.fill_(OUTPUT_FILL if dtype.is_floating_point else integer_fill)
     return out
 
 
@@ -82,6 +92,27 @@ def fp64_parts(x: float):
     except OverflowError:
         hi = math.inf
     return (hi, x - hi) if math.isfinite(hi) else (x, 0.0)  # beyond fp32: inf on a GPU
+
+
+def mask_args(mask: Optional[torch.Tensor]):
+    """(pointer tensor, stride_b, stride_t) of an optional bool mask, as uint8 without a copy."""
+    if mask is None:
+        return None, 0, 0
+    mask = mask.view(torch.uint8)
+    return mask, mask.stride(0), mask.stride(1)
+
+
+def token_strides(x: Optional[torch.Tensor]):
+    """(stride_b, stride_t) of a per-token [B, T] tensor, a per-row [B] one (broadcast over t)
+    or None (0, 0)."""
+    if x is None:
+        return 0, 0
+    return (x.stride(0), 0) if x.dim() == 1 else (x.stride(0), x.stride(1))
+
+
+def ones_if_none(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``x``, or a single 1 that a kernel reads with strides (0, 0) (``token_strides(None)``)."""
+    return like.new_ones(()) if x is None else x
 
 
 @triton.jit

@@ -1,11 +1,13 @@
 """Plain-torch reference implementations: the executable definition of rlfuse's math.
 
-Same signatures as the public API; autograd computes the gradients.
+Same signatures and docstrings as the public API; autograd computes the gradients.
 """
+from .._math import group_advantages
 from .._types import LinearHead, Logits, LossOutput
-from ..parallel import global_counts, packed_index
+from ..scaleout.data_parallel import global_counts
+from ..scaleout.layout import packed_index
 from .ggpo import ggpo_loss
-from .gppo import group_advantages, gppo_bounds, gppo_loss
+from .gppo import gppo_bounds, gppo_loss
 from .gr_opd import gr_opd_advantages, gr_opd_loss
 from .logprobs import policy_logprobs, token_logprobs
 from .ppo import ppo_loss

@@ -1,11 +1,13 @@
-"""One rank of the vocabulary-parallel tests (``tests/test_parallel.py`` starts W of them with
+"""One rank of the vocabulary-split tests (``tests/test_vocab_split.py`` starts W of them with
 ``torch.distributed.run`` over ``gloo``): every loss and ``policy_logprobs``, in every policy
 form (``Logits`` with a whole output and ``offset``, ``LinearHead``, both packed), with the
 vocabulary split over the group, against the same call on the whole vocabulary in this process
 — values, metrics, the shard's gradient, a ``LinearHead``'s full hidden-state gradient — for the
-fused path and the reference; the data-parallel counts; bad input raised on every rank.
+fused path and the reference; the split under ``torch.compile(fullgraph=True)`` equal to eager
+and its custom ops opchecked (they need a process group); the collectives per call; the
+data-parallel counts; bad input raised on every rank.
 
-    python -m torch.distributed.run --standalone --nproc_per_node W tests/parallel_worker.py
+    python -m torch.distributed.run --standalone --nproc_per_node W tests/vocab_split_worker.py
         [--dtype float64] [--impls fused,reference] [--forms logits,head,packed,packed_head]
 """
 import argparse
@@ -19,8 +21,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import rlfuse  # noqa: E402
-from rlfuse import parallel  # noqa: E402
 
+# The custom ops of the split, opchecked here (``tests/test_compile.py`` opchecks the others).
+SPLIT_OPS = ("vocab_split_logprobs", "vocab_split_linear_logprobs", "group_sum_")
 B, T, P, V_LOCAL, H, GROUP = 4, 5, 2, 7, 6, 2   # P prompt rows before the window (offset)
 # Split and whole compute in the same precision and differ in summation order (log S, the
 # entropy's chain rule): a few units of rounding of the compute dtype (fp32 for bf16 logits)
@@ -47,7 +50,7 @@ def make_data(world: int, dtype: torch.dtype):
     # packed: sequence b's rows 0 .. P + len_b (prompt, response, the last row predicts nothing)
     rows = [torch.arange(P + int(n) + 1) for n in lengths]
     cu = torch.tensor([0] + torch.cumsum(torch.tensor([len(r) for r in rows]), 0).tolist())
-    index = parallel.packed_index(cu, torch.full((B,), P + 1), T)
+    index = rlfuse.packed_index(cu, torch.full((B,), P + 1), T)
     seq = torch.repeat_interleave(torch.arange(B), torch.tensor([len(r) for r in rows]))
     pos = torch.cat(rows)
     t = (pos - P).clamp(0, T - 1)
@@ -187,10 +190,62 @@ def check_collectives(d, group, rank, world):
             setattr(dist, name, fn)
 
 
+def check_compiled(d, group, rank, world):
+    """torch.compile(fullgraph=True) traces the split forward and backward, Logits and
+    LinearHead, packed too, equal to eager (aot_eager: the same kernels and torch ops)."""
+    steps = {
+        "gppo": lambda pol: rlfuse.gppo_loss(pol, d["old"], d["adv"], d["mask"],
+                                             validate=False).loss,
+        "policy_logprobs": lambda pol: sum(
+            (x * (i + 1)).sum() for i, x in enumerate(
+                rlfuse.policy_logprobs(pol, return_entropy=True, validate=False))),
+    }
+    for form in ("logits", "head", "packed", "packed_head"):
+        for name, step in steps.items():
+            _, shard, _ = leaves_of(form, d, rank, world)
+
+            def run(*leaves):
+                return step(policy(rlfuse, form, d, leaves, group))
+
+            torch._dynamo.reset()
+            eager = run(*shard)
+            compiled = torch.compile(run, backend="aot_eager", fullgraph=True)(*shard)
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+            for a, b in zip(torch.autograd.grad(eager, shard),
+                            torch.autograd.grad(compiled, shard)):
+                torch.testing.assert_close(b, a, rtol=0, atol=0,
+                                           msg=lambda m: f"rank {rank} {form} {name}: {m}")
+
+
+def check_opcheck(d, group, rank, world):
+    """torch.library.opcheck of the split's ops: schema, autograd registration, the fake
+    implementation against the real one, AOT dispatch with dynamic shapes."""
+    from rlfuse.scaleout import vocab_op
+
+    name = group.group_name
+    _, (logits,), _ = leaves_of("logits", d, rank, world)
+    _, (hidden, weight, bias), _ = leaves_of("head", d, rank, world)
+    cases = {
+        "vocab_split_logprobs": [(logits, d["targets"], d["mask"], 0.9, True, False, P, name),
+                                 (logits, d["targets"], None, 1.0, False, False, P, name)],
+        "vocab_split_linear_logprobs": [
+            (hidden, weight, bias, d["targets"], d["mask"], 0.9, P, 3, False, True, name),
+            (hidden, weight, None, d["targets"], None, 1.0, P, 4, False, False, name)],
+        "group_sum_": [(torch.randn(3, 2, dtype=hidden.dtype), name)],
+    }
+    assert set(cases) == set(SPLIT_OPS)
+    for op_name, arguments in cases.items():
+        op = getattr(vocab_op, {"vocab_split_logprobs": "vocab_split_logprobs_op",
+                                "vocab_split_linear_logprobs": "vocab_split_linear_logprobs_op",
+                                "group_sum_": "group_sum_op"}[op_name])
+        for args in arguments:
+            torch.library.opcheck(op, args)
+
+
 def check_counts(rank, world):
     mask = torch.zeros(2, world, dtype=torch.bool)
     mask[0, :rank + 1] = True                       # rank r: r + 1 tokens in one sequence
-    tokens, sequences = parallel.global_counts(mask)
+    tokens, sequences = rlfuse.global_counts(mask)
     assert tokens.item() == world * (world + 1) / 2 and sequences.item() == world, \
         (tokens, sequences)
 
@@ -201,6 +256,8 @@ def main():
     p.add_argument("--impls", default="fused,reference")
     p.add_argument("--forms", default="logits,head,packed,packed_head")
     p.add_argument("--calls", default=",".join(CALLS))
+    p.add_argument("--compile", action="store_true",
+                   help="also torch.compile the split and opcheck its ops")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -213,6 +270,9 @@ def main():
             for name in args.calls.split(","):
                 check_case(libs[impl], form, name, d, group, rank, world, dtype)
     check_collectives(d, group, rank, world)
+    if args.compile:
+        check_compiled(d, group, rank, world)
+        check_opcheck(d, group, rank, world)
     check_bad_input(group, rank, world)
     check_counts(rank, world)
     dist.barrier()

@@ -1,9 +1,9 @@
 """Instructions per logit of every row kernel, read from its SASS on a machine without a GPU
-(``python -m bench --sass``).
+(``python -m tools.sass``).
 
-Each row kernel variant that the public API launches at the headline shape is compiled for sm_90
-and sm_80 by the compile-only driver of ``tests/gpu_compile.py`` (Triton's driver replaced by one
-that compiles and returns), its cubin disassembled by the ``nvdisasm`` shipped with Triton, and
+Each row kernel variant that the benchmark's cases (``bench.cases``) launch at the headline
+vocabulary is compiled for sm_90 and sm_80 by the compile-only driver of ``tools.gpu_compile``
+(Triton's driver replaced by one that compiles and returns), its cubin disassembled by the ``nvdisasm`` shipped with Triton, and
 the inner vocabulary loops found from the control flow:
 
 * basic blocks split at branch targets and after branches; a **back edge** is a branch to a
@@ -37,9 +37,9 @@ upper bound: 4-31% of a row's instructions at V = 151936, the most in the single
 The ratios issue / memory and MUFU / memory say which limit binds; they are a model from SASS,
 not a timing.
 
-    python -m bench --sass                           # sm_90 and sm_80, prints the tables
-    python -m bench --sass --arch 90 --out DIR       # DIR/sass.json and DIR/sm_90/*.sass
-    python -m bench --sass --write-pins tests/sass_pins.json   # refresh the CI pins
+    python -m tools.sass                           # sm_90 and sm_80, prints the tables
+    python -m tools.sass --arch 90 --out DIR       # DIR/sass.json and DIR/sm_90/*.sass
+    python -m tools.sass --write-pins tests/sass_pins.json   # refresh the CI pins
 
 The compilation runs in processes of their own without ``TRITON_INTERPRET`` (one per arch, in
 parallel); ``tests/test_sass.py`` runs this and holds each kernel's count to its pin.
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -62,7 +61,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_COMPILE = ROOT / "tests" / "gpu_compile.py"
 ARCHS = (90, 80)
 
 # --------------------------------------------------------------------------------------------
@@ -388,7 +386,7 @@ def floor_of(kernel: str, constexprs: Dict[str, str]):
         return (1, 1) if constexprs.get("WRITE_DLOGITS") == "True" else (1, 0)
     if kernel == "_scale_rows_kernel":
         return 1, 1
-    raise KeyError(f"bench/sass.py: no memory floor for {kernel}; add it to floor_of")
+    raise KeyError(f"tools/sass.py: no memory floor for {kernel}; add it to floor_of")
 
 
 def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num_warps: int,
@@ -466,8 +464,25 @@ def model(row: dict, arch: int, n_rows: int = HEADLINE_N, vocab: int = HEADLINE_
 
 
 # --------------------------------------------------------------------------------------------
-# The variants: what the public API launches at the headline vocabulary
+# The variants: what the benchmark's cases launch at the headline vocabulary
 # --------------------------------------------------------------------------------------------
+
+# (label, bench op, what of its step: "fwd" / "bwd" / "no grad", dtypes): each row kernel the
+# cases launch, under the label of its row (and of its pin). The single pass writes dlogits in
+# the forward; its backward only scales them.
+VARIANTS = (
+    ("token_logprobs fwd", "token_logprobs", "fwd", ("bf16", "fp32")),
+    ("token_logprobs bwd", "token_logprobs", "bwd", ("bf16", "fp32")),
+    ("token_logprobs fwd + entropy", "token_logprobs_entropy", "fwd", ("bf16", "fp32")),
+    ("token_logprobs bwd + entropy", "token_logprobs_entropy", "bwd", ("bf16", "fp32")),
+    ("single pass GPPO chi2/atomic", "gppo_logits", "fwd", ("bf16", "fp32")),
+    ("scale_rows (upstream grad != 1)", "gppo_logits", "bwd", ("bf16", "fp32")),
+    ("single pass PPO clip", "ppo_logits", "fwd", ("bf16", "fp32")),
+    ("single pass GPPO, no grad", "gppo_logits", "no grad", ("bf16", "fp32")),
+    ("GGPO fwd (log-probs)", "ggpo_logits", "fwd", ("bf16",)),
+    ("GGPO bwd (dlogits)", "ggpo_logits", "bwd", ("bf16",)),
+)
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 _CURRENT_LABEL: List[Optional[str]] = [None]
 LAUNCHES = []    # (label, kernel name, compiled kernel, constexprs), in launch order
@@ -485,69 +500,35 @@ class _Labelled:
 
 
 def _drive(dtype_names):
-    """Each call of the public API that launches a row kernel, under the label of its row. Every
-    launch compiles (the driver only compiles) and returns zero-filled outputs."""
+    """Each variant's step of its bench case, under the label of its row. Every launch compiles
+    (the driver only compiles) and returns zero-filled outputs."""
     import torch
 
     import rlfuse
+    from bench import cases
 
-    g = torch.Generator().manual_seed(0)
-    B, T, V = 2, 3, HEADLINE_V
-    targets = torch.randint(0, V, (B, T), generator=g)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    old = -torch.rand(B, T, generator=g)
-    adv = torch.tensor([0.5, -0.5])
-    rewards = torch.tensor([0.0, 1.0])
     for name in dtype_names:
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
-
-        def logits():
-            return torch.randn(B, T, V, generator=g).to(dtype).requires_grad_()
-
-        def at(label):
-            return _Labelled(f"{label}, {name}")
-
-        x = logits()
-        with at("token_logprobs fwd"):
-            lp = rlfuse.token_logprobs(x, targets)
-        with at("token_logprobs bwd"):
-            lp.sum().backward()
-        x = logits()
-        with at("token_logprobs fwd + entropy"):
-            lp, ent = rlfuse.token_logprobs(x, targets, return_entropy=True)
-        with at("token_logprobs bwd + entropy"):
-            (lp.sum() + ent.sum()).backward()
-        policy = rlfuse.Logits(logits(), targets)
-        # The single pass writes dlogits in the forward; the backward only scales them.
-        with at("single pass GPPO chi2/atomic"):
-            loss = rlfuse.gppo_loss(policy, old, adv, mask).loss
-        with at("scale_rows (upstream grad != 1)"):
-            loss.backward()
-        with at("single pass PPO clip"):
-            rlfuse.ppo_loss(rlfuse.Logits(logits(), targets), old, adv, mask,
-                            clip=(0.2, 0.28)).loss
-        with torch.no_grad(), at("single pass GPPO, no grad"):
-            rlfuse.gppo_loss(rlfuse.Logits(logits(), targets), old, adv, mask)
-        if name != "bf16":
-            continue                         # fp32: the token kernels and the single pass
-        policy = rlfuse.Logits(logits(), targets)
-        with at("GGPO fwd (log-probs)"):
-            loss = rlfuse.ggpo_loss(policy, old, rewards, mask, group_size=2, beta=0.5).loss
-        with at("GGPO bwd (dlogits)"):
-            loss.backward()
-
-
-def _load_gpu_compile():
-    spec = importlib.util.spec_from_file_location("gpu_compile", GPU_COMPILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+        shape = cases.Shape(N=6, V=HEADLINE_V, dtype=getattr(torch, DTYPES[name]), batch=2,
+                            group_size=2, hidden=8)
+        for label, op_name, step, dtypes in VARIANTS:
+            if name not in dtypes:
+                continue
+            op, x = cases.OPS[op_name], cases.make_inputs(shape, "cpu")
+            if step == "no grad":
+                with torch.no_grad(), _Labelled(f"{label}, {name}"):
+                    op.run(rlfuse, x)
+                continue
+            with _Labelled(f"{label}, {name}" if step == "fwd" else None):
+                outputs = cases.as_tuple(op.run(rlfuse, x))
+            if step == "bwd":
+                with _Labelled(f"{label}, {name}"):
+                    torch.autograd.grad(outputs, x.logits, [torch.ones_like(o) for o in outputs])
 
 
 def worker(arch: int, dtypes, sass_dir: Optional[Path]) -> dict:
     """Compiles the variants for ``arch`` (in this process: TRITON_INTERPRET unset) and counts
     their loops."""
-    gpu_compile = _load_gpu_compile()
+    from tools import gpu_compile
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -570,9 +551,9 @@ def worker(arch: int, dtypes, sass_dir: Optional[Path]) -> dict:
 
     JITFunction.run = record_run
     rlfuse._dispatch.INTERPRET = True
-    for module in gpu_compile.KERNEL_MODULES:
-        if hasattr(module, "empty"):
-            module.empty = gpu_compile._zeros
+    from rlfuse.kernels import utils
+
+    utils.OUTPUT_FILL = 0                      # the launches write nothing
 
     t0 = time.monotonic()
     _drive(dtypes)
@@ -668,21 +649,20 @@ def write_pins(results: List[dict], path: Path):
         pins[f"sm_{result['arch']}"] = {pin_key(r): round(r["instr_per_logit"], 2)
                                         for r in result["kernels"]}
     path.write_text(json.dumps({
-        "about": "instructions per logit in the inner vocabulary loops of each row kernel (bench/"
+        "about": "instructions per logit in the inner vocabulary loops of each row kernel (tools/"
                  "sass.py); tests/test_sass.py fails a rise of more than 0.5 over a pin. "
-                 "Refresh: python -m bench --sass --write-pins tests/sass_pins.json",
+                 "Refresh: python -m tools.sass --write-pins tests/sass_pins.json",
         "triton": results[0]["triton"], "pins": pins}, indent=1, sort_keys=False) + "\n")
 
 
 def _run_workers(archs, dtypes, sass_root: Optional[Path]) -> List[dict]:
     env = {k: v for k, v in os.environ.items() if k != "RLFUSE_SINGLE_PASS"}   # the default
     env["TRITON_INTERPRET"] = "0"            # compiled, not interpreted (bench/__init__ sets 1)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
             out = Path(tmp) / f"sm_{arch}.json"
-            cmd = [sys.executable, "-m", "bench.sass", "--worker", "--arch", str(arch),
+            cmd = [sys.executable, "-m", "tools.sass", "--worker", "--arch", str(arch),
                    "--dtype", ",".join(dtypes), "--json", str(out)]
             if sass_root is not None:
                 cmd += ["--sass-dir", str(sass_root / f"sm_{arch}")]
@@ -701,7 +681,7 @@ def _run_workers(archs, dtypes, sass_root: Optional[Path]) -> List[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench --sass",
+    p = argparse.ArgumentParser(prog="python -m tools.sass",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default=",".join(map(str, ARCHS)),

@@ -1,9 +1,9 @@
-"""GPPO trust regions: per-token bounds [l, u] = {r : D(r) <= delta} for the 5 geometries x 3
-topologies, computed in fp64 inside the kernels, plus an elementwise kernel that exports them.
+"""Trust regions: per-token bounds [l, u] = {r : D(r) <= delta} for GPPO's 5 geometries x 3
+topologies and PPO's fixed ``[1 - eps_low, 1 + eps_high]`` (``ppo_clip``), computed in fp64 inside
+the kernels, plus an elementwise kernel that exports them (``gppo_bounds``).
 
-``region_bounds`` is the one device function every kernel uses (bounds export, the losses from
-log-probs, the single-pass losses from logits). Its geometries also include PPO's fixed
-``[1 - eps, 1 + eps]`` (``ppo_clip``), so that GR-OPD shares the same surrogate kernels.
+``region_bounds`` is the one device function every kernel uses (bounds export, the surrogate
+losses from log-probs and from logits).
 """
 from __future__ import annotations
 
@@ -11,23 +11,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _contract
+from .._names import MU_MIN as _MU_MIN
+from .._names import REGION_GEOMETRIES, TOPOLOGIES
 from .._types import compute_dtype
 from .utils import constexpr_codes, empty, fp64_parts
 
-# The region names the kernels know: GPPO's geometries, then PPO's fixed clip range.
-REGION_GEOMETRIES = _contract.GEOMETRIES + ("ppo_clip",)
 TV, CHI2, HELLINGER, KL, TWO_SIDED_LOG, PPO_CLIP = constexpr_codes(
     REGION_GEOMETRIES, "tv", "chi2", "hellinger", "kl", "two_sided_log", "ppo_clip")
-MC, ATOMIC, BINARY = constexpr_codes(_contract.TOPOLOGIES, "mc", "atomic", "binary")
+MC, ATOMIC, BINARY = constexpr_codes(TOPOLOGIES, "mc", "atomic", "binary")
 
 
 def region_codes(geometry: str, topology: str):
     """The (GEOMETRY, TOPOLOGY) constexpr codes of a region's names."""
-    return REGION_GEOMETRIES.index(geometry), _contract.TOPOLOGIES.index(topology)
+    return REGION_GEOMETRIES.index(geometry), TOPOLOGIES.index(topology)
 
 
-MU_MIN = tl.constexpr(_contract.MU_MIN)  # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
+MU_MIN = tl.constexpr(_MU_MIN)  # mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
 # Iterations of the safeguarded Newton root find of the binary kl / two_sided_log cells: a step
 # that leaves the bracket (closed, so that a converged step p -> p stays) bisects instead.
 # Converges to fp64 resolution well within 48 on every case tested (mu in [1e-6, 1 - 1e-6],
@@ -212,16 +211,15 @@ def _gppo_bounds_kernel(
     tl.store(hi_ptr + offs, hi.to(hi_ptr.dtype.element_ty), mask=inside)
 
 
-def region_sizes(delta) -> tuple:
-    """The four float arguments of ``region_bounds`` for ``delta`` or ``(delta_low,
-    delta_high)``."""
-    low, high = delta if isinstance(delta, (tuple, list)) else (delta, delta)
-    return fp64_parts(float(low)) + fp64_parts(float(high))
+def region_sizes(delta_low: float, delta_high: float) -> tuple:
+    """The four float arguments of ``region_bounds`` (each size as an fp64 ``hi + lo``)."""
+    return fp64_parts(float(delta_low)) + fp64_parts(float(delta_high))
 
 
-def gppo_bounds_kernel(old_lp: torch.Tensor, geometry: str, topology: str, delta):
+def gppo_bounds_fwd(old_lp: torch.Tensor, geometry: str, topology: str, delta_low: float,
+                    delta_high: float):
     """Launches the bounds kernel on any-shaped ``old_lp``; returns ``(lo, hi)`` of its shape in
-    fp32 (fp64 for fp64 input). ``delta``: one size or ``(delta_low, delta_high)``."""
+    fp32 (fp64 for fp64 input)."""
     out_dtype = compute_dtype(old_lp.dtype)
     flat = old_lp.reshape(-1)
     lo = empty(flat.shape, dtype=out_dtype, device=old_lp.device)
@@ -233,7 +231,7 @@ def gppo_bounds_kernel(old_lp: torch.Tensor, geometry: str, topology: str, delta
         _gppo_bounds_kernel[(triton.cdiv(n, block),)](
             flat, lo, hi,
             n,
-            *region_sizes(delta),
+            *region_sizes(delta_low, delta_high),
             BLOCK=block, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         )
     return lo.view(old_lp.shape), hi.view(old_lp.shape)

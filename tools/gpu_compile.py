@@ -8,7 +8,7 @@ default CUDA sm_90): each launch compiles its kernel to a cubin and returns with
 kernel outputs are zero-filled so the host-side logic goes on. It prints one line per compiled
 kernel with its registers and local (spill) memory, read from the cubin by ``cuobjdump``.
 
-    python tests/gpu_compile.py [--arch 90] [--json out.json]
+    python -m tools.gpu_compile [--arch 90] [--json out.json]
 
 It must run in a process of its own, without ``TRITON_INTERPRET=1`` (``tests/test_gpu_compile.py``
 starts it). Exit status 1 if a kernel failed to compile, or spills registers to local memory (float64
@@ -28,7 +28,7 @@ import time
 import traceback
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    sys.exit("gpu_compile.py: unset TRITON_INTERPRET (the kernels must be compiled, not "
+    sys.exit("tools.gpu_compile: unset TRITON_INTERPRET (the kernels must be compiled, not "
              "interpreted)")
 
 import torch  # noqa: E402
@@ -39,11 +39,12 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import rlfuse  # noqa: E402
 import rlfuse._dispatch  # noqa: E402
-from rlfuse._contract import GEOMETRIES, TOPOLOGIES  # noqa: E402
-from rlfuse.kernels import ggpo, gppo, gr_opd, logprobs, single_pass, surrogate, utils  # noqa: E402
+from rlfuse._names import GEOMETRIES, TOPOLOGIES  # noqa: E402
+from rlfuse.kernels import (ggpo, gr_opd, logprobs, regions, rows, single_pass,  # noqa: E402
+                            surrogate, utils)
 from rlfuse.kernels.single_pass import single_pass_config  # noqa: E402
 
-KERNEL_MODULES = (ggpo, gppo, gr_opd, logprobs, surrogate, utils)
+KERNEL_MODULES = (ggpo, gr_opd, logprobs, regions, rows, surrogate, utils)
 
 # Launch configurations of the single pass compiled besides the default (RLFUSE_SINGLE_PASS text):
 # every candidate of the GPU sweep, then each switch alone (bf16: the table's 8192-wide blocks and
@@ -90,10 +91,6 @@ def _compile_only(run):
         COMPILED.setdefault((self.fn.__name__, kernel.hash), (kernel, constexprs))
         return kernel
     return compile_run
-
-
-def _zeros(shape, *, dtype, device):
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _drive():
@@ -218,9 +215,7 @@ def main(argv=None) -> int:
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
     JITFunction.run = _compile_only(JITFunction.run)
     rlfuse._dispatch.INTERPRET = True          # CPU tensors take the kernel path
-    for module in KERNEL_MODULES:
-        if hasattr(module, "empty"):
-            module.empty = _zeros
+    utils.OUTPUT_FILL = 0                      # the launches write nothing
 
     t0 = time.monotonic()
     _drive()

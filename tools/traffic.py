@@ -1,4 +1,5 @@
-"""What every kernel moves, counted on the CPU (``python -m bench --traffic``).
+"""What every kernel moves, counted on the CPU (``python -m tools.traffic``), and what a
+vocabulary split sends per call (``python -m tools.traffic --comm``).
 
 The Triton interpreter runs the real kernels; ``KernelCounter`` records the address of every
 element each launch loads and stores (unmasked lanes only) and ``TorchPasses`` every torch op
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -55,7 +55,7 @@ class KernelCounter(contextlib.AbstractContextManager):
         from triton.runtime import interpreter
 
         if not isinstance(interpreter.interpreter_builder, interpreter.InterpreterBuilder):
-            raise RuntimeError("bench --traffic: set TRITON_INTERPRET=1 before triton is imported")
+            raise RuntimeError("tools.traffic: set TRITON_INTERPRET=1 before triton is imported")
         builder, executor = interpreter.interpreter_builder, interpreter.GridExecutor
         load, store, call = builder.create_masked_load, builder.create_masked_store, \
             executor.__call__
@@ -259,8 +259,8 @@ def measure_case(run: Callable, geometry: Geometry) -> Traffic:
     """The traffic of ``run()`` over logits of ``geometry``."""
     from rlfuse.kernels import utils
 
-    if utils.POISON_OUTPUTS:
-        raise RuntimeError("bench --traffic: POISON_OUTPUTS adds a write to every output")
+    if utils.OUTPUT_FILL is not None:
+        raise RuntimeError("tools.traffic: OUTPUT_FILL adds a write to every output")
     counter = KernelCounter()
     passes = TorchPasses(geometry.is_logits, max(1, geometry.V) * geometry.element_size,
                          counter)
@@ -296,129 +296,78 @@ TRAFFIC_MODES = ("fwd", "bwd", "fwd+bwd")
 TRAFFIC_V = 151936   # Qwen2/2.5: the headline vocabulary
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """``forward(x) -> (outputs, leaves)`` of one op in one form; ``floor`` the bench op whose
-    floors apply; ``modes`` what it runs; ``window(x) -> (logits rows S, offset)``."""
-    name: str
-    floor: str
-    forward: Callable
-    modes: Tuple[str, ...]
-    window: Callable = lambda x: (x.shape.T, 0)
-    head: bool = False
+def cases():
+    """The registry's ops and variants (``bench.cases``) whose traffic is counted."""
+    from bench import cases as bench_cases
+
+    return {**bench_cases.OPS, **bench_cases.VARIANTS}
 
 
-def _loss_case(name, floor, call, policy, modes, **kw):
-    def forward(x):
-        leaves, pol = policy(x)
-        return (call(pol, x),), leaves
-    return Case(name, floor, forward, modes, **kw)
+def modes_of(op) -> Tuple[str, ...]:
+    """The modes of ``op`` the fused implementation has."""
+    return tuple(m for m in TRAFFIC_MODES if m in op.fused_modes)
 
 
-def make_cases() -> List[Case]:
+def run_case(op, x, mode: str) -> Traffic:
+    """The fused traffic of the registry's ``op`` in ``mode``: ``fwd`` the forward alone (no
+    gradient recorded), ``bwd`` the backward alone (after an uncounted forward), ``fwd+bwd``
+    both."""
     import rlfuse
+    from bench import cases as bench_cases
 
-    from . import cases as bench_cases
+    forward = bench_cases.forward_fn(op, "fused", rlfuse, x)
 
-    cases: List[Case] = []
-    for op in bench_cases.OPS.values():
-        modes = tuple(m for m in TRAFFIC_MODES if m in op.fused_modes)
-        cases.append(Case(op.name, op.name, lambda x, op=op: (
-            bench_cases._as_tuple(op.run(rlfuse, x)), _leaves(op, x)), modes,
-            head=op.matmuls is not None))
-    # What a trainer does beyond the benchmark's calls, with GPPO's single pass (PPO's is the
-    # same kernel): a whole model output with offset, loss_scale, an upstream gradient that is
-    # not 1, the gradient written into the logits' own buffer, a chunked LinearHead.
-    gppo = lambda pol, x, **kw: rlfuse.gppo_loss(pol, x.old_lp, x.advantages, x.mask,  # noqa
-                                                 **kw).loss
-    step = ("fwd+bwd",)
-    cases += [
-        _loss_case("gppo_logits, full output + offset", "gppo_logits", gppo,
-                   lambda x: ((x.full_output,),
-                              rlfuse.Logits(x.full_output, x.targets, offset=1)),
-                   ("fwd", "fwd+bwd"), window=lambda x: (x.shape.T + 2, 1)),
-        _loss_case("gppo_logits, loss_scale=1/8", "gppo_logits",
-                   lambda pol, x: gppo(pol, x, loss_scale=0.125),
-                   lambda x: ((x.logits,), rlfuse.Logits(x.logits, x.targets)), step),
-        _loss_case("gppo_logits, upstream gradient 1/8", "gppo_logits",
-                   lambda pol, x: gppo(pol, x) * 0.125,
-                   lambda x: ((x.logits,), rlfuse.Logits(x.logits, x.targets)), step),
-        _loss_case("gppo_logits, inplace_backward", "gppo_logits", gppo,
-                   lambda x: ((x.logits,), rlfuse.Logits(x.logits, x.targets,
-                                                         inplace_backward=True)), step),
-        _loss_case("gppo_head, chunk_tokens=5", "gppo_head", gppo,
-                   lambda x: ((x.hidden, x.weight),
-                              rlfuse.LinearHead(x.hidden, x.weight, x.targets, chunk_tokens=5)),
-                   step, head=True),
-    ]
-    return cases
-
-
-def _leaves(op, x):
-    if op.matmuls is not None:
-        return x.hidden, x.weight
-    return (x.logits,) if op.from_logits else (x.lp,)
-
-
-def run_case(case: Case, x, mode: str) -> Traffic:
-    """The traffic of ``case`` in ``mode``: ``fwd`` the forward alone (no gradient recorded),
-    ``bwd`` the backward alone (after an uncounted forward), ``fwd+bwd`` both."""
     def grad(outs, leaves):
         torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
 
     if mode == "fwd":
         def run():
             with torch.no_grad():
-                case.forward(x)
+                forward()
     elif mode == "bwd":
-        outs, leaves = case.forward(x)
+        outs, leaves = forward()
         run = lambda: grad(outs, leaves)  # noqa: E731
     else:
-        run = lambda: grad(*case.forward(x))  # noqa: E731
-    S, offset = case.window(x) if x.shape.V else (x.shape.T, 0)
+        run = lambda: grad(*forward())  # noqa: E731
+    window = op.window or (lambda x: (x.shape.T, 0))
+    S, offset = window(x) if x.shape.V else (x.shape.T, 0)
     geometry = Geometry(B=x.shape.batch, S=S, T=x.shape.T, V=x.shape.V or 0, offset=offset,
                         mask=x.mask, element_size=x.shape.element_size if x.shape.V else 4,
-                        hidden=x.shape.hidden if case.head else None)
+                        hidden=x.shape.hidden if op.matmuls is not None else None)
     return measure_case(run, geometry)
 
 
 def traffic_inputs(V: Optional[int], dtype: torch.dtype, *, seed: int = 0):
-    from . import cases as bench_cases
+    from bench import cases as bench_cases
 
     shape = bench_cases.Shape(TRAFFIC_BATCH * TRAFFIC_T, V, dtype, TRAFFIC_BATCH, TRAFFIC_GROUP,
                               TRAFFIC_HIDDEN)
-    x = bench_cases.make_inputs(shape, "cpu", seed=seed)
+    x = bench_cases.make_inputs(shape, "cpu", seed=seed, full_output=V is not None)
     if x.mask.all() or not x.mask.any():
-        raise RuntimeError("bench --traffic: the inputs need actor and masked rows")
-    if V:
-        x.full_output = (2 * torch.randn(TRAFFIC_BATCH, TRAFFIC_T + 2, V)).to(dtype) \
-            .requires_grad_()
+        raise RuntimeError("tools.traffic: the inputs need actor and masked rows")
     return x
 
 
-def floor_of(case: Case, mode: str) -> Optional[Tuple[int, int, int]]:
-    """``(reads, writes, side bytes per token)`` of the bench's floor (None: a LinearHead,
-    whose floor is its matmuls)."""
-    from . import cases as bench_cases
-
-    op = bench_cases.OPS[case.floor]
+def floor_of(op, mode: str) -> Optional[Tuple[int, int, int]]:
+    """``(reads, writes, side bytes per token)`` of the op's floor (None: a LinearHead, whose
+    floor is its matmuls)."""
     return None if op.matmuls is not None else op.floor[mode]
 
 
 def measure_all(V: int, dtype: torch.dtype, names: Sequence[str] = (), seed: int = 0
                 ) -> List[dict]:
-    """One row per (case, mode): the per-row counts, per kernel, and the floor."""
+    """One row per (case, mode): the per-row counts, per kernel, and the floor. ``names``: ops
+    (with their variants) or variants."""
     rows = []
     x_logits, x_lp = traffic_inputs(V, dtype, seed=seed), traffic_inputs(None, torch.float32,
                                                                          seed=seed)
-    for case in make_cases():
-        if names and case.floor not in names and case.name not in names:
+    for name, op in cases().items():
+        if names and name not in names and name.split(",")[0] not in names:
             continue
-        from . import cases as bench_cases
-        x = x_logits if bench_cases.OPS[case.floor].from_logits else x_lp
-        for mode in case.modes:
-            t = run_case(case, x, mode)
-            rows.append({"case": case.name, "mode": mode, "floor": floor_of(case, mode),
+        x = x_logits if op.from_logits else x_lp
+        for mode in modes_of(op):
+            t = run_case(op, x, mode)
+            rows.append({"case": name, "mode": mode, "floor": floor_of(op, mode),
                          "per_row": t.per_row, "kernels": t.kernels,
                          "side_bytes_per_token": t.side_bytes_per_token,
                          "passes": t.passes, "allocations": t.allocations})
@@ -471,10 +420,10 @@ def format_table(rows: List[dict], header: dict) -> str:
 MARK_BEGIN, MARK_END = "<!-- traffic:begin -->", "<!-- traffic:end -->"
 
 
-def main(V: int, dtype: torch.dtype, names: Sequence[str] = (), out: Optional[str] = None,
-         readme: Optional[str] = None) -> dict:
-    """``python -m bench --traffic``: measure, print the table, write ``traffic.json`` and
-    ``traffic.md`` under ``out``, and the table between the README's traffic markers."""
+def traffic(V: int, dtype: torch.dtype, names: Sequence[str] = (), out: Optional[str] = None,
+            readme: Optional[str] = None) -> dict:
+    """``python -m tools.traffic``: measure, print the table, write ``traffic.json`` and
+    ``traffic.md`` under ``out``, and the table between a page's traffic markers."""
     import json
     import os
 
@@ -493,15 +442,15 @@ def main(V: int, dtype: torch.dtype, names: Sequence[str] = (), out: Optional[st
         with open(os.path.join(out, "traffic.md"), "w") as f:
             f.write(table + "\n")
     if readme:
-        from .report import replace_between
+        from bench.report import replace_between
 
-        replace_between(readme, MARK_BEGIN, MARK_END, f"\n{table}\n\n`python -m bench --traffic "
+        replace_between(readme, MARK_BEGIN, MARK_END, f"\n{table}\n\n`python -m tools.traffic "
                         f"--V {V}` ({header['dtype']}).\n")
     return results
 
 
 # --------------------------------------------------------------------------------------------
-# A vocabulary split over W ranks: what crosses ranks per call (rlfuse.parallel)
+# A vocabulary split over W ranks: what crosses ranks per call (rlfuse.scaleout.vocab)
 # --------------------------------------------------------------------------------------------
 
 def communication(N: int, V: int, H: int, world: int, element_size: int) -> List[dict]:
@@ -510,7 +459,7 @@ def communication(N: int, V: int, H: int, world: int, element_size: int) -> List
     statistics (and of one int64 with ``validate``); backward, nothing for ``Logits``, one
     all-reduce of the ``[N, H]`` hidden-state gradient for a ``LinearHead`` (a ring sends
     ``2 (W - 1) / W`` of a buffer)."""
-    from rlfuse.parallel import SHARD_COLUMNS
+    from rlfuse.scaleout.vocab import SHARD_COLUMNS
 
     stats = N * len(SHARD_COLUMNS) * 4
     gather = (world - 1) * stats               # each rank's block to every other rank
@@ -539,3 +488,44 @@ def communication_table(N: int, V: int, H: int, element_size: int,
 
 def _mib(n: int) -> str:
     return f"{n / 2 ** 20:,.2f} MiB"
+
+
+def main(argv=None) -> int:
+    import argparse
+    import os
+    import subprocess
+    import sys
+
+    from bench import cases as bench_cases
+
+    p = argparse.ArgumentParser(prog="python -m tools.traffic", description=__doc__.split(
+        "\n\n")[0])
+    p.add_argument("--V", type=int, default=TRAFFIC_V, help="vocabulary")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                   help="logits dtype")
+    p.add_argument("--op", action="append", default=[],
+                   help="ops of bench.cases (with their variants), repeatable; default all")
+    p.add_argument("--out", help="directory for traffic.json and traffic.md")
+    p.add_argument("--readme", help="write the table between the traffic markers of this page")
+    p.add_argument("--comm", action="store_true",
+                   help="print the bytes a vocabulary split over 2, 4, 8 ranks sends per call "
+                        "(computed) at --N rows, --V and --dtype")
+    p.add_argument("--N", type=int, default=max(bench_cases.DEFAULT_N), help="rows, for --comm")
+    args = p.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.comm:
+        print(communication_table(args.N, args.V, bench_cases.HIDDEN,
+                                  torch.finfo(dtype).bits // 8))
+        return 0
+    from rlfuse.kernels.utils import INTERPRET
+
+    if not INTERPRET:   # the interpreter is chosen before triton is imported: a new process
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return subprocess.call([sys.executable, "-m", "tools.traffic", *argv],
+                               env=dict(os.environ, TRITON_INTERPRET="1"))
+    traffic(args.V, dtype, args.op, args.out, args.readme)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,25 +1,16 @@
-"""Scale-out: packed rows (``index``), a vocabulary split over ``torch.distributed`` process
-groups (``vocab_parallel_group``, 2 and 4 ``gloo`` processes running
-``tests/parallel_worker.py``), the data-parallel counts, and their bad input."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+"""Packed (padding-free) rows: ``rlfuse.packed_index`` from varlen offsets, every loss and
+``policy_logprobs`` from packed rows equal to the padded layout (values, metrics, gradients row
+for row), both implementations and both policy forms, and their bad input."""
 import pytest
 import torch
 
 import rlfuse
-from rlfuse import parallel
+from rlfuse.scaleout import layout as parallel
 
+from conftest import TOL
 
-WORKER = Path(__file__).resolve().parent / "parallel_worker.py"
 IMPLS = [rlfuse, rlfuse.reference]
 
-
-# --------------------------------------------------------------------------------------------
-# Packed rows
-# --------------------------------------------------------------------------------------------
 
 def test_packed_index_from_cu_seqlens():
     # two sequences: 3 prompt + 2 response tokens, 2 prompt + 3 response tokens; T = 3
@@ -115,7 +106,7 @@ def test_packed_rows_equal_the_padded_layout(lib, loss, form, dtype):
                                 chunk_tokens=4)
         leaves = ((padded_leaf, weight_a), (packed_leaf, weight_b))
     a, b = LOSSES[loss](lib, padded, d), LOSSES[loss](lib, packed, d)
-    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    tol = TOL["fp64_sum"] if dtype == torch.float64 else TOL["fp32_sum"]
     torch.testing.assert_close(b.loss, a.loss, **tol)
     assert a.metrics.keys() == b.metrics.keys()
     for k in a.metrics:
@@ -140,8 +131,8 @@ def test_packed_policy_logprobs_are_per_row(lib):
     used = d["index"] >= 0
     assert lp.shape == ent.shape == d["index"].shape
     t = pos - d["P"]
-    torch.testing.assert_close(lp[used], whole_lp[seq[used], t[used]], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(ent[used], whole_ent[seq[used], t[used]], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lp[used], whole_lp[seq[used], t[used]], **TOL["fp64_sum"])
+    torch.testing.assert_close(ent[used], whole_ent[seq[used], t[used]], **TOL["fp64_sum"])
     assert lp[~used].abs().max() == 0 and ent[~used].abs().max() == 0
 
 
@@ -173,41 +164,3 @@ def test_packed_needs_rows_and_a_loss_shape(lib):
     with pytest.raises(ValueError, match=r"\[N, H\]"):
         LOSSES["gppo"](lib, lib.LinearHead(d["hidden"], d["weight"], d["targets"],
                                            index=d["index"]), d)
-
-
-def test_vocab_parallel_needs_a_process_group():
-    logits = torch.randn(1, 3, 5)
-    targets = torch.zeros(1, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match="not initialised"):
-        rlfuse.policy_logprobs(rlfuse.Logits(logits, targets, vocab_parallel_group="tp"))
-
-
-# --------------------------------------------------------------------------------------------
-# A vocabulary split over processes, and the data-parallel counts
-# --------------------------------------------------------------------------------------------
-
-def _run_workers(world: int, *args: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         str(world), str(WORKER), *args],
-        env=env, capture_output=True, text=True, timeout=420)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    for rank in range(world):
-        assert f"rank {rank}: ok" in out, out[-4000:]
-
-
-def test_vocab_parallel_two_ranks_every_form_and_loss():
-    """fp64: the split equals the whole vocabulary to 1e-10 in every loss, policy form and
-    metric, the fused path and the reference; bad input raises on both ranks."""
-    _run_workers(2)
-
-
-def test_vocab_parallel_two_ranks_bf16():
-    _run_workers(2, "--dtype", "bfloat16", "--impls", "fused")
-
-
-def test_vocab_parallel_four_ranks():
-    _run_workers(4, "--dtype", "float32", "--impls", "fused",
-                 "--forms", "logits,packed_head", "--calls", "policy_logprobs,ggpo,gppo,gspo")

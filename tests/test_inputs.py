@@ -1,12 +1,16 @@
-"""Edge cases every loss handles the same way in both implementations."""
+"""What every loss accepts alike in both implementations: an empty batch, non-contiguous views
+of every input (each tensor's own strides reach the kernels), a 0/1 mask of any dtype, masked
+rows of garbage (NaN / inf logits never read), and errors that name the argument."""
 import pytest
 import torch
 
 import rlfuse
 from rlfuse import reference
 
+from conftest import TOL
 from loss_harness import with_garbage
 
+LIBS = [rlfuse, reference]
 
 def empty_call(fn, name, device="cpu"):
     kw = dict(dtype=torch.float64, device=device)
@@ -74,10 +78,10 @@ def call(name, policy, inputs, mask, *, lib=rlfuse, validate=True, **kw):
 
 def assert_same(a, b):
     (out_a, grad_a), (out_b, grad_b) = a, b
-    torch.testing.assert_close(out_a.loss, out_b.loss, rtol=0, atol=0)
-    torch.testing.assert_close(grad_a, grad_b, rtol=0, atol=0)
+    torch.testing.assert_close(out_a.loss, out_b.loss, **TOL["exact"])
+    torch.testing.assert_close(grad_a, grad_b, **TOL["exact"])
     for key, value in out_a.metrics.items():
-        torch.testing.assert_close(value, out_b.metrics[key], rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(value, out_b.metrics[key], **TOL["exact"], msg=key)
 
 
 @pytest.mark.parametrize("from_logits", [False, True])
@@ -109,3 +113,44 @@ def test_numeric_mask(name, lib, validate, device):
     for dtype in (torch.int64, torch.float32):
         assert_same(call(name, lp, inputs, mask.to(dtype), lib=lib, validate=validate, **kw),
                     want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("lib", LIBS, ids=["fused", "reference"])
+def test_masked_rows_of_garbage_get_zero_gradient(lib, bad, device):
+    """Fully masked attention rows produce NaN logits: a masked row is never read, in either
+    path (the reference masks rows before its log_softmax)."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 3, 11, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    logits[~mask] = bad
+    dev = device if lib is rlfuse else "cpu"
+    x = logits.to(dev).requires_grad_(True)
+    targets = torch.randint(0, 11, (2, 3), generator=gen).to(dev)
+    lp, ent = lib.token_logprobs(x, targets, mask=mask.to(dev), return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    assert torch.isfinite(x.grad).all() and (x.grad[~mask.to(dev)] == 0).all()
+    old = torch.zeros(2, 3, dtype=torch.float64, device=dev)
+    x.grad = None
+    lib.gppo_loss(rlfuse.Logits(x, targets), old, torch.ones(2, dtype=torch.float64,
+                                                                  device=dev),
+                  mask.to(dev)).loss.backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[~mask.to(dev)] == 0).all()
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=["fused", "reference"])
+def test_clear_type_errors(lib, device):
+    logits = torch.randn(2, 5, device=device)
+    targets = torch.zeros(2, dtype=torch.long, device=device)
+    with pytest.raises(TypeError, match="logits: expected a torch.Tensor"):
+        lib.token_logprobs([[0.0, 1.0]], targets)
+    for bad in ("1", [1.0], True):
+        with pytest.raises(TypeError, match="temperature: expected a number"):
+            lib.token_logprobs(logits, targets, temperature=bad)
+        with pytest.raises(TypeError, match="temperature: expected a number"):
+            lib.gppo_loss(rlfuse.Logits(logits[None], targets[None], bad),
+                          torch.zeros(1, 2, device=device), torch.ones(1, device=device),
+                          torch.ones(1, 2, dtype=torch.bool, device=device))
+    with pytest.raises(TypeError, match="delta: expected a number"):
+        lib.gppo_bounds(torch.zeros(3, device=device), geometry="kl", topology="mc", delta="0.1")

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `bench` is a folder of the repo, not an installed package
-    sys.path.insert(0, str(ROOT))
+from bench import cases, report
 
-from bench import cases, report  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 HEADER_KEYS = {"gpu", "torch", "triton", "commit", "date", "copy_bandwidth_GBps", "missing_impls"}
 ROW_KEYS = {"op", "impl", "mode", "dtype", "N", "V", "ms", "ms_p20", "ms_p80", "peak_mem_bytes",

@@ -1,0 +1,83 @@
+"""The small ``[B, T]`` math both implementations share: broadcasts, the aggregation weights
+(written once, used by the reference's sums and the kernels' row weights alike), masked means,
+GR-OPD's clamped feedback, and GRPO's group advantages (one implementation for both paths).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._docs import documented
+from ._types import compute_dtype
+from ._validation import check_finite, check_group_size, check_positive, check_tensor
+
+
+def per_token(x: torch.Tensor, shape) -> torch.Tensor:
+    """A ``[B]`` (per sequence) or ``[B, T]`` tensor as ``[B, T]`` (a broadcast view)."""
+    return x.unsqueeze(-1).expand(shape) if x.dim() == 1 else x
+
+
+def aggregation_weights(mask: torch.Tensor, agg: str, dtype: torch.dtype, *,
+                        num_tokens: Optional[float] = None,
+                        num_sequences: Optional[float] = None) -> torch.Tensor:
+    """The weight ``w_b`` of every token of row ``b`` (``[B]``) under the aggregation ``agg``
+    (verl's ``agg_loss`` names): ``agg(x) = sum_bt M_bt x_bt w_b`` with
+
+        token-mean               w = 1 / N_tok
+        seq-mean-token-mean      w = 1 / (T_b N_seq)
+        seq-mean-token-sum       w = 1 / N_seq
+        seq-mean-token-sum-norm  w = 1 / (T N_seq)       (Dr. GRPO; T = mask.shape[-1])
+        token-sum                w = 1
+
+    ``N_tok = num_tokens`` (default: the local ``sum M``), ``N_seq = num_sequences`` (default:
+    the local ``B``, empty rows included), ``T_b = sum_t M_bt``; the counts may be numbers or
+    0-dim tensors. A zero local count is replaced by 1 (the sum it divides is then 0).
+    """
+    B, T = mask.shape
+    tokens = mask.sum(-1, dtype=dtype)
+    ones = torch.ones_like(tokens)
+    if agg == "token-sum":
+        return ones
+    if agg == "token-mean":
+        return ones / (tokens.sum().clamp_min(1) if num_tokens is None else num_tokens)
+    n_seq = num_sequences if num_sequences is not None else max(B, 1)
+    if agg == "seq-mean-token-mean":
+        return ones / (tokens.clamp_min(1) * n_seq)
+    if agg == "seq-mean-token-sum":
+        return ones / n_seq
+    return ones / (T * n_seq)  # seq-mean-token-sum-norm
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the actor positions (0 when there are none); ``x`` may be garbage off
+    the mask."""
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
+
+
+def clamped_feedback(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                     feedback_clip: float) -> torch.Tensor:
+    """GR-OPD's ``r_it = clamp(teacher_lp - old_lp, +-feedback_clip)`` at actor tokens, 0
+    elsewhere."""
+    return torch.where(mask, (teacher - old).clamp(-feedback_clip, feedback_clip), 0.0)
+
+
+@documented
+def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-6,
+                     normalize_std: bool = True) -> torch.Tensor:
+    check_tensor("rewards", rewards, floating=True)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected shape (B,), got {tuple(rewards.shape)}")
+    m = check_group_size(group_size, rewards.shape[0])
+    if normalize_std:
+        eps = check_positive("eps", eps)
+    check_finite("rewards", rewards)
+    with torch.no_grad():
+        r = rewards.to(compute_dtype(rewards.dtype)).reshape(-1, m)
+        if m == 1:
+            centred, std = r, torch.ones_like(r)
+        else:
+            centred = r - r.mean(-1, keepdim=True)
+            std = (centred.square().sum(-1, keepdim=True) / (m - 1)).sqrt()   # ddof = 1
+        adv = centred / (std + eps) if normalize_std else centred
+    return adv.reshape(-1)

@@ -1,0 +1,210 @@
+"""The checks of the policy forms: learner log-probs ``[B, T]``, ``Logits`` and ``LinearHead``
+(a window of a whole output with ``offset``, packed rows with ``index``, a shard of a split
+vocabulary), and of ``token_logprobs``' arguments.
+
+Only metadata and ``[B, T]``-sized data are read (the targets and the index with ``validate``);
+nothing here communicates: the shard sizes of a split vocabulary are compared by the scale-out
+code that uses them (``scaleout.vocab.check_shard_sizes``).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ._types import LinearHead, Logits, compute_dtype
+from ._validation import (as_bool_mask, check_logits, check_mask, check_no_overlap,
+                          check_positive, check_targets, check_tensor)
+from .scaleout.layout import check_index, packed_rows_mask
+
+
+class PolicyInfo(NamedTuple):
+    """What the losses need to know about ``policy`` before computing its log-probs."""
+
+    shape: Tuple[int, ...]       # (B, T) of the loss positions
+    device: torch.device
+    compute_dtype: torch.dtype   # fp64 for fp64 inputs, fp32 otherwise
+
+
+def policy_device(policy) -> Optional[torch.device]:
+    """The device of a policy (log-probs, ``Logits`` or ``LinearHead``) or of a tensor; None
+    for anything else (the checks then say what was expected)."""
+    if isinstance(policy, Logits):
+        policy = policy.logits
+    elif isinstance(policy, LinearHead):
+        policy = policy.hidden
+    return policy.device if isinstance(policy, torch.Tensor) else None
+
+
+def vocab_size(policy) -> int:
+    """The vocabulary of this rank's logits (its shard under a ``vocab_parallel_group``)."""
+    return policy.logits.shape[-1] if isinstance(policy, Logits) else policy.weight.shape[0]
+
+
+def _check_window(targets, offset, *, batch: int, rows: int, device) -> None:
+    """``targets [B, T]`` (integers) predicted by the rows ``[offset, offset + T)`` of ``rows``
+    positions."""
+    check_tensor("policy.targets", targets, device=device, floating=False)
+    if targets.dim() != 2 or targets.shape[0] != batch:
+        raise ValueError(f"policy.targets: expected shape [B, T] with B = {batch} (the "
+                         f"policy's batch), got {tuple(targets.shape)}")
+    T = targets.shape[1]
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"policy.offset: expected an int, got {type(offset).__name__}")
+    if offset < 0 or offset + T > rows:
+        raise ValueError(f"policy.offset: the rows [offset, offset + T) = [{offset}, "
+                         f"{offset + T}) must lie within the policy's {rows} positions")
+
+
+def _check_linear_head(head: LinearHead, dims: int) -> None:
+    hidden, weight, bias = head.hidden, head.weight, head.bias
+    check_tensor("policy.hidden", hidden, floating=True)
+    if hidden.dim() != dims:
+        expected = "[B, S, H]" if dims == 3 else "[N, H] (packed rows, with index)"
+        raise ValueError(f"policy.hidden: expected shape {expected}, got "
+                         f"{tuple(hidden.shape)}")
+    check_tensor("policy.weight", weight, device=hidden.device, floating=True)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"policy.weight: expected shape [V, H] with H = {hidden.shape[-1]} "
+                         f"(the hidden size) and V >= 1, got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"policy.weight: expected the hidden states' dtype {hidden.dtype}, got "
+                        f"{weight.dtype}")
+    if bias is not None:
+        check_tensor("policy.bias", bias, shape=(weight.shape[0],), device=hidden.device,
+                     floating=True)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"policy.bias: expected the hidden states' dtype {hidden.dtype}, "
+                            f"got {bias.dtype}")
+    if head.chunk_tokens is not None and (isinstance(head.chunk_tokens, bool) or not isinstance(
+            head.chunk_tokens, int) or head.chunk_tokens <= 0):
+        raise ValueError(f"policy.chunk_tokens: expected None or an int > 0, got "
+                         f"{head.chunk_tokens!r}")
+
+
+def _group_size(group) -> int:
+    """The size of a ``vocab_parallel_group``: a process group of an initialised
+    ``torch.distributed``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("policy.vocab_parallel_group: torch.distributed is not initialised")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"policy.vocab_parallel_group: expected a torch.distributed "
+                        f"ProcessGroup, got {type(group).__name__}")
+    return dist.get_world_size(group)
+
+
+def _check_packed(policy, loss_shape) -> Tuple[Tuple[int, ...], torch.device, torch.dtype]:
+    """A packed policy: ``[N, V]`` logits or ``[N, H]`` hidden rows, ``targets [N]`` and
+    ``index [N]`` (int64); its loss positions are ``loss_shape`` (the mask's), else ``(N,)``."""
+    if isinstance(policy, Logits):
+        check_logits(policy.logits)
+        rows = policy.logits
+        if rows.dim() != 2:
+            raise ValueError(f"policy.logits: expected shape [N, V] (packed rows, with index), "
+                             f"got {tuple(rows.shape)}")
+        if policy.inplace_backward:
+            check_no_overlap("policy.logits", rows)
+    else:
+        _check_linear_head(policy, 2)
+        rows = policy.hidden
+    N = rows.shape[0]
+    check_tensor("policy.targets", policy.targets, shape=(N,), device=rows.device,
+                 floating=False)
+    check_tensor("policy.index", policy.index, shape=(N,), device=rows.device, floating=False)
+    if policy.index.dtype != torch.int64:
+        raise TypeError(f"policy.index: expected int64, got {policy.index.dtype}")
+    if policy.offset != 0:
+        raise ValueError(f"policy.offset: packed rows (index) take no offset, got "
+                         f"{policy.offset!r}")
+    if loss_shape is not None and len(loss_shape) != 2:
+        raise ValueError(f"mask: expected shape [B, T] (the loss positions index points "
+                         f"into), got {tuple(loss_shape)}")
+    return tuple(loss_shape) if loss_shape is not None else (N,), rows.device, rows.dtype
+
+
+def check_policy(policy, loss_shape: Optional[Tuple[int, ...]] = None) -> PolicyInfo:
+    """A policy is learner log-probs ``[B, T]`` (floating tensor), :class:`rlfuse.Logits` with
+    ``[B, S, V]`` logits or :class:`rlfuse.LinearHead` with ``[B, S, H]`` hidden states, whose
+    rows ``[offset, offset + T)`` predict ``[B, T]`` targets, or packed rows with ``index``
+    into ``loss_shape`` (the mask's shape; ``(N,)`` without one). Only metadata is read here;
+    the targets' and index's values are checked with the mask (``check_policy_targets``)."""
+    if isinstance(policy, (Logits, LinearHead)) and policy.vocab_parallel_group is not None:
+        _group_size(policy.vocab_parallel_group)
+    if isinstance(policy, (Logits, LinearHead)) and policy.index is not None:
+        shape, device, dtype = _check_packed(policy, loss_shape)
+    elif isinstance(policy, Logits):
+        logits = policy.logits
+        check_logits(logits)
+        if logits.dim() != 3:
+            raise ValueError(f"policy.logits: expected shape [B, S, V], got "
+                             f"{tuple(logits.shape)}")
+        _check_window(policy.targets, policy.offset, batch=logits.shape[0],
+                      rows=logits.shape[1], device=logits.device)
+        if policy.inplace_backward:
+            check_no_overlap("policy.logits", logits)
+        shape, device, dtype = policy.targets.shape, logits.device, logits.dtype
+    elif isinstance(policy, LinearHead):
+        _check_linear_head(policy, 3)
+        hidden = policy.hidden
+        _check_window(policy.targets, policy.offset, batch=hidden.shape[0],
+                      rows=hidden.shape[1], device=hidden.device)
+        shape, device, dtype = policy.targets.shape, hidden.device, hidden.dtype
+    elif isinstance(policy, torch.Tensor):
+        check_tensor("policy", policy, floating=True)
+        if policy.dim() != 2:
+            raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or "
+                             f"rlfuse.Logits / rlfuse.LinearHead), got shape "
+                             f"{tuple(policy.shape)}")
+        shape, device, dtype = policy.shape, policy.device, policy.dtype
+    else:
+        raise TypeError(f"policy: expected a [B, T] tensor of log-probs, rlfuse.Logits or "
+                        f"rlfuse.LinearHead, got {type(policy).__name__}")
+    return PolicyInfo(tuple(shape), device, compute_dtype(dtype))
+
+
+def check_policy_targets(policy, mask: Optional[torch.Tensor], shape, validate: bool) -> None:
+    """The temperature and the targets of a ``Logits`` / ``LinearHead`` policy: integer
+    ``shape`` (packed: ``[N]``, and the index); with ``validate``, in range where unmasked
+    (everywhere without a mask), over the whole vocabulary of a ``vocab_parallel_group``."""
+    if not isinstance(policy, (Logits, LinearHead)):
+        return
+    check_positive("policy.temperature", policy.temperature)
+    device = policy_device(policy)
+    vocab = vocab_size(policy)
+    if policy.vocab_parallel_group is not None:
+        vocab *= _group_size(policy.vocab_parallel_group)
+    if policy.index is not None:
+        shape = tuple(policy.targets.shape)
+        if validate:
+            check_index(policy.index, math.prod(mask.shape) if mask is not None else None)
+            mask = packed_rows_mask(policy.index, mask) if mask is not None \
+                else policy.index >= 0
+    if validate:
+        check_targets(policy.targets, shape, vocab, device, mask)
+    else:
+        check_tensor("targets", policy.targets, shape=shape, device=device, floating=False)
+
+
+def check_logprob_args(logits, targets, temperature, mask, inplace_backward: bool,
+                       validate: bool) -> Optional[torch.Tensor]:
+    """Checks the arguments of ``token_logprobs``; returns the mask as bool (or None). Without
+    ``validate`` the values (0/1 mask, target range: one host sync) are not checked."""
+    check_logits(logits)
+    check_positive("temperature", temperature)
+    if inplace_backward:
+        check_no_overlap("logits", logits)
+    shape = tuple(logits.shape[:-1])
+    if mask is not None:
+        if validate:
+            mask = check_mask(mask, shape, logits.device)
+        else:
+            check_tensor("mask", mask, shape=shape, device=logits.device)
+            mask = as_bool_mask(mask)
+    if validate:
+        check_targets(targets, shape, logits.shape[-1], logits.device, mask)
+    else:
+        check_tensor("targets", targets, shape=shape, device=logits.device, floating=False)
+    return mask

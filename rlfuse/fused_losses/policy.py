@@ -1,0 +1,79 @@
+"""The log-probs of every policy form, fused: the window pipeline and ``policy_logprobs``.
+
+A ``Logits`` / ``LinearHead`` policy goes one way: its rows (packed rows as one batch of N,
+``scaleout.layout.as_rows``), then the local row ops (``logprobs``, ``linear_head``) or, with a
+split vocabulary, the split ops (``scaleout.vocab_op``), then the loss layout (packed rows at
+their ``[B, T]`` positions).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from torch import Tensor
+
+from .. import reference
+from .._dispatch import falls_back_to
+from .._policy import check_policy, check_policy_targets, vocab_size
+from .._types import LinearHead, Logits
+from ..scaleout import layout, vocab, vocab_op
+from .linear_head import chunk_tokens_for, linear_logprobs_op
+from .logprobs import token_logprobs_op
+
+
+def _local_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
+                    return_entropy: bool) -> Tuple[Tensor, Tensor]:
+    """``(logp, entropy or empty)`` ``[B, T]`` of a ``Logits`` / ``LinearHead`` over
+    ``[B, S, ...]`` rows and the whole vocabulary."""
+    if isinstance(rows, LinearHead):
+        chunk = chunk_tokens_for(rows.weight.shape[0], rows.weight.element_size(),
+                                 rows.chunk_tokens)
+        logp, entropy, _ = linear_logprobs_op(rows.hidden, rows.weight, rows.bias, rows.targets,
+                                              mask, float(rows.temperature), int(rows.offset),
+                                              chunk, gather, bool(return_entropy))
+    else:
+        logp, entropy, _ = token_logprobs_op(rows.logits, rows.targets, mask,
+                                             float(rows.temperature), bool(return_entropy),
+                                             bool(rows.inplace_backward), int(rows.offset))
+    return logp, entropy
+
+
+def window_logprobs(policy, mask: Optional[Tensor], *, gather: bool, validate: bool,
+                    return_entropy: bool = False) -> Tuple[Tensor, Tensor]:
+    """``(logp, entropy)`` ``[B, T]`` (entropy empty unless ``return_entropy``) of a ``Logits``
+    or ``LinearHead`` policy, whose arguments the caller has checked; packed rows at their loss
+    positions (``[N]`` without a mask). ``gather``: a ``LinearHead`` forms the logits of the
+    actor rows only (reads the mask on the host); ``validate``: a split vocabulary's shard
+    sizes are compared first (one collective)."""
+    group = policy.vocab_parallel_group
+    if validate and group is not None:
+        vocab.check_shard_sizes(group, vocab_size(policy), policy.targets.device)
+    rows, rows_mask = layout.as_rows(policy), layout.row_mask(policy, mask)
+    logprobs = _local_logprobs if group is None else vocab_op.split_logprobs
+    logp, entropy = logprobs(rows, rows_mask, gather=gather, return_entropy=return_entropy)
+    return (layout.to_loss_layout(policy, logp, mask),
+            layout.to_loss_layout(policy, entropy, mask))
+
+
+def learner_logprobs(policy, mask: Tensor, *, validate: bool) -> Tensor:
+    """The learner log-probs ``[B, T]`` of any policy form (checked by the loss); the loss's
+    gradient reaches logits or head through one backward pass over them. A ``LinearHead``
+    forms the actor rows' logits only when the loss validates (it reads the mask then)."""
+    if isinstance(policy, (Logits, LinearHead)):
+        return window_logprobs(policy, mask, gather=validate, validate=validate)[0]
+    return policy
+
+
+@falls_back_to(reference.policy_logprobs)
+def policy_logprobs(policy, *, return_entropy: bool = False, validate: bool = True):
+    info = check_policy(policy)
+    if isinstance(policy, (Logits, LinearHead)):
+        check_policy_targets(policy, None, info.shape, validate)
+        logp, entropy = window_logprobs(policy, None, gather=False, validate=validate,
+                                        return_entropy=return_entropy)
+        return (logp, entropy) if return_entropy else logp
+    if return_entropy:
+        raise ValueError("return_entropy: a policy given as log-probs has no entropy; pass "
+                         "rlfuse.Logits or rlfuse.LinearHead")
+    return policy
+
+

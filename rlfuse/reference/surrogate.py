@@ -1,0 +1,102 @@
+"""The reference surrogate losses (GPPO, PPO, GR-OPD): a per-token objective over each token's
+trust region, the per-token multipliers, and verl's aggregations."""
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional
+
+import torch
+
+from .._args import Objective
+from .._math import aggregation_weights, masked_mean, per_token
+from .._validation import raise_on_overflow
+from .logprobs import learner_logprobs
+from .objectives import OBJECTIVES, TokenObjective
+from .regions import region_bounds
+
+
+class Surrogate(NamedTuple):
+    """What a surrogate loss computed: the loss, each token's objective, the log-ratios it
+    used (a sequence's under GSPO's ratio) and the mean of ``old - lp`` over the actor
+    tokens."""
+
+    loss: torch.Tensor
+    terms: TokenObjective
+    log_ratio: torch.Tensor
+    approx_kl: torch.Tensor
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
+              num_tokens: Optional[float] = None,
+              num_sequences: Optional[float] = None) -> torch.Tensor:
+    """verl's ``agg_loss`` (``verl.trainer.ppo.core_algos``) of per-token ``values`` [B, T]
+    (already 0 off the mask): ``Σ_i w_i Σ_t x_it`` with the row weights ``w`` of
+    ``rlfuse._math.aggregation_weights``::
+
+        token-mean               Σ_it M_it x_it / N_tok
+        seq-mean-token-mean      Σ_i (Σ_t M_it x_it / T_i) / N_seq
+        seq-mean-token-sum       Σ_i (Σ_t M_it x_it) / N_seq
+        seq-mean-token-sum-norm  Σ_i (Σ_t M_it x_it / T) / N_seq      (Dr. GRPO; T = mask.shape[-1])
+        token-sum                Σ_it M_it x_it
+
+    ``N_tok = num_tokens`` (default: local ``Σ M``), ``N_seq = num_sequences`` (default: the
+    local ``B``, every row: TRL's and verl's trainers; verl's ``agg_loss`` called without a
+    ``global_batch_size`` divides by the non-empty rows instead), ``T_i = Σ_t M_it``, padded
+    length T. The counts may be numbers or 0-dim tensors.
+    """
+    weights = aggregation_weights(mask, agg, values.dtype, num_tokens=num_tokens,
+                                  num_sequences=num_sequences)
+    return (values.sum(-1) * weights).sum()
+
+
+def surrogate(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
+              mask: torch.Tensor, objective: Objective, *, compute_dtype: torch.dtype,
+              agg: str, weights: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
+              num_tokens=None, num_sequences=None, sequence: bool = False,
+              validate: bool) -> Surrogate:
+    """``-loss_scale · agg(w J)`` of ``objective`` for any policy form (``old_logprobs``
+    None: on policy, ``old = lp.detach()``, r = 1). ``sequence`` (GSPO): every token of row
+    i takes the row's ratio ``s_i = exp(Σ_t M (lp − old) / T_i)`` (differentiated through the
+    mean). With ``validate`` an overflowing selected objective raises."""
+    cdt = compute_dtype
+    lp = torch.where(mask, learner_logprobs(policy, mask, validate=validate).to(cdt), 0.0)
+    old = lp.detach() if old_logprobs is None else torch.where(
+        mask, old_logprobs.detach().to(cdt), 0.0)
+    adv = torch.where(mask, per_token(advantages, mask.shape).detach().to(cdt), 0.0)
+    lo, hi = region_bounds(old, objective.geometry, objective.topology,
+                           (objective.delta_low, objective.delta_high))
+    log_ratio = lp - old
+    with torch.no_grad():
+        approx_kl = masked_mean(-log_ratio, mask)
+    if sequence:
+        tokens = mask.sum(-1, keepdim=True).clamp_min(1)
+        log_ratio = torch.where(mask, log_ratio.sum(-1, keepdim=True) / tokens, 0.0)
+    terms = OBJECTIVES[objective.name](log_ratio, adv, lo.to(cdt), hi.to(cdt), mask,
+                                       *objective.params)
+    value = terms.value
+    if weights is not None:
+        value = value * torch.where(mask, weights.detach().to(cdt), 0.0)
+    loss = -loss_scale * aggregate(value, mask, agg, num_tokens=num_tokens,
+                                   num_sequences=num_sequences)
+    if validate:
+        raise_on_overflow(terms.overflow.sum(), value.dtype)
+    return Surrogate(loss, terms, log_ratio, approx_kl)
+
+
+def overflow_metric(terms: TokenObjective) -> torch.Tensor:
+    """1 if some selected objective overflowed, else 0."""
+    return terms.overflow.any().to(terms.value.dtype)
+
+
+def surrogate_metrics(result: Surrogate, mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The metrics of GPPO and PPO over the actor tokens."""
+    terms = result.terms
+    dtype = terms.value.dtype
+    with torch.no_grad():
+        return {
+            "clip_frac_low": masked_mean(terms.clipped_low.to(dtype), mask),
+            "clip_frac_high": masked_mean(terms.clipped_high.to(dtype), mask),
+            "dual_clip_frac": masked_mean(terms.dual_clipped.to(dtype), mask),
+            "ratio_mean": masked_mean(result.log_ratio.detach().exp(), mask),
+            "approx_kl": result.approx_kl,
+            "overflow": overflow_metric(terms),
+        }

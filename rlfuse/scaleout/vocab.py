@@ -1,0 +1,110 @@
+"""The vocabulary split over a process group (Megatron's convention): rank r of a group of W
+holds the ids ``[r V_l, (r + 1) V_l)``.
+
+Each rank reduces its shard of a row to four numbers (``SHARD_COLUMNS``): its max ``m_r``,
+``log s_r`` (``lse_r = m_r + log s_r``), its entropy ``H_r`` and, on the rank that holds the
+target, ``z_y - m_r``. One all-gather of these ``[N, 4]`` statistics gives every rank the whole
+row's
+
+    M = max_r m_r,   log S = log sum_r exp(m_r - M + log s_r),   lse = M + log S
+    log p_y = (z_y - m_o) + (m_o - M) - log S              (o: the target's rank)
+    H = sum_r pi_r (H_r - log pi_r),   log pi_r = lse_r - lse   (the chain rule of entropy)
+
+and the gradient of rank r's shard needs only ``(M, log S, H)``, the upstream gradients and
+its own logits: the backward moves no data between ranks (a ``LinearHead``'s hidden-state
+gradient is summed over the group, one all-reduce). The reference instead gathers the shards
+into whole rows (``GatherVocab``), the definition.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+# Columns of the per-row statistics each rank contributes.
+SHARD_COLUMNS = ("target_shift", "max", "log_sum", "entropy")
+
+
+def check_shard_sizes(group, vocab_local: int, device: torch.device) -> None:
+    """Every rank of ``group`` holds a shard of ``vocab_local`` ids: compared in one
+    collective every rank makes, so that a mismatch raises on every rank instead of hanging
+    the others (one host sync: with ``validate`` only)."""
+    import torch.distributed as dist
+
+    local = torch.tensor([vocab_local], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, local, group=group)
+    sizes = [int(v) for v in torch.cat(sizes).tolist()]
+    if len(set(sizes)) != 1:
+        raise ValueError(f"policy.vocab_parallel_group: every rank must hold a shard of the "
+                         f"same size V_local (Megatron's split: pad the vocabulary to a "
+                         f"multiple of the group size); got {sizes} over the ranks")
+
+
+def local_targets(targets: Tensor, vocab_local: int, rank: int) -> Tuple[Tensor, Tensor]:
+    """``(ids within this rank's shard, or -1 where the target is another rank's; the rank
+    that holds each target)``."""
+    owner = torch.div(targets, vocab_local, rounding_mode="floor")
+    local = torch.where(owner == rank, targets - rank * vocab_local, torch.full_like(targets, -1))
+    return local, owner
+
+
+def combine_shards(stats: Tensor, owner: Tensor, group) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, max, log_sum, entropy)`` ``[N]`` of whole rows from each rank's shard
+    statistics ``stats [N, SHARD_COLUMNS]`` (one all-gather); ``owner [N]``: the rank that holds
+    each row's target."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(stats) for _ in range(world)]
+    dist.all_gather(gathered, stats.contiguous(), group=group)
+    shift, m, log_s, ent = torch.stack(gathered).unbind(-1)          # [W, N] each
+    M = m.max(0).values
+    M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))       # every logit -inf
+    log_sum = torch.logsumexp(m - M + log_s, 0)
+    log_pi = (m - M + log_s) - log_sum
+    pi = log_pi.exp()
+    entropy = torch.where(pi > 0, pi * (ent - log_pi), torch.zeros_like(pi)).sum(0)
+    rows = torch.arange(stats.shape[0], device=stats.device)
+    owner = owner.clamp(0, world - 1)
+    logp = (shift[owner, rows] + (m[owner, rows] - M)) - log_sum
+    return logp, M, log_sum, entropy
+
+
+class GatherVocab(torch.autograd.Function):
+    """The reference's vocabulary split: each rank's ``[..., V_l]`` shard gathered into the
+    whole ``[..., W V_l]`` row; the backward keeps this rank's slice of the gradient (every rank
+    computes the same loss from the same whole rows, so no gradient crosses ranks)."""
+
+    @staticmethod
+    def forward(ctx, shard: Tensor, group) -> Tensor:
+        import torch.distributed as dist
+
+        ctx.rank, ctx.width = dist.get_rank(group), shard.shape[-1]
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        lo = ctx.rank * ctx.width
+        return grad[..., lo:lo + ctx.width], None
+
+
+class SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over ``group`` (the hidden states that
+    every rank multiplies by its own shard of the head)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

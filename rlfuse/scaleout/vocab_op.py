@@ -1,0 +1,211 @@
+"""The fused vocabulary split (``scaleout.vocab`` has the math): custom ops over the row kernels.
+
+Forward: each rank's kernels reduce its shard of every row to the statistics of
+``vocab.SHARD_COLUMNS`` (one read of the shard), one all-gather gives every rank the whole rows'
+log-prob, logsumexp and entropy. Backward: each shard's gradient from those (one read, one
+write; a ``LinearHead`` forms each chunk again), the hidden-state gradient of a ``LinearHead``
+summed over the group by one all-reduce. The process group travels by its name (an op's
+schema takes no objects); the collectives run inside the ops, so ``torch.compile`` sees one
+opaque op each.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._types import LinearHead, compute_dtype
+from ..fused_losses._op import custom_op, register_autograd
+from ..fused_losses.linear_head import (chunk_tokens_for, head_gradients,
+                                        linear_logprobs_backward_op, linear_logprobs_op)
+from ..fused_losses.logprobs import logits_backward, token_logprobs_op
+from ..kernels.logprobs import STAT_COLUMNS
+from .vocab import combine_shards, local_targets
+
+
+def group_of(name: str):
+    """The process group of a name (``ProcessGroup.group_name``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _local_targets(targets: Tensor, vocab_local: int, group_name: str):
+    import torch.distributed as dist
+
+    return local_targets(targets, vocab_local, dist.get_rank(group_of(group_name)))
+
+
+def _whole_rows(z_y: Tensor, stats: Tensor, entropy: Tensor, targets: Tensor, vocab_local: int,
+                mask: Optional[Tensor], with_entropy: bool, group_name: str):
+    """``(logp, entropy, stats [N, 2])`` of the whole rows from this shard's target logit over
+    the temperature ``z_y`` (read where this rank holds the target), statistics and entropy."""
+    local, owner = _local_targets(targets, vocab_local, group_name)
+    mine = (local >= 0).reshape(-1)
+    shift = torch.where(mine, z_y.reshape(-1) - stats[:, 0], 0.0)
+    shard_entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(shift)
+    shard = torch.stack([shift, stats[:, 0], stats[:, 1], shard_entropy], -1)
+    logp, row_max, log_sum, whole_entropy = combine_shards(shard, owner.reshape(-1),
+                                                           group_of(group_name))
+    if mask is not None:
+        keep = mask.reshape(-1)
+        logp, whole_entropy = (torch.where(keep, x, 0.0) for x in (logp, whole_entropy))
+    entropy_out = whole_entropy.view(targets.shape) if with_entropy else logp.new_empty(0)
+    return logp.view(targets.shape), entropy_out, torch.stack([row_max, log_sum], -1)
+
+
+def _fake_outputs(like: Tensor, targets: Tensor, with_entropy: bool):
+    acc = compute_dtype(like.dtype)
+    return (like.new_empty(targets.shape, dtype=acc),
+            like.new_empty(targets.shape if with_entropy else (0,), dtype=acc),
+            like.new_empty((targets.numel(), len(STAT_COLUMNS)), dtype=acc))
+
+
+def _save(ctx, inputs, output, leaves):
+    _, entropy, stats = output
+    ctx.save_for_backward(*leaves, inputs.targets, inputs.mask, stats,
+                          entropy if inputs.with_entropy else None)
+    ctx.mark_non_differentiable(stats)
+    if not inputs.with_entropy:
+        ctx.mark_non_differentiable(entropy)
+    ctx.set_materialize_grads(False)
+
+
+def _upstream(dlogp, dentropy, entropy, targets, stats):
+    """``(dlogp, dentropy or None, entropy or None)`` for the backward kernels; None when no
+    gradient came."""
+    if entropy is None:
+        dentropy = None
+    if dlogp is None and dentropy is None:
+        return None
+    if dlogp is None:
+        dlogp = torch.zeros(targets.shape, dtype=stats.dtype, device=stats.device)
+    return dlogp, dentropy, None if dentropy is None else entropy
+
+
+# --------------------------------------------------------------------------------------------
+# Logits
+# --------------------------------------------------------------------------------------------
+
+@custom_op("vocab_split_logprobs")
+def vocab_split_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tensor],
+                            temperature: float, with_entropy: bool, inplace_backward: bool,
+                            offset: int, group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of ``logits [B, S, V_l]``
+    shards (rows ``[offset, offset + T)`` predict the global ``targets [B, T]``)."""
+    local, _ = _local_targets(targets, logits.shape[-1], group_name)
+    local = local.clamp_min(0)
+    _, entropy, stats = token_logprobs_op(logits, local, mask, temperature, with_entropy, False,
+                                          offset)
+    window = logits[:, offset:offset + targets.shape[1]]
+    z_y = window.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(stats.dtype) \
+        * (1.0 / temperature)
+    return _whole_rows(z_y, stats, entropy, targets, logits.shape[-1], mask, with_entropy,
+                       group_name)
+
+
+@vocab_split_logprobs_op.register_fake
+def _(logits, targets, mask, temperature, with_entropy, inplace_backward, offset, group_name):
+    return _fake_outputs(logits, targets, with_entropy)
+
+
+def _logits_setup(ctx, inputs, output):
+    _save(ctx, inputs, output, (inputs.logits,))
+    ctx.temperature, ctx.inplace, ctx.offset = (inputs.temperature, inputs.inplace_backward,
+                                                inputs.offset)
+    ctx.group_name = inputs.group_name
+
+
+def _logits_backward(ctx, dlogp, dentropy, _dstats):
+    logits, targets, mask, stats, entropy = ctx.saved_tensors
+    upstream = _upstream(dlogp, dentropy, entropy, targets, stats)
+    if upstream is None:
+        return None
+    local, _ = _local_targets(targets, logits.shape[-1], ctx.group_name)
+    return {"logits": logits_backward(logits, local, mask, stats, upstream[2], upstream[0],
+                                      upstream[1], ctx.temperature, ctx.inplace, ctx.offset)}
+
+
+register_autograd(vocab_split_logprobs_op, _logits_backward, _logits_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# LinearHead
+# --------------------------------------------------------------------------------------------
+
+@custom_op("vocab_split_linear_logprobs")
+def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                                   targets: Tensor, mask: Optional[Tensor], temperature: float,
+                                   offset: int, chunk_tokens: int, gather: bool,
+                                   with_entropy: bool,
+                                   group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of a head whose
+    ``weight [V_l, H]`` (and ``bias``) is this rank's shard."""
+    local, _ = _local_targets(targets, weight.shape[0], group_name)
+    z_y, entropy, stats = linear_logprobs_op(hidden, weight, bias, local.clamp_min(0), mask,
+                                             temperature, offset, chunk_tokens, gather,
+                                             with_entropy, True)
+    return _whole_rows(z_y, stats, entropy, targets, weight.shape[0], mask, with_entropy,
+                       group_name)
+
+
+@vocab_split_linear_logprobs_op.register_fake
+def _(hidden, weight, bias, targets, mask, temperature, offset, chunk_tokens, gather,
+      with_entropy, group_name):
+    return _fake_outputs(hidden, targets, with_entropy)
+
+
+@custom_op("group_sum_", mutates_args=("x",))
+def group_sum_op(x: Tensor, group_name: str) -> None:
+    """``x`` summed over the group, in place (one all-reduce)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=group_of(group_name))
+
+
+@group_sum_op.register_fake
+def _(x, group_name):
+    return None
+
+
+def _head_setup(ctx, inputs, output):
+    _save(ctx, inputs, output, (inputs.hidden, inputs.weight, inputs.bias))
+    ctx.chunking = (inputs.temperature, inputs.offset, inputs.chunk_tokens, inputs.gather)
+    ctx.group_name = inputs.group_name
+
+
+def _head_backward(ctx, dlogp, dentropy, _dstats):
+    hidden, weight, bias, targets, mask, stats, entropy = ctx.saved_tensors
+    needs: List[bool] = [bool(n) for n in ctx.needs_input_grad[:3]]
+    upstream = _upstream(dlogp, dentropy, entropy, targets, stats)
+    if upstream is None or not any(needs):
+        return None
+    local, _ = _local_targets(targets, weight.shape[0], ctx.group_name)
+    dh, dw, db = linear_logprobs_backward_op(hidden, weight, bias, local, mask, stats,
+                                             upstream[2], upstream[0], upstream[1],
+                                             *ctx.chunking, needs)
+    if needs[0]:
+        group_sum_op(dh, ctx.group_name)
+    return head_gradients(needs, bias is not None, dh, dw, db)
+
+
+register_autograd(vocab_split_linear_logprobs_op, _head_backward, _head_setup)
+
+
+def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
+                   return_entropy: bool) -> Tuple[Tensor, Tensor]:
+    """``(logp, entropy or empty)`` ``[B, T]`` of a ``Logits`` / ``LinearHead`` over
+    ``[B, S, ...]`` rows with a ``vocab_parallel_group``."""
+    group_name = rows.vocab_parallel_group.group_name
+    if isinstance(rows, LinearHead):
+        chunk = chunk_tokens_for(rows.weight.shape[0], rows.weight.element_size(),
+                                 rows.chunk_tokens)
+        logp, entropy, _ = vocab_split_linear_logprobs_op(
+            rows.hidden, rows.weight, rows.bias, rows.targets, mask, float(rows.temperature),
+            int(rows.offset), chunk, gather, bool(return_entropy), group_name)
+    else:
+        logp, entropy, _ = vocab_split_logprobs_op(
+            rows.logits, rows.targets, mask, float(rows.temperature), bool(return_entropy),
+            bool(rows.inplace_backward), int(rows.offset), group_name)
+    return logp, entropy
