@@ -6,7 +6,8 @@ from typing import Callable
 
 DOCSTRINGS = {}
 
-DOCSTRINGS["token_logprobs"] = """Per-token log-probs of ``targets`` under ``softmax(logits / temperature)``.
+DOCSTRINGS["token_logprobs"] = """\
+Per-token log-probs of ``targets`` under ``softmax(logits / temperature)``.
 
     Args:
         logits: ``[B, T, V]`` or ``[N, V]``, bf16/fp16/fp32/fp64; any batch and time strides
@@ -34,7 +35,8 @@ DOCSTRINGS["token_logprobs"] = """Per-token log-probs of ``targets`` under ``sof
     the logsumexp); the backward reads the logits once more and writes the gradient once.
     """
 
-DOCSTRINGS["policy_logprobs"] = """Per-token log-probs ``[B, T]`` (fp32; fp64 for fp64 inputs) of any policy form, with
+DOCSTRINGS["policy_logprobs"] = """\
+Per-token log-probs ``[B, T]`` (fp32; fp64 for fp64 inputs) of any policy form, with
     autograd — the old or reference log-probs a trainer needs, and the entropy for a bonus,
     without a ``[B, T, V]`` tensor when the policy is a ``LinearHead``.
 
@@ -149,7 +151,8 @@ DOCSTRINGS["gppo_bounds"] = """Per-token trust region ``[lo, hi] = {r : D(r) <= 
     Check value: chi2/atomic, μ = 0.1, δ = 0.04 → [0.3675445, 1.6324555].
     """
 
-DOCSTRINGS["gppo_loss"] = """GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust region.
+DOCSTRINGS["gppo_loss"] = """\
+GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust region.
 
     Args:
         policy: learner log-probs ``[B, T]`` (requires grad), ``rlfuse.Logits`` or
@@ -204,7 +207,8 @@ DOCSTRINGS["gppo_loss"] = """GPPO: the policy-gradient surrogate clipped to each
     from ``LinearHead`` that pass on each chunk of the logits.
     """
 
-DOCSTRINGS["group_advantages"] = """GRPO advantages: rewards centred (and scaled) within each group of ``group_size`` rows.
+DOCSTRINGS["group_advantages"] = """\
+GRPO advantages: rewards centred (and scaled) within each group of ``group_size`` rows.
 
     Args:
         rewards: ``[B]`` sequence rewards, finite.
@@ -220,7 +224,8 @@ DOCSTRINGS["group_advantages"] = """GRPO advantages: rewards centred (and scaled
     in fp32 (fp64 for fp64 rewards), detached.
     """
 
-DOCSTRINGS["gr_opd_advantages"] = """GR-OPD's group-relative sequence credit, one advantage per response (``[B]``, detached).
+DOCSTRINGS["gr_opd_advantages"] = """\
+GR-OPD's group-relative sequence credit, one advantage per response (``[B]``, detached).
 
     Args:
         old_logprobs: ``[B, T]`` log-probs of the sampling student.
@@ -250,7 +255,8 @@ DOCSTRINGS["gr_opd_advantages"] = """GR-OPD's group-relative sequence credit, on
     ``gr_opd_loss`` for every micro-batch (fused: one kernel, one program per group).
     """
 
-DOCSTRINGS["gr_opd_loss"] = """GR-OPD: PPO on the student's tokens with the group-relative teacher credit ``A_i``.
+DOCSTRINGS["gr_opd_loss"] = """\
+GR-OPD: PPO on the student's tokens with the group-relative teacher credit ``A_i``.
 
     Args:
         policy: learner log-probs ``[B, T]`` (requires grad), ``rlfuse.Logits`` or
@@ -295,7 +301,8 @@ DOCSTRINGS["gr_opd_loss"] = """GR-OPD: PPO on the student's tokens with the grou
     ``LinearHead`` that pass on each chunk of the logits.
     """
 
-DOCSTRINGS["ppo_loss"] = """The PPO clipped surrogate, as GRPO / DAPO / Dr. GRPO / GSPO trainers run it.
+DOCSTRINGS["ppo_loss"] = """\
+The PPO clipped surrogate, as GRPO / DAPO / Dr. GRPO / GSPO trainers run it.
 
     Args:
         policy: learner log-probs ``[B, T]`` (requires grad), ``rlfuse.Logits`` or

@@ -1,6 +1,6 @@
 """The names of the choices rlfuse offers, one registry for the checks, both implementations and
-the kernels (whose constexpr codes are positions in these tuples, ``kernels.utils.constexpr_codes``).
-"""
+the kernels (whose constexpr codes are positions in these tuples:
+``kernels.utils.constexpr_codes``)."""
 
 # GPPO's trust regions: the divergence (or PPO's symmetric log region) and how it is estimated.
 GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")

@@ -56,7 +56,8 @@ TOL = {
     "bounds_fp64": dict(rtol=1e-9, atol=1e-12),
     # fp32 bounds: fp64 computed, rounded once to fp32 (1 ulp = 6e-8 at 1)
     "bounds_fp32": dict(rtol=1e-6, atol=1e-7),
-    # fp32 results against fp64 of one short computation (a log-prob, one loss term)
+    # fp32 results against fp64 of one short computation (a log-prob, one loss term), or an fp32
+    # loss against the fp32 reference (a few ulp of it)
     "fp32": dict(rtol=1e-6, atol=1e-7),
     # fp32 results of a reduction over a row or a batch (a few ulp of its largest terms)
     "fp32_sum": dict(rtol=2e-6, atol=1e-6),
@@ -85,6 +86,27 @@ TOL = {
     "fp32_gpu": dict(rtol=1e-5, atol=1e-5),
     # a bf16 gradient on a GPU against fp64 (one bf16 rounding, 2^-8, of terms up to ~2)
     "bf16_grad": dict(rtol=2e-2, atol=1e-9),
+    # fp64 against a Python-float loop of a definition, relative only: each value to a few ulp
+    # of itself
+    "fp64_relative": dict(rtol=1e-12, atol=0),
+    # fp64 gradients against the Python-float loop of GGPO's definition (exp, log, group sums)
+    "fp64_definition_grad": dict(rtol=1e-10, atol=1e-14),
+    # fp64 sums that are 0 in exact arithmetic (GGPO's coefficients per group): absolute only
+    "fp64_zero_sum": dict(rtol=0, atol=1e-12),
+    # fp32 gradients of two code paths with the same coefficients (GGPO's direct branch and
+    # clip_radius=inf)
+    "fp32_branches": dict(rtol=1e-6, atol=1e-9),
+    # fp64 gradients w.r.t. logits (through the softmax), fused against the reference
+    "fp64_logits_grad": dict(rtol=1e-10, atol=1e-13),
+    # fp64: the losses of micro-batches with global counts, summed, against the whole batch's
+    "fp64_micro_batches": dict(rtol=1e-13, atol=0.0),
+    # trust-region bounds against a bisection of D(r) = delta: rtol 1e-6 the contract of the
+    # two root-found cells, atol the cancellation in 1 - x near a zero lower bound
+    "bisection": dict(rtol=1e-6, atol=1e-12),
+    # finite upper bounds against the bisection: the contract's rtol, relative only
+    "bisection_hi": dict(rtol=1e-6, atol=0.0),
+    # kl / two_sided_log lower bounds far below 1e-12, against the bisection in log space
+    "bisection_log": dict(rtol=0.0, atol=1e-6),
 }
 # A vocabulary split against the whole vocabulary in one process: both compute in the same
 # precision and differ in summation order (log S, the entropy's chain rule): a few units of

@@ -69,3 +69,23 @@ def constexpr_params(kernel) -> set:
 
     params = inspect.signature(kernel.fn).parameters.values()
     return {p.name for p in params if "constexpr" in str(p.annotation)}
+
+
+class RecomputedInBackward(torch.autograd.Function):
+    """``fn(x)`` whose every backward runs ``fn`` again and differentiates that once: gradcheck
+    backpropagates one output repeatedly, which a fused loss from ``Logits`` refuses (it hands
+    out the gradient it wrote in its forward, once)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.save_for_backward(x)
+        ctx.fn = fn
+        return fn(x).detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            (dx,) = torch.autograd.grad(ctx.fn(x), x, grad)
+        return dx, None

@@ -23,15 +23,6 @@ from rlfuse import reference
 from conftest import TOL, assert_three_way, fp32_exact
 from loss_harness import check_three_way, constexpr_params, run_loss, token_inputs, with_garbage
 
-# Direct comparisons that no entry of conftest.TOL fits, each with its reason.
-NEW_TOL = {
-    # fp64 gradients against the Python-float loop of the definition (exp, log, group sums)
-    "fp64_definition_grad": dict(rtol=1e-10, atol=1e-14),
-    # fp64 sums that are 0 in exact arithmetic (coefficients per group): absolute only
-    "fp64_zero_sum": dict(rtol=0, atol=1e-12),
-    # fp32 gradients of the direct branch and of clip_radius=inf (same coefficients, other code)
-    "fp32_branches": dict(rtol=1e-6, atol=1e-9),
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,7 +180,7 @@ def test_infinite_radius_equals_direct_gradient(device):
               args=(ref.float(), rewards.float(), mask))
     direct = run_loss(rlfuse.ggpo_loss, lp, **kw)
     clipped = run_loss(rlfuse.ggpo_loss, lp, clip_radius=math.inf, **kw)
-    torch.testing.assert_close(direct[2], clipped[2], **NEW_TOL["fp32_branches"])
+    torch.testing.assert_close(direct[2], clipped[2], **TOL["fp32_branches"])
     assert clipped[1]["clip_frac"] == 0
 
 
@@ -203,7 +194,7 @@ def test_coefficients_sum_to_zero_per_group(device):
     c = -grad[:, 0] * mask.sum()  # column 0 is an actor token in every row
     torch.testing.assert_close(grad, torch.where(mask, -c[:, None] / mask.sum(), 0.0))
     torch.testing.assert_close(c.view(2, 4).sum(-1), torch.zeros(2, dtype=torch.float64),
-                               **NEW_TOL["fp64_zero_sum"])
+                               **TOL["fp64_zero_sum"])
 
 
 @pytest.mark.parametrize("clip_radius", [None, 0.25])
@@ -329,7 +320,7 @@ def test_loss_and_gradient_match_definition(impl, m, beta, device):
     want = m * sum(J) / (beta * math.sqrt(m - 1) * t_tok)
     assert out.loss.item() == pytest.approx(want, rel=1e-12)
     want_grad = -torch.tensor(c, dtype=torch.float64)[:, None] * mask.cpu() / t_tok
-    torch.testing.assert_close(lp.grad.cpu(), want_grad, **NEW_TOL["fp64_definition_grad"])
+    torch.testing.assert_close(lp.grad.cpu(), want_grad, **TOL["fp64_definition_grad"])
     # metrics
     assert out.metrics["gap"].item() == pytest.approx(sum(J) / len(J) / beta, rel=1e-12)
     assert out.metrics["q_max"].item() == pytest.approx(max(q), rel=1e-12)
@@ -354,7 +345,7 @@ def test_coefficients_from_gradient_sum_to_zero_per_group(impl, device):
     assert c.abs().max() > 0.1                            # the groups do carry signal
     torch.testing.assert_close(c.view(-1, m).sum(-1),
                                torch.zeros(4, dtype=torch.float64, device=device),
-                               **NEW_TOL["fp64_zero_sum"])
+                               **TOL["fp64_zero_sum"])
 
 
 def test_gap_nonnegative_and_zero_iff_adjusted_rewards_equal(impl, device):

@@ -5,22 +5,19 @@ import pytest
 import torch
 
 import rlfuse
-from rlfuse.scaleout import layout as parallel
 
 from conftest import TOL
-
-IMPLS = [rlfuse, rlfuse.reference]
 
 
 def test_packed_index_from_cu_seqlens():
     # two sequences: 3 prompt + 2 response tokens, 2 prompt + 3 response tokens; T = 3
     cu = torch.tensor([0, 5, 10])
-    index = parallel.packed_index(cu, torch.tensor([3, 2]), 3)
+    index = rlfuse.packed_index(cu, torch.tensor([3, 2]), 3)
     # row j predicts token j + 1 of its sequence: response token t = j + 1 - prompt
     assert index.tolist() == [-1, -1, 0, 1, -1,     # rows 2, 3 predict responses 0, 1
                               -1, 3, 4, 5, -1]      # the last row of each predicts nothing
     # a response longer than T is cut at T
-    assert parallel.packed_index(torch.tensor([0, 6]), torch.tensor([1]), 2).tolist() == \
+    assert rlfuse.packed_index(torch.tensor([0, 6]), torch.tensor([1]), 2).tolist() == \
         [0, 1, -1, -1, -1, -1]
 
 
@@ -38,7 +35,7 @@ def test_packed_index_bad_input(bad, match):
                 response_length=3)
     args.update(bad)
     with pytest.raises(ValueError, match=match):
-        parallel.packed_index(**args)
+        rlfuse.packed_index(**args)
 
 
 def _padded_and_packed(dtype, seed=0):
@@ -54,7 +51,7 @@ def _padded_and_packed(dtype, seed=0):
     weight = (torch.randn(V, H, generator=g, dtype=torch.float64) / 3).to(dtype)
     n_rows = P + lengths + 1
     cu = torch.cat([torch.zeros(1, dtype=torch.long), n_rows.cumsum(0)])
-    index = parallel.packed_index(cu, torch.full((B,), P + 1), T)
+    index = rlfuse.packed_index(cu, torch.full((B,), P + 1), T)
     seq = torch.repeat_interleave(torch.arange(B), n_rows)
     pos = torch.cat([torch.arange(int(n)) for n in n_rows])
     used = index >= 0
@@ -84,8 +81,7 @@ LOSSES = {
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("form", ["logits", "head"])
 @pytest.mark.parametrize("loss", list(LOSSES))
-@pytest.mark.parametrize("lib", IMPLS, ids=["fused", "reference"])
-def test_packed_rows_equal_the_padded_layout(lib, loss, form, dtype):
+def test_packed_rows_equal_the_padded_layout(impl, loss, form, dtype):
     """The same loss, metrics and gradients (row for row) from packed rows as from the padded
     batch: the kernels run the same rows either way."""
     d = _padded_and_packed(dtype)
@@ -93,19 +89,19 @@ def test_packed_rows_equal_the_padded_layout(lib, loss, form, dtype):
     if form == "logits":
         padded_leaf = d["logits"].clone().requires_grad_()
         packed_leaf = d["logits"][seq, pos].clone().requires_grad_()
-        padded = lib.Logits(padded_leaf, d["targets"], offset=d["P"])
-        packed = lib.Logits(packed_leaf, d["packed_targets"], index=d["index"])
+        padded = impl.Logits(padded_leaf, d["targets"], offset=d["P"])
+        packed = impl.Logits(packed_leaf, d["packed_targets"], index=d["index"])
         leaves = ((padded_leaf,), (packed_leaf,))
     else:
         weight_a, weight_b = (d["weight"].clone().requires_grad_() for _ in range(2))
         padded_leaf = d["hidden"].clone().requires_grad_()
         packed_leaf = d["hidden"][seq, pos].clone().requires_grad_()
-        padded = lib.LinearHead(padded_leaf, weight_a, d["targets"], offset=d["P"],
+        padded = impl.LinearHead(padded_leaf, weight_a, d["targets"], offset=d["P"],
                                 chunk_tokens=4)
-        packed = lib.LinearHead(packed_leaf, weight_b, d["packed_targets"], index=d["index"],
+        packed = impl.LinearHead(packed_leaf, weight_b, d["packed_targets"], index=d["index"],
                                 chunk_tokens=4)
         leaves = ((padded_leaf, weight_a), (packed_leaf, weight_b))
-    a, b = LOSSES[loss](lib, padded, d), LOSSES[loss](lib, packed, d)
+    a, b = LOSSES[loss](impl, padded, d), LOSSES[loss](impl, packed, d)
     tol = TOL["fp64_sum"] if dtype == torch.float64 else TOL["fp32_sum"]
     torch.testing.assert_close(b.loss, a.loss, **tol)
     assert a.metrics.keys() == b.metrics.keys()
@@ -120,13 +116,12 @@ def test_packed_rows_equal_the_padded_layout(lib, loss, form, dtype):
     assert gb[0][prompt_rows].abs().max() == 0
 
 
-@pytest.mark.parametrize("lib", IMPLS, ids=["fused", "reference"])
-def test_packed_policy_logprobs_are_per_row(lib):
+def test_packed_policy_logprobs_are_per_row(impl):
     d = _padded_and_packed(torch.float64)
     seq, pos = d["seq"], d["pos"]
-    packed = lib.Logits(d["logits"][seq, pos], d["packed_targets"], index=d["index"])
-    lp, ent = lib.policy_logprobs(packed, return_entropy=True)
-    whole_lp, whole_ent = lib.policy_logprobs(lib.Logits(d["logits"], d["targets"],
+    packed = impl.Logits(d["logits"][seq, pos], d["packed_targets"], index=d["index"])
+    lp, ent = impl.policy_logprobs(packed, return_entropy=True)
+    whole_lp, whole_ent = impl.policy_logprobs(impl.Logits(d["logits"], d["targets"],
                                                          offset=d["P"]), return_entropy=True)
     used = d["index"] >= 0
     assert lp.shape == ent.shape == d["index"].shape
@@ -136,7 +131,6 @@ def test_packed_policy_logprobs_are_per_row(lib):
     assert lp[~used].abs().max() == 0 and ent[~used].abs().max() == 0
 
 
-@pytest.mark.parametrize("lib", IMPLS, ids=["fused", "reference"])
 @pytest.mark.parametrize("bad,error,match", [
     (dict(index=lambda i: i.clone().fill_(-2)), ValueError, r"index: expected values in \[-1"),
     (dict(index=lambda i: torch.where(i >= 0, i + 100, i)), ValueError, r"\[-1, 20\)"),
@@ -146,21 +140,20 @@ def test_packed_policy_logprobs_are_per_row(lib):
     (dict(offset=1), ValueError, "take no offset"),
     (dict(targets=lambda y: torch.where(y == y, 99, y)), ValueError, r"\[0, 37\)"),
 ])
-def test_packed_bad_input(lib, bad, error, match):
+def test_packed_bad_input(impl, bad, error, match):
     d = _padded_and_packed(torch.float64)
     args = dict(logits=d["logits"][d["seq"], d["pos"]], targets=d["packed_targets"],
                 index=d["index"], offset=0)
     for k, v in bad.items():
         args[k] = v(args[k]) if callable(v) else v
     with pytest.raises(error, match=match):
-        LOSSES["gppo"](lib, lib.Logits(**args), d)
+        LOSSES["gppo"](impl, impl.Logits(**args), d)
 
 
-@pytest.mark.parametrize("lib", IMPLS, ids=["fused", "reference"])
-def test_packed_needs_rows_and_a_loss_shape(lib):
+def test_packed_needs_rows_and_a_loss_shape(impl):
     d = _padded_and_packed(torch.float64)
     with pytest.raises(ValueError, match=r"\[N, V\]"):
-        LOSSES["gppo"](lib, lib.Logits(d["logits"], d["targets"], index=d["index"]), d)
+        LOSSES["gppo"](impl, impl.Logits(d["logits"], d["targets"], index=d["index"]), d)
     with pytest.raises(ValueError, match=r"\[N, H\]"):
-        LOSSES["gppo"](lib, lib.LinearHead(d["hidden"], d["weight"], d["targets"],
+        LOSSES["gppo"](impl, impl.LinearHead(d["hidden"], d["weight"], d["targets"],
                                            index=d["index"]), d)

@@ -148,17 +148,16 @@ def test_the_formulas_trainers_write(level, dual, weighted, device):
 
 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
-@pytest.mark.parametrize("lib", [rlfuse, reference], ids=["fused", "reference"])
-def test_empty_responses_count_as_zero(agg, lib, device):
+def test_empty_responses_count_as_zero(agg, impl, device):
     """A response without actor tokens (TRL's mask_truncated_completions) contributes 0 and
     counts in the default num_sequences, in GPPO and PPO; GR-OPD keeps its error (its sequence
     score is undefined)."""
     case = make_case(4, empty_row=True)
-    dev = device if lib is rlfuse else "cpu"
+    dev = device if impl is rlfuse else "cpu"
     c = {k: v.to(dev) for k, v in case.items()}
     rows = torch.tensor([0, 1, 3], device=dev)
     kept = {k: v[rows] for k, v in c.items() if v.dim() and v.shape[0] == B}
-    for fn in (lib.ppo_loss, lib.gppo_loss):
+    for fn in (impl.ppo_loss, impl.gppo_loss):
         x = c["lp"].clone().requires_grad_(True)
         loss = fn(x, c["old"], c["adv"], c["mask"], agg=agg).loss
         (grad,) = torch.autograd.grad(loss, x)
@@ -168,29 +167,28 @@ def test_empty_responses_count_as_zero(agg, lib, device):
         ref = fn(kept["lp"], kept["old"], kept["adv"], kept["mask"], agg=agg, **count).loss
         torch.testing.assert_close(loss, ref, **TOL["fp64"])
     with pytest.raises(ValueError, match="mask.*sequence 2"):
-        lib.gr_opd_loss(c["lp"], c["old"], c["old"] - 0.5, c["mask"], group_size=2)
+        impl.gr_opd_loss(c["lp"], c["old"], c["old"] - 0.5, c["mask"], group_size=2)
 
 
-@pytest.mark.parametrize("lib", [rlfuse, reference], ids=["fused", "reference"])
-def test_gppo_and_gr_opd_options(lib, device):
+def test_gppo_and_gr_opd_options(impl, device):
     """GPPO's delta pair is the lower side of one region and the upper side of another;
     GR-OPD's eps pair is PPO's clip-higher; [B, 1] advantages are [B] ones."""
     case = make_case(5)
-    dev = device if lib is rlfuse else "cpu"
+    dev = device if impl is rlfuse else "cpu"
     c = {k: v.to(dev) for k, v in case.items()}
     old = torch.where(c["mask"], c["old"], -1.0)
-    lo_a, _ = lib.gppo_bounds(old, geometry="kl", topology="binary", delta=0.05)
-    _, hi_b = lib.gppo_bounds(old, geometry="kl", topology="binary", delta=0.3)
-    lo, hi = lib.gppo_bounds(old, geometry="kl", topology="binary", delta=(0.05, 0.3))
+    lo_a, _ = impl.gppo_bounds(old, geometry="kl", topology="binary", delta=0.05)
+    _, hi_b = impl.gppo_bounds(old, geometry="kl", topology="binary", delta=0.3)
+    lo, hi = impl.gppo_bounds(old, geometry="kl", topology="binary", delta=(0.05, 0.3))
     assert torch.equal(lo, lo_a) and torch.equal(hi, hi_b)
     adv = c["adv"]
-    gr = lib.gr_opd_loss(c["lp"], c["old"], c["old"] - 0.5, c["mask"], group_size=2,
+    gr = impl.gr_opd_loss(c["lp"], c["old"], c["old"] - 0.5, c["mask"], group_size=2,
                          eps=(0.1, 0.3), advantages=adv[:, None]).loss
-    ppo = lib.ppo_loss(c["lp"], c["old"], adv, c["mask"], clip=(0.1, 0.3),
+    ppo = impl.ppo_loss(c["lp"], c["old"], adv, c["mask"], clip=(0.1, 0.3),
                        agg="seq-mean-token-mean").loss
     torch.testing.assert_close(gr, ppo, **TOL["fp64"])
-    g1 = lib.gppo_loss(c["lp"], c["old"], adv[:, None], c["mask"]).loss
-    g2 = lib.gppo_loss(c["lp"], c["old"], adv, c["mask"]).loss
+    g1 = impl.gppo_loss(c["lp"], c["old"], adv[:, None], c["mask"]).loss
+    g2 = impl.gppo_loss(c["lp"], c["old"], adv, c["mask"]).loss
     assert torch.equal(g1, g2)
 
 
@@ -210,17 +208,16 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("lib", [rlfuse, reference], ids=["fused", "reference"])
 @pytest.mark.parametrize("kw, error, match", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_input(kw, error, match, lib, device):
+def test_bad_input(kw, error, match, impl, device):
     case = make_case(6)
-    dev = device if lib is rlfuse else "cpu"
+    dev = device if impl is rlfuse else "cpu"
     c = {k: v.to(dev) for k, v in case.items()}
     w = {"negative": -c["weights"], "nan": c["weights"] * float("nan"),
          "shape": c["weights"][:, :-1]}
     kw = {k: w[v] if k == "weights" else v for k, v in kw.items()}
     with pytest.raises(error, match=match):
-        lib.ppo_loss(c["lp"], c["old"], c["adv"], c["mask"], **kw)
+        impl.ppo_loss(c["lp"], c["old"], c["adv"], c["mask"], **kw)
 
 
 def test_modules(device):

@@ -122,16 +122,16 @@ def test_bytes_per_row_are_pinned(inputs, name, mode):
     measured = traffic.run_case(op, x, mode)
     rows, torch_ops, allocated = _expected(name, op, mode)
     assert set(measured.per_row) == set(rows)
-    for name, expected in rows.items():
-        assert measured.per_row[name] == pytest.approx(expected, rel=1e-12, abs=1e-12), name
+    for row, expected in rows.items():
+        assert measured.per_row[row] == pytest.approx(expected, rel=1e-12, abs=1e-12), row
     ops = {}
-    for name, read, written in measured.passes:
-        r, w = ops.get(name, (0.0, 0.0))
-        ops[name] = (r + read, w + written)
+    for torch_op, read, written in measured.passes:
+        r, w = ops.get(torch_op, (0.0, 0.0))
+        ops[torch_op] = (r + read, w + written)
     actor = int(x.mask.sum())
     assert set(ops) == set(torch_ops)
-    for name, (read, written) in ops.items():
-        assert (read / actor, written / actor) == pytest.approx(torch_ops[name]), name
+    for torch_op, (read, written) in ops.items():
+        assert (read / actor, written / actor) == pytest.approx(torch_ops[torch_op]), torch_op
     window = x.shape.batch * x.shape.T
     assert sum(r for _, r in measured.allocations) / window == pytest.approx(allocated)
     floor = traffic.floor_of(op, mode)

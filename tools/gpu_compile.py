@@ -11,8 +11,8 @@ kernel with its registers and local (spill) memory, read from the cubin by ``cuo
     python -m tools.gpu_compile [--arch 90] [--json out.json]
 
 It must run in a process of its own, without ``TRITON_INTERPRET=1`` (``tests/test_gpu_compile.py``
-starts it). Exit status 1 if a kernel failed to compile, or spills registers to local memory (float64
-kernels excepted: a testing dtype).
+starts it). Exit status 1 if a kernel failed to compile, or spills registers to local memory
+(float64 kernels excepted: a testing dtype).
 """
 from __future__ import annotations
 

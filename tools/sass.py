@@ -3,7 +3,8 @@
 
 Each row kernel variant that the benchmark's cases (``bench.cases``) launch at the headline
 vocabulary is compiled for sm_90 and sm_80 by the compile-only driver of ``tools.gpu_compile``
-(Triton's driver replaced by one that compiles and returns), its cubin disassembled by the ``nvdisasm`` shipped with Triton, and
+(Triton's driver replaced by one that compiles and returns), its cubin disassembled by the
+``nvdisasm`` shipped with Triton, and
 the inner vocabulary loops found from the control flow:
 
 * basic blocks split at branch targets and after branches; a **back edge** is a branch to a

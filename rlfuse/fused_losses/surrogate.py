@@ -197,29 +197,29 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     (``old_lp`` None: on policy); with ``validate`` an overflowing objective raises (one host
     sync)."""
     name, geometry, topology, delta_low, delta_high, params = objective
-    objective = (name, geometry, topology, float(delta_low), float(delta_high),
-                 [float(p) for p in params])
+    flat = dict(objective=name, geometry=geometry, topology=topology, delta_low=float(delta_low),
+                delta_high=float(delta_high), params=[float(p) for p in params])
+    tokens = dict(mask=mask, old_lp=old_lp, adv=adv, weights=weights, row_scale=row_scale)
     if _single_pass(policy, sequence) and isinstance(policy, LinearHead):
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad
                  for t in (policy.hidden, policy.weight, policy.bias)]
         chunk = chunk_tokens_for(policy.weight.shape[0], policy.weight.element_size(),
                                  policy.chunk_tokens)
-        loss, sums, *_ = linear_surrogate_op(policy.hidden, policy.weight, policy.bias,
-                                             policy.targets, mask, old_lp, adv, weights,
-                                             row_scale, float(policy.temperature), *objective,
-                                             int(policy.offset), chunk, validate, needs)
+        loss, sums, *_ = linear_surrogate_op(
+            policy.hidden, policy.weight, policy.bias, policy.targets, **tokens,
+            temperature=float(policy.temperature), **flat, offset=int(policy.offset),
+            chunk_tokens=chunk, gather=validate, needs=needs)
     elif _single_pass(policy, sequence):
         logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)
-        write = policy.logits.requires_grad and torch.is_grad_enabled()
-        inplace = bool(policy.inplace_backward) and logits is policy.logits
-        loss, sums, _ = surrogate_logits_op(logits, targets, mask, old_lp, adv, weights,
-                                            row_scale, float(policy.temperature), *objective,
-                                            write, inplace, int(policy.offset))
+        loss, sums, _ = surrogate_logits_op(
+            logits, targets, **tokens, temperature=float(policy.temperature), **flat,
+            write_dlogits=policy.logits.requires_grad and torch.is_grad_enabled(),
+            inplace=bool(policy.inplace_backward) and logits is policy.logits,
+            offset=int(policy.offset))
     else:
         lp = learner_logprobs(policy, mask, validate=validate)
-        loss, sums, _ = surrogate_op(lp, old_lp, adv, mask, weights, row_scale, *objective,
-                                     sequence)
+        loss, sums, _ = surrogate_op(lp, **tokens, **flat, sequence=sequence)
     totals = dict(zip(SUM_COLUMNS, (sums if sums.dim() == 1 else sums.sum(0)).unbind()))
     if validate:
         raise_on_overflow(totals["overflow"], row_scale.dtype)
