@@ -26,8 +26,9 @@ $(VENV)/.installed: $(VENV)/.demo-installed
 setup: $(VENV)/.installed
 
 # RLFUSE_REQUIRE_INTEGRATIONS: the TRL and verl tests fail, not skip, if a package is missing.
+# Two workers (pytest-xdist), each taking whole files.
 test: setup
-	TRITON_INTERPRET=1 RLFUSE_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 RLFUSE_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -14,7 +14,7 @@ setup(
         # trl and verl: the integrations are tested against the real packages. verl itself is
         # installed with --no-deps by `make setup` (its own pins clash with ours); these are
         # what its core_algos imports.
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "numpy", "liger-kernel==0.8.5",
+        "test": ["pytest", "pytest-xdist", "hypothesis", "numpy", "liger-kernel==0.8.5",
                  "trl==1.16.0", "ray", "tensordict", "omegaconf", "codetiming", "orjson"],
         "bench": ["matplotlib", "numpy", "liger-kernel"],
         "train": ["transformers", "peft"],

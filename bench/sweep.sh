@@ -16,7 +16,7 @@ SWEEP_RUN_TIMEOUT=${SWEEP_RUN_TIMEOUT:-60}   # seconds for one configuration's r
 # The headline case: GPPO from logits, the whole training step, the largest N and V in bf16.
 SWEEP_SHAPE=${SWEEP_SHAPE:-"--N 16384 --V 151936 --dtype bf16"}
 SWEEP_ARGS=${SWEEP_ARGS:-"--op gppo_logits --mode fwd+bwd --impls fused --rep-ms 50 --warmup-ms 10"}
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 # The configurations, RLFUSE_SINGLE_PASS texts separated by spaces (default: the candidates of
 # rlfuse/kernels/single_pass.py).
 SWEEP_CONFIGS=${SWEEP_CONFIGS:-$("$PY" bench/sweep.py --list)}

@@ -12,7 +12,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -49,6 +49,10 @@ def test_every_block_has_a_language_and_every_page_is_linked():
 V, H = 50, 16
 
 
+class Output(NamedTuple):
+    logits: torch.Tensor
+
+
 class TinyLM(torch.nn.Module):
     """``model(input_ids).logits``: an embedding and a head."""
 
@@ -57,7 +61,7 @@ class TinyLM(torch.nn.Module):
         self.embed, self.head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V)
 
     def forward(self, input_ids):
-        return SimpleNamespace(logits=self.head(torch.tanh(self.embed(input_ids))))
+        return Output(self.head(torch.tanh(self.embed(input_ids))))
 
 
 def _batch(B=4, S=7, seed=0):
@@ -90,10 +94,10 @@ def context_batch(tmp_path):
     return d
 
 
-def context_training(tmp_path):
+def context_training(tmp_path, batch=4):
     torch.manual_seed(0)
     model, reference_model = TinyLM(), TinyLM()
-    d = _batch()
+    d = _batch(B=batch)
     with torch.no_grad():
         ref = rlfuse.policy_logprobs(rlfuse.Logits(reference_model(d["ids"]).logits,
                                                    d["ids"][:, 1:]))
@@ -103,9 +107,9 @@ def context_training(tmp_path):
 
 
 def context_distillation(tmp_path):
-    d = context_training(tmp_path)
+    d = context_training(tmp_path, batch=8)
     d.update(old_lp=d["ref_logprobs"], teacher_lp=d["ref_logprobs"] - 0.3,
-             micro_batches=[slice(0, 2), slice(2, 4)])
+             micro_batches=[slice(0, 4), slice(4, 8)])       # whole groups of 4
     return d
 
 
