@@ -108,6 +108,28 @@ TOL = {
     # kl / two_sided_log lower bounds far below 1e-12, against the bisection in log space
     "bisection_log": dict(rtol=0.0, atol=1e-6),
 }
+# ``pytest.approx`` of Python floats: fp64 against a Python-float loop (a few ulp); fp32 metrics
+# of two trainers' code (TRL's, verl's) over the same tokens; the demo's fused and reference
+# runs, which sample the same tokens and differ in fp32 rounding only (losses and metrics of a
+# few steps, the final reward to its printed precision).
+APPROX = {
+    "fp64": dict(rel=1e-12),
+    "fp64_metric": dict(rel=1e-12, abs=1e-15),
+    "fp32_metric": dict(rel=1e-5, abs=1e-6),
+    "fp32_share": dict(rel=1e-6),
+    "fp32_metric_abs": dict(abs=1e-6),
+    "demo_steps": dict(abs=1e-4),
+    "demo_forms": dict(abs=1e-5),
+    "demo_split": dict(abs=1e-6),
+    "demo_reward": dict(abs=1e-6),
+}
+# A gradient accumulated over two backwards in fp16 against three times one backward: each
+# backward's gradient rounded to fp16 (two fp16 subnormal steps absolute)
+FP16_ACCUMULATION = dict(rtol=2e-3, atol=1.2e-7)
+# Two fp32 implementations of one loss (Liger-Kernel's and ours) differ in summation order only:
+# a few fp32 ulps of the gradient's scale; in bf16 each side rounds its fp32 gradient once: one
+# bf16 ulp (2^-8 relative; 2^-7 allows either side to sit on a rounding boundary).
+PEER_GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7}
 # A vocabulary split against the whole vocabulary in one process: both compute in the same
 # precision and differ in summation order (log S, the entropy's chain rule): a few units of
 # rounding of the compute dtype (fp32 for bf16 logits) on values; a bf16 gradient is rounded

@@ -17,6 +17,8 @@ from rlfuse.demo.__main__ import main  # noqa: E402
 from rlfuse.demo.model import EOS  # noqa: E402
 from rlfuse.demo.rollout import Batch, collect, verify  # noqa: E402
 
+from conftest import APPROX  # noqa: E402
+
 METHODS = ["ggpo", "gppo", "gr_opd"]
 # Small enough for the interpreter: 2 steps of 2 groups of 2 responses of 3 tokens.
 TINY = dict(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=3)
@@ -48,12 +50,13 @@ def test_reference_and_fused_follow_the_same_trajectory(method):
             assert b["loss"] is None
             continue
         trained += 1
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], **APPROX["demo_steps"])
         assert a["metrics"].keys() == b["metrics"].keys()
         for key in a["metrics"]:
-            assert a["metrics"][key] == pytest.approx(b["metrics"][key], abs=1e-4), key
+            assert a["metrics"][key] == pytest.approx(b["metrics"][key],
+                                                      **APPROX["demo_steps"]), key
     assert trained > 0
-    assert fused.reward_after == pytest.approx(ref.reward_after, abs=1e-6)
+    assert fused.reward_after == pytest.approx(ref.reward_after, **APPROX["demo_reward"])
 
 
 def test_linear_head_and_logits_follow_the_same_trajectory():
@@ -65,8 +68,8 @@ def test_linear_head_and_logits_follow_the_same_trajectory():
         assert a["reward"] == b["reward"]
         assert (a["loss"] is None) == (b["loss"] is None)
         if a["loss"] is not None:
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-    assert linear.reward_after == pytest.approx(logits.reward_after, abs=1e-6)
+            assert a["loss"] == pytest.approx(b["loss"], **APPROX["demo_forms"])
+    assert linear.reward_after == pytest.approx(logits.reward_after, **APPROX["demo_reward"])
 
 
 def test_verifier_counts_bytes_before_eos():
@@ -124,6 +127,6 @@ def test_tp2_trains_as_one_process(form, tmp_path):
         assert a["reward"] == b["reward"] and a["groups"] == b["groups"]
         if b["loss"] is not None:
             trained += 1
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+            assert a["loss"] == pytest.approx(b["loss"], **APPROX["demo_split"])
     assert trained > 0
-    assert split["reward_after"] == pytest.approx(whole.reward_after, abs=1e-6)
+    assert split["reward_after"] == pytest.approx(whole.reward_after, **APPROX["demo_reward"])

@@ -20,7 +20,7 @@ import torch
 import rlfuse
 from rlfuse import reference
 
-from conftest import TOL, assert_three_way, fp32_exact
+from conftest import APPROX, TOL, assert_three_way, fp32_exact
 from loss_harness import check_three_way, constexpr_params, run_loss, token_inputs, with_garbage
 
 
@@ -318,15 +318,15 @@ def test_loss_and_gradient_match_definition(impl, m, beta, device):
     J, q, c, s, s_ref = _naive(lp.detach(), ref, rewards, mask, m, beta)
     t_tok = int(mask.sum())
     want = m * sum(J) / (beta * math.sqrt(m - 1) * t_tok)
-    assert out.loss.item() == pytest.approx(want, rel=1e-12)
+    assert out.loss.item() == pytest.approx(want, **APPROX["fp64"])
     want_grad = -torch.tensor(c, dtype=torch.float64)[:, None] * mask.cpu() / t_tok
     torch.testing.assert_close(lp.grad.cpu(), want_grad, **TOL["fp64_definition_grad"])
     # metrics
-    assert out.metrics["gap"].item() == pytest.approx(sum(J) / len(J) / beta, rel=1e-12)
-    assert out.metrics["q_max"].item() == pytest.approx(max(q), rel=1e-12)
+    assert out.metrics["gap"].item() == pytest.approx(sum(J) / len(J) / beta, **APPROX["fp64"])
+    assert out.metrics["q_max"].item() == pytest.approx(max(q), **APPROX["fp64"])
     assert out.metrics["clip_frac"].item() == 0.0
     assert out.metrics["seq_logratio_mean"].item() == pytest.approx(
-        sum(a - b for a, b in zip(s, s_ref)) / len(s), rel=1e-12)
+        sum(a - b for a, b in zip(s, s_ref)) / len(s), **APPROX["fp64"])
 
 
 def test_coefficients_from_gradient_sum_to_zero_per_group(impl, device):
@@ -363,7 +363,7 @@ def test_gap_nonnegative_and_zero_iff_adjusted_rewards_equal(impl, device):
     equal = level.to(device) + beta * (s - s_ref)
     out = impl.ggpo_loss(lp, ref, equal, mask, group_size=m, beta=beta)
     assert abs(out.loss.item()) < 1e-14 and abs(out.metrics["gap"].item()) < 1e-14
-    assert out.metrics["q_max"].item() == pytest.approx(1 / m, rel=1e-12)
+    assert out.metrics["q_max"].item() == pytest.approx(1 / m, **APPROX["fp64"])
 
 
 def test_reward_shift_invariance_per_group(impl, device):
@@ -411,7 +411,7 @@ def test_clipped_branch_uses_clamped_coefficients(impl, device):
     t_tok = mask.sum()
     torch.testing.assert_close(grad, -c[:, None] * mask / t_tok, **TOL["fp64_grad"])
     s = torch.where(mask, lp, torch.zeros_like(lp)).sum(-1)
-    assert out.loss.item() == pytest.approx((-(c * s).sum() / t_tok).item(), rel=1e-12)
+    assert out.loss.item() == pytest.approx((-(c * s).sum() / t_tok).item(), **APPROX["fp64"])
     saturated = ((lp - ref).abs() > rho) & mask
     want_frac = saturated.sum() / t_tok
     assert out.metrics["clip_frac"].item() == pytest.approx(want_frac.item())
@@ -490,7 +490,7 @@ def test_num_tokens_global_micro_batches_add_up(impl, device):
                           beta=0.6, num_tokens=t_tok)
         total += out.loss.item()
         grads.append(grad)
-    assert total == pytest.approx(full.loss.item(), rel=1e-12)
+    assert total == pytest.approx(full.loss.item(), **APPROX["fp64"])
     torch.testing.assert_close(torch.cat(grads), full_grad, **TOL["fp64_grad"])
     # without the global count the micro-batch losses do not add up
     local = sum(impl.ggpo_loss(lp[r], ref[r], rewards[r], mask[r], group_size=m,

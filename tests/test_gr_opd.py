@@ -17,7 +17,7 @@ import torch
 import rlfuse
 from rlfuse import reference
 
-from conftest import TOL, assert_three_way, fp32_exact
+from conftest import APPROX, TOL, assert_three_way, fp32_exact
 from loss_harness import (RecomputedInBackward, check_three_way, constexpr_params, run_loss,
                           token_inputs, with_garbage)
 
@@ -260,7 +260,7 @@ def test_loss_against_loop_and_not_a_global_token_mean(eps, impl, device):
     out.loss.backward()
     adv, _ = _loop_advantages(old, teacher, mask, 3, **hp)
     want, want_grad = _loop_loss(lp.detach(), old, adv, mask, eps)
-    assert out.loss.item() == pytest.approx(want, rel=1e-12)
+    assert out.loss.item() == pytest.approx(want, **APPROX["fp64"])
     torch.testing.assert_close(lp.grad.cpu(), want_grad, **TOL["fp64_grad"])
     global_mean, _ = _loop_loss(lp.detach(), old, adv, mask, eps, per_response=False)
     lengths = mask.sum(-1)
@@ -281,10 +281,11 @@ def test_metrics(impl, device):
     rho = torch.exp(lp - old)
     clipped = ((adv_t > 0) & (rho > 1.1)) | ((adv_t < 0) & (rho < 0.9))
     assert m["clip_frac"].item() == pytest.approx((clipped & mask).sum().item() / mask.sum().item())
-    assert m["adv_mean"].item() == pytest.approx(sum(adv) / len(adv), rel=1e-12, abs=1e-15)
-    assert m["adv_abs_mean"].item() == pytest.approx(sum(map(abs, adv)) / len(adv), rel=1e-12)
+    assert m["adv_mean"].item() == pytest.approx(sum(adv) / len(adv), **APPROX["fp64_metric"])
+    assert m["adv_abs_mean"].item() == pytest.approx(sum(map(abs, adv)) / len(adv),
+                                                     **APPROX["fp64"])
     feedback = (teacher - old).clamp(-hp["feedback_clip"], hp["feedback_clip"])[mask]
-    assert m["feedback_mean"].item() == pytest.approx(feedback.mean().item(), rel=1e-12)
+    assert m["feedback_mean"].item() == pytest.approx(feedback.mean().item(), **APPROX["fp64"])
     assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
 
 
@@ -393,7 +394,7 @@ def test_precomputed_advantages_and_global_num_sequences(impl, device):
         out.loss.backward()
         total += out.loss.item()
         grads.append(x.grad)
-    assert total == pytest.approx(full.loss.item(), rel=1e-12)
+    assert total == pytest.approx(full.loss.item(), **APPROX["fp64"])
     torch.testing.assert_close(torch.cat(grads), full_x.grad, **TOL["fp64_grad"])
 
 

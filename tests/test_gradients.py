@@ -5,7 +5,7 @@ import torch
 import rlfuse
 from rlfuse import reference
 
-from conftest import assert_three_way
+from conftest import FP16_ACCUMULATION, TOL, assert_three_way
 
 B, T, V, M = 4, 6, 53, 2
 
@@ -97,5 +97,4 @@ def test_repeated_backward_accumulates(name, form, dtype, device):
     once = leaf.grad.clone()
     (loss * 2).backward()
     fp16 = dtype == torch.float16
-    torch.testing.assert_close(leaf.grad, 3 * once, rtol=2e-3 if fp16 else 0,
-                               atol=1.2e-7 if fp16 else 0)
+    torch.testing.assert_close(leaf.grad, 3 * once, **(FP16_ACCUMULATION if fp16 else TOL["exact"]))

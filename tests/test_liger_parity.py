@@ -13,14 +13,11 @@ import torch
 import rlfuse
 from bench import cases
 
-from conftest import TOL
+from conftest import PEER_GRAD_RTOL, TOL
 
 liger = pytest.importorskip(cases.LIGER_MODULE)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# Both sides compute in fp32 and differ in summation order only: a few fp32 ulps of the
-# gradient's scale. In bf16 each side rounds its fp32 gradient once: one bf16 ulp (2^-8 relative
-# with bf16's 8-bit significand; 2^-7 allows either side to sit on a rounding boundary).
-GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7}
+GRAD_RTOL = PEER_GRAD_RTOL
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TOL, integration  # noqa: E402
+from conftest import APPROX, TOL, integration  # noqa: E402
 
 trl = integration("trl")
 transformers = integration("transformers")
@@ -112,7 +112,7 @@ def test_ppo_reproduces_trl(case, accumulation, tmp_path):
                                    msg=name)
     for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         assert ours._metrics["train"][name][-1] == pytest.approx(
-            theirs._metrics["train"][name][-1], abs=1e-6), name
+            theirs._metrics["train"][name][-1], **APPROX["fp32_metric_abs"]), name
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])

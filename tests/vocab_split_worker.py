@@ -21,15 +21,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import rlfuse  # noqa: E402
+from conftest import SPLIT_GRAD_TOL, SPLIT_TOL  # noqa: E402  (this script's folder)
 
 # The custom ops of the split, opchecked here (``tests/test_compile.py`` opchecks the others).
 SPLIT_OPS = ("vocab_split_logprobs", "vocab_split_linear_logprobs", "group_sum_")
 B, T, P, V_LOCAL, H, GROUP = 4, 5, 2, 7, 6, 2   # P prompt rows before the window (offset)
-# Split and whole compute in the same precision and differ in summation order (log S, the
-# entropy's chain rule): a few units of rounding of the compute dtype (fp32 for bf16 logits)
-# on values; a bf16 gradient is rounded once on each side, so one bf16 unit of its scale.
-TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-5}
-GRAD_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2.0 ** -7}
+TOL, GRAD_TOL = SPLIT_TOL, SPLIT_GRAD_TOL
 
 
 def make_data(world: int, dtype: torch.dtype):
