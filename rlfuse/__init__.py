@@ -1,7 +1,7 @@
 """rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD reinforcement-learning losses."""
-from . import reference
+from . import objectives, reference, terms
 from ._api import (ggpo_loss, gppo_bounds, gppo_loss, gr_opd_advantages, gr_opd_loss,
-                   policy_logprobs, ppo_loss, token_logprobs)
+                   kl_penalty, policy_logprobs, policy_loss, ppo_loss, token_logprobs)
 from ._dispatch import use_kernels
 from ._math import group_advantages           # plain torch on [B]-sized data: one for both
 from ._types import LinearHead, Logits, LossOutput
@@ -11,6 +11,7 @@ from .scaleout.layout import packed_index    # plain torch, [B, T]-sized: one fo
 
 __all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "LinearHead", "Logits", "LossOutput", "PPOLoss",
            "ggpo_loss", "global_counts", "gppo_bounds", "gppo_loss", "gr_opd_advantages",
-           "gr_opd_loss", "group_advantages", "packed_index", "policy_logprobs", "ppo_loss",
-           "reference", "token_logprobs", "use_kernels"]
+           "gr_opd_loss", "group_advantages", "kl_penalty", "objectives", "packed_index",
+           "policy_logprobs", "policy_loss", "ppo_loss", "reference", "terms", "token_logprobs",
+           "use_kernels"]
 __version__ = "0.1.0"

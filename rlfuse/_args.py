@@ -13,11 +13,15 @@ import torch
 
 from ._math import per_token
 from ._names import AGGREGATIONS, GEOMETRIES, RATIO_LEVELS, TOPOLOGIES
+from ._types import LinearHead, Logits
 from ._policy import PolicyInfo, check_policy, check_policy_targets
+from ._specs import VERL_LOG_RATIO_CLAMP, KLTerm, Objective, ObjectiveSpec
 from ._validation import (check_actor_tokens, check_choice, check_clip, check_count,
                           check_dual_clip, check_finite, check_group_size, check_loss_scale,
                           check_nonnegative, check_number, check_positive, check_sequence_tensor,
                           check_sides, check_tensor, check_token_tensors, check_unit_interval)
+from .objectives import objective_spec
+from .terms import EntropyBonus, KLPenalty, OffPolicyMask, TopEntropyMask, kl_estimator
 
 
 def _loss_policy(policy, mask, tensors, validate: bool):
@@ -63,20 +67,6 @@ def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, cl
 # --------------------------------------------------------------------------------------------
 # The surrogate family: GPPO, PPO (GR-OPD below)
 # --------------------------------------------------------------------------------------------
-
-class Objective(NamedTuple):
-    """A surrogate loss's per-token objective over a trust region: ``name`` (of
-    ``_names.OBJECTIVES``), the region (a name of ``_names.REGION_GEOMETRIES``, a topology, the
-    sizes of its lower and upper sides) and the objective's own parameters, in the order its
-    functions take them (``clip``: the dual clip, inf for none)."""
-
-    name: str
-    geometry: str
-    topology: str
-    delta_low: float
-    delta_high: float
-    params: Tuple[float, ...] = ()
-
 
 class SurrogateArgs(NamedTuple):
     """The normalised arguments of the surrogate-family losses (GPPO, PPO)."""
@@ -135,8 +125,8 @@ def check_weights(weights, info: PolicyInfo, mask, validate: bool) -> Optional[t
 
 
 def _check_surrogate_args(policy, old_logprobs, advantages, mask, region, *, agg, weights,
-                          dual_clip, loss_scale, num_tokens, num_sequences,
-                          validate) -> SurrogateArgs:
+                          dual_clip, loss_scale, num_tokens, num_sequences, validate,
+                          ratio_level="token") -> SurrogateArgs:
     """``region``: ``(geometry, topology, (low, high))``, checked by the caller."""
     info, mask = _loss_policy(policy, mask, {"old_logprobs": old_logprobs}, validate)
     advantages = check_advantages(advantages, info, mask, validate)
@@ -146,7 +136,9 @@ def _check_surrogate_args(policy, old_logprobs, advantages, mask, region, *, agg
     num_sequences = check_count("num_sequences", num_sequences, info.device, validate)
     check_policy_targets(policy, mask, mask.shape, validate)
     geometry, topology, (low, high) = region
-    objective = Objective("clip", geometry, topology, low, high, (check_dual_clip(dual_clip),))
+    objective = Objective("clip", geometry, topology, low, high,
+                          (check_dual_clip(dual_clip), math.inf),
+                          VERL_LOG_RATIO_CLAMP if ratio_level == "token" else math.inf)
     return SurrogateArgs(info, mask, advantages, weights, objective,
                          check_loss_scale(loss_scale), num_tokens, num_sequences)
 
@@ -170,7 +162,7 @@ def check_ppo_args(policy, old_logprobs, advantages, mask, *, clip, dual_clip, r
     return _check_surrogate_args(
         policy, old_logprobs, advantages, mask, region, agg=agg, weights=weights,
         dual_clip=dual_clip, loss_scale=loss_scale, num_tokens=num_tokens,
-        num_sequences=num_sequences, validate=validate)
+        num_sequences=num_sequences, validate=validate, ratio_level=ratio_level)
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,7 +230,8 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
     hyper = _check_advantage_args(group_size, batch, gamma, lam, feedback_clip, adv_clip,
                                   std_eps)
     eps_low, eps_high = check_sides("eps", eps, check_positive)
-    objective = Objective("clip", "ppo_clip", "mc", eps_low, eps_high, (math.inf,))
+    objective = Objective("clip", "ppo_clip", "mc", eps_low, eps_high, (math.inf, math.inf),
+                          VERL_LOG_RATIO_CLAMP)
     if advantages is not None:
         if isinstance(advantages, torch.Tensor) and tuple(advantages.shape) == (batch, 1):
             advantages = advantages[:, 0]
@@ -250,3 +243,88 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
         check_actor_tokens(mask, 1, what="sequence")
     return GROPDArgs(info, mask, hyper, objective, advantages, check_loss_scale(loss_scale),
                      num_sequences)
+
+
+# --------------------------------------------------------------------------------------------
+# policy_loss: any objective with its terms; the KL penalty alone
+# --------------------------------------------------------------------------------------------
+
+class PolicyLossArgs(NamedTuple):
+    """The normalised arguments of ``policy_loss``."""
+
+    info: PolicyInfo
+    mask: torch.Tensor                  # bool
+    advantages: torch.Tensor            # [B] or [B, T]
+    weights: Optional[torch.Tensor]
+    spec: ObjectiveSpec
+    agg: str
+    kl: Optional[KLTerm]
+    entropy: Optional[EntropyBonus]
+    entropy_mask: Optional[TopEntropyMask]
+    off_policy_mask: Optional[OffPolicyMask]
+    loss_scale: float
+    num_tokens: Optional[float]
+    num_sequences: Optional[float]
+
+
+def _check_term(name: str, value, kind: type):
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name}: expected None or an rlfuse.terms.{kind.__name__}, got "
+                        f"{type(value).__name__}")
+    return value
+
+
+def _check_agg(agg, spec: ObjectiveSpec) -> str:
+    if spec.agg is None:
+        return check_choice("agg", "token-mean" if agg is None else agg, AGGREGATIONS)
+    if agg is not None and agg != spec.agg:
+        raise ValueError(f"agg: objective {spec.source.name!r} aggregates by {spec.agg!r} "
+                         f"(got agg={agg!r}); leave agg unset")
+    return spec.agg
+
+
+def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *, agg, weights,
+                           ref_logprobs, kl, entropy, entropy_mask, off_policy_mask,
+                           loss_scale, num_tokens, num_sequences, validate) -> PolicyLossArgs:
+    """The checks of ``policy_loss``."""
+    spec = objective_spec(objective)
+    kl = _check_term("kl", kl, KLPenalty)
+    entropy = _check_term("entropy", entropy, EntropyBonus)
+    entropy_mask = _check_term("entropy_mask", entropy_mask, TopEntropyMask)
+    off_policy_mask = _check_term("off_policy_mask", off_policy_mask, OffPolicyMask)
+    if (kl is None) != (ref_logprobs is None):
+        raise ValueError("ref_logprobs: the KL penalty needs both kl=rlfuse.terms.KLPenalty(...) "
+                         "and ref_logprobs; got " + ("kl alone" if ref_logprobs is None
+                                                     else "ref_logprobs alone"))
+    sampling = None if off_policy_mask is None else off_policy_mask.check().sampling_logprobs
+    info, mask = _loss_policy(policy, mask, {"old_logprobs": old_logprobs,
+                                             "ref_logprobs": ref_logprobs,
+                                             "sampling_logprobs": sampling}, validate)
+    for name, term in (("entropy", entropy), ("entropy_mask", entropy_mask)):
+        if term is not None and not isinstance(policy, (Logits, LinearHead)):
+            raise ValueError(f"{name}: needs the policy's entropy, which [B, T] log-probs do not "
+                             f"have; pass rlfuse.Logits or rlfuse.LinearHead")
+    advantages = check_advantages(advantages, info, mask, validate)
+    weights = check_weights(weights, info, mask, validate)
+    agg = _check_agg(agg, spec)
+    num_tokens = check_count("num_tokens", num_tokens, info.device, validate)
+    num_sequences = check_count("num_sequences", num_sequences, info.device, validate)
+    if entropy is not None:
+        entropy.check()
+        check_count("entropy.num_tokens", entropy.num_tokens, info.device, validate)
+        check_count("entropy.num_sequences", entropy.num_sequences, info.device, validate)
+    if entropy_mask is not None:
+        entropy_mask.check()
+    check_policy_targets(policy, mask, mask.shape, validate)
+    return PolicyLossArgs(info, mask, advantages, weights, spec, agg,
+                          None if kl is None else kl.term(), entropy, entropy_mask,
+                          off_policy_mask, check_loss_scale(loss_scale), num_tokens,
+                          num_sequences)
+
+
+def check_kl_penalty_args(logprobs, ref_logprobs, estimator) -> Tuple[str, bool]:
+    """The checks of ``kl_penalty``; returns ``(estimator, straight-through)``."""
+    check_tensor("logprobs", logprobs, floating=True)
+    check_tensor("ref_logprobs", ref_logprobs, shape=logprobs.shape, device=logprobs.device,
+                 floating=True)
+    return kl_estimator(estimator)

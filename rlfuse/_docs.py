@@ -199,7 +199,8 @@ GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust r
     Metrics (detached, over the local actor tokens, 0 when there are none):
     ``clip_frac_low`` share of tokens with A < 0 and r < l (clipped from below);
     ``clip_frac_high`` share with A > 0 and r > u; ``dual_clip_frac`` share with A < 0 and
-    r > c; ``ratio_mean`` mean of r; ``approx_kl`` mean of ``old_lp − lp`` (verl's ``ppo_kl``);
+    r > c; ``ratio_mean`` mean of r; ``approx_kl`` mean of ``old_lp − lp``, each clamped to ±20
+    (verl's ``ppo_kl``);
     ``overflow`` 1 if some selected ``r A`` overflowed.
 
     Fused (``rlfuse.gppo_loss``): from log-probs one forward and one backward kernel; from
@@ -349,6 +350,79 @@ The PPO clipped surrogate, as GRPO / DAPO / Dr. GRPO / GSPO trainers run it.
     Fused (``rlfuse.ppo_loss``): GPPO's kernels with PPO's region — from ``Logits`` /
     ``LinearHead`` one pass for the token-level ratio; the sequence-level ratio needs every
     log-prob of a row first, so it runs the log-prob pass and the surrogate on ``[B, T]``.
+    """
+
+
+DOCSTRINGS["policy_loss"] = """\
+Any policy objective TRL or verl runs, with a KL penalty, an entropy bonus and TRL's masks.
+
+    Args:
+        policy: ``[B, T]`` learner log-probs (requires grad), ``rlfuse.Logits`` or
+            ``rlfuse.LinearHead``.
+        old_logprobs: ``[B, T]`` behaviour log-probs, or None (on policy: ``old = lp``).
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        mask: ``[B, T]`` bool (or 0/1): the response tokens.
+        objective: an instance of ``rlfuse.objectives`` (``Clip``, ``GPPO``, ``CISPO``,
+            ``CISPOTRL``, ``SAPO``, ``SAPOTRL``, ``GPG``, ``DRO``, ``DPPOTV``, ``DPPOKL``,
+            ``GSPO``, ``GSPOTRL``, ``LUSPO``, ``GeoMean``, ``VESPO``, ``ClipCov``, ``KLCov``)
+            or its name (its defaults; ``"dro"`` has none).
+        agg: verl's aggregation of the objective and the KL term (default ``token-mean``); an
+            objective that fixes its own (``SAPO``, ``LUSPO``) refuses another.
+        weights: optional ``[B, T]`` multipliers (>= 0) of the objective (not of the terms);
+            ``VESPO`` takes them as importance ratios into its weight, as TRL does.
+        ref_logprobs: ``[B, T]`` reference log-probs of the KL penalty (with ``kl``).
+        kl: ``rlfuse.terms.KLPenalty(coef, estimator, clamp, importance_weighted)``.
+        entropy: ``rlfuse.terms.EntropyBonus(coef, agg, ...)`` (needs ``Logits`` /
+            ``LinearHead``).
+        entropy_mask: ``rlfuse.terms.TopEntropyMask(quantile, process_group)`` (TRL's
+            ``top_entropy_quantile``; needs ``Logits`` / ``LinearHead``).
+        off_policy_mask: ``rlfuse.terms.OffPolicyMask(threshold, sampling_logprobs)`` (TRL's
+            OPSM).
+        loss_scale: multiplies the loss and every gradient.
+        num_tokens, num_sequences: the global counts of ``agg`` (default: the local ones).
+        generator: the ``torch.Generator`` of ``ClipCov``'s random choice (default: torch's
+            default generator, as verl draws it).
+        validate: check the values of the ``[B, T]`` inputs (log-probs <= 0 and finite at
+            actor tokens) and refuse an overflowing objective (host syncs).
+
+    With ``r = exp(lp − old)`` per actor token and ``J`` the objective's value::
+
+        loss = −loss_scale agg(w J) + kl.coef agg(KL(lp, ref)) − entropy.coef agg_H(H)
+
+    ``rlfuse.objectives`` gives each objective's formula; ``rlfuse.terms`` the terms'. The
+    masks multiply ``w``; the entropy bonus covers the tokens the entropy mask keeps.
+
+    Metrics (detached, over the local actor tokens): a token-local or sequence objective's
+    flags (``clip_frac_low`` / ``clip_frac_high`` / ``dual_clip_frac`` of ``Clip``, GSPO and
+    LUSPO; ``clip_frac`` / ``clip_frac_high`` of CISPO; ``dropped_frac`` / ``truncated_frac`` of
+    DPPO), ``ratio_mean``, ``approx_kl`` (the mean of ``old − lp``, each clamped to ±20 where
+    verl's own loss clamps it) and ``overflow``; a batch-level objective's own (``GeoMean``:
+    ``clip_frac_high``, ``clip_frac_low``, ``approx_kl``; ``VESPO``: ``phi_mean``,
+    ``approx_kl``; ``ClipCov``: ``cut_frac``, ``approx_kl``; ``KLCov``: ``approx_kl`` of
+    ``|lp − old|``); ``kl`` (the mean KL term), ``entropy`` (the mean entropy),
+    ``entropy_mask_frac`` and ``off_policy_mask_frac`` (the shares of actor tokens kept).
+
+    Fused (``rlfuse.policy_loss``): a token-local objective with its terms runs the surrogate
+    kernels, in one pass over the logits from ``Logits`` / ``LinearHead``; a sequence- or
+    batch-level objective or a mask runs the log-prob kernels first, then the loss on
+    ``[B, T]``.
+    """
+
+DOCSTRINGS["kl_penalty"] = """\
+Per-token KL estimates of a policy against reference log-probs (verl's ``kl_penalty``).
+
+    Args:
+        logprobs: learner log-probs, any shape (the gradient flows to them).
+        ref_logprobs: reference log-probs of the same shape (detached).
+        estimator: ``k1`` / ``kl``, ``abs``, ``k2`` / ``mse``, ``k3`` / ``low_var_kl``, each
+            with verl's ``+`` (the estimator's value, k2's gradient).
+        clamp: verl's clamps of k3 (``ref − lp`` to ±20, the value to ±10); TRL clamps
+            nothing.
+
+    With ``d = lp − ref``: k1 ``d``, abs ``|d|``, k2 ``d²/2``, k3 ``e^(−d) + d − 1``. Returns
+    fp32 (fp64 for fp64 inputs).
+
+    Fused (``rlfuse.kl_penalty``): one elementwise kernel forward, one backward.
     """
 
 

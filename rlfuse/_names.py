@@ -5,12 +5,28 @@ the kernels (whose constexpr codes are positions in these tuples:
 # GPPO's trust regions: the divergence (or PPO's symmetric log region) and how it is estimated.
 GEOMETRIES = ("tv", "chi2", "hellinger", "kl", "two_sided_log")
 TOPOLOGIES = ("mc", "atomic", "binary")
-# The regions the surrogate kernels know: GPPO's geometries, then PPO's fixed clip range.
-REGION_GEOMETRIES = GEOMETRIES + ("ppo_clip",)
+# The regions the surrogate kernels know: GPPO's geometries, then PPO's fixed clip range and a
+# fixed range of the ratio.
+REGION_GEOMETRIES = GEOMETRIES + ("ppo_clip", "ratio_range")
 MU_MIN = 1e-6  # GPPO's mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
 
 # Per-token objectives of the surrogate losses (``kernels.objectives``, ``reference.objectives``).
-OBJECTIVES = ("clip",)
+OBJECTIVES = ("clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
+# The metrics of each objective's per-token flags (the kernels' columns flag0..flag2).
+OBJECTIVE_FLAGS = {
+    "clip": ("clip_frac_low", "clip_frac_high", "dual_clip_frac"),
+    "cispo": ("clip_frac", "clip_frac_high"),
+    "sapo": (), "gpg": (), "dro": (),
+    "dppo_tv": ("dropped_frac", "truncated_frac"),
+    "dppo_kl": ("dropped_frac", "truncated_frac"),
+}
+# How a surrogate kernel forms a token's ratio: its own, its sequence's (GSPO: differentiated
+# through the sequence's mean, TRL; or straight through to each token, verl).
+RATIO_MODES = ("token", "sequence", "sequence_straight")
+
+# The KL penalty's estimators (verl's ``kl_penalty`` names; ``kernels.kl``) and their aliases.
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 # verl's loss aggregations (``agg``), and the level of the importance ratio.
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",

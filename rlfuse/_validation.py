@@ -164,7 +164,8 @@ def check_token_tensors(mask, tensors: Mapping[str, torch.Tensor], *, shape: Seq
 
     Shapes, devices and dtypes are always checked (metadata only). With ``validate`` the values
     are checked too: the mask holds only 0/1 and every tensor is finite at the actor positions
-    (masked positions may hold anything: NaN, -inf, padding).
+    (masked positions may hold anything: NaN, -inf, padding), and the log-probs among them
+    (``LOGPROB_INPUTS``) are <= 0 there.
     """
     if validate:
         mask = check_mask(mask, shape, device)
@@ -175,7 +176,22 @@ def check_token_tensors(mask, tensors: Mapping[str, torch.Tensor], *, shape: Seq
         check_tensor(name, x, shape=shape, device=device, floating=True)
         if validate:
             check_finite(name, x, mask)
+            if name in LOGPROB_INPUTS:
+                check_logprobs(name, x, mask)
     return mask
+
+
+LOGPROB_INPUTS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "sampling_logprobs")
+
+
+def check_logprobs(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+    """Log-probs are <= 0 at the actor positions (probabilities passed for log-probs are not)."""
+    bad = (x > 0) & mask
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name}: expected log-probabilities (<= 0) at actor (mask=True) "
+                         f"positions; found {x[where].item()} at index {list(where)} (were "
+                         f"probabilities passed?)")
 
 
 def check_sequence_tensor(name: str, x, *, batch: int, device: torch.device,
@@ -221,17 +237,26 @@ def check_sides(name: str, value, check: Callable) -> Tuple[float, float]:
     return value, value
 
 
-def _check_clip_side(name: str, value) -> float:
+def _check_clip_low(name: str, value) -> float:
     value = check_number(name, value)
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{name}: expected a clip range in (0, 1), got {value}")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name}: expected a clip range in (0, 1], got {value}")
+    return value
+
+
+def _check_clip_high(name: str, value) -> float:
+    value = check_number(name, value)
+    if not 0.0 < value < math.inf:
+        raise ValueError(f"{name}: expected a clip range finite and > 0, got {value}")
     return value
 
 
 def check_clip(name: str, clip) -> Tuple[float, float]:
-    """PPO's ``eps`` or ``(eps_low, eps_high)``, each in (0, 1): the region
-    ``[1 - eps_low, 1 + eps_high]``."""
-    return check_sides(name, clip, _check_clip_side)
+    """PPO's ``eps`` or ``(eps_low, eps_high)``: the region ``[1 - eps_low, 1 + eps_high]``,
+    ``eps_low`` in (0, 1] and ``eps_high`` finite and > 0 (one ``eps``: both, in (0, 1])."""
+    if isinstance(clip, (tuple, list)) and len(clip) == 2:
+        return _check_clip_low(f"{name}[0]", clip[0]), _check_clip_high(f"{name}[1]", clip[1])
+    return check_sides(name, clip, _check_clip_low)
 
 
 def check_dual_clip(dual_clip) -> float:

@@ -14,11 +14,11 @@ import collections
 import contextlib
 import functools
 import inspect
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from .._args import Objective
+from .._specs import KLTerm, Objective
 
 _INPUTS: Dict[object, type] = {}   # op -> the namedtuple of its inputs
 
@@ -68,9 +68,32 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
     op.register_autograd(backward_all, setup_context=setup)
 
 
+def objective_fields(objective: Objective) -> dict:
+    """The ``Objective`` as a surrogate op's flat inputs (an op's schema takes no tuples)."""
+    name, geometry, topology, delta_low, delta_high, params, clamp = objective
+    return dict(objective=name, geometry=geometry, topology=topology,
+                delta_low=float(delta_low), delta_high=float(delta_high),
+                params=[float(p) for p in params], clamp=float(clamp))
+
+
 def objective_of(inputs) -> Objective:
-    """The ``Objective`` of a surrogate op's named inputs, which carry its fields flat
-    (``objective`` (the name), ``geometry``, ``topology``, ``delta_low``, ``delta_high``,
-    ``params``): an op's schema takes no tuples."""
+    """The ``Objective`` of a surrogate op's named inputs (``objective_fields``)."""
     return Objective(inputs.objective, inputs.geometry, inputs.topology, inputs.delta_low,
-                     inputs.delta_high, tuple(inputs.params))
+                     inputs.delta_high, tuple(inputs.params), inputs.clamp)
+
+
+def kl_fields(kl: Optional[KLTerm]) -> dict:
+    """A KL term as a single-pass op's flat inputs (``kl_estimator`` empty: none; its
+    coefficient goes in with the row weights)."""
+    kl = kl or KLTerm("", 0.0)
+    return dict(kl_estimator=kl.estimator, kl_straight=kl.straight, kl_weighted=kl.weighted,
+                kl_clamp=kl.clamp)
+
+
+def kl_of(kl_estimator: str, kl_straight: bool, kl_weighted: bool,
+          kl_clamp: bool) -> Optional[KLTerm]:
+    """The KL term of a single-pass op's flat inputs (``kl_fields``; its coefficient is in the
+    row weights), None for none."""
+    if not kl_estimator:
+        return None
+    return KLTerm(kl_estimator, 1.0, kl_straight, kl_weighted, kl_clamp)

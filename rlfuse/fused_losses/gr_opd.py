@@ -81,7 +81,7 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     adv_c = adv.to(cdt)
     tokens = mask.sum().to(cdt).clamp_min(1)
     metrics = {
-        "clip_frac": (totals["clip_low"] + totals["clip_high"]) / tokens,
+        "clip_frac": (totals["flag0"] + totals["flag1"]) / tokens,
         "adv_mean": adv_c.mean() if adv_c.numel() else adv_c.new_zeros(()),
         "adv_abs_mean": adv_c.abs().mean() if adv_c.numel() else adv_c.new_zeros(()),
         "feedback_mean": feedback_mean,

@@ -27,7 +27,7 @@ from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.objectives import SUM_COLUMNS
 from ..kernels.surrogate import surrogate_logits_fwd
-from ._op import custom_op, register_autograd
+from ._op import custom_op, kl_of, register_autograd
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # one chunk of logits: 1 GiB unless RLFUSE_CHUNK_BYTES says
 
@@ -225,23 +225,30 @@ register_autograd(linear_logprobs_op, _logprobs_backward, _logprobs_setup)
 @custom_op("linear_surrogate")
 def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                         mask: Tensor, old_lp: Optional[Tensor], adv: Tensor,
-                        weights: Optional[Tensor], row_scale: Tensor, temperature: float,
-                        objective: str, geometry: str, topology: str, delta_low: float,
-                        delta_high: float, params: List[float], offset: int, chunk_tokens: int,
-                        gather: bool,
+                        weights: Optional[Tensor], row_scale: Tensor, ref_lp: Optional[Tensor],
+                        kl_scale: Optional[Tensor], entropy_scale: Optional[Tensor],
+                        temperature: float, objective: str, geometry: str, topology: str,
+                        delta_low: float, delta_high: float, params: List[float], clamp: float,
+                        kl_estimator: str, kl_straight: bool, kl_weighted: bool, kl_clamp: bool,
+                        offset: int,
+                        chunk_tokens: int, gather: bool,
                         needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, totals [SUM_COLUMNS], dhidden, dweight, dbias)``: the surrogate ``objective``
-    over the head's window (``old_lp`` None: on policy) and its gradients for an upstream
-    gradient of 1 (empty where not needed), each chunk's logits formed once."""
-    spec = (objective, geometry, topology, delta_low, delta_high, params)
+    over the head's window (``old_lp`` None: on policy) with its terms (those of
+    ``surrogate.surrogate_logits_op``) and its gradients for an upstream gradient of 1 (empty
+    where not needed), each chunk's logits formed once."""
+    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
+    kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     grads = HeadGradients(hidden, weight, bias, tuple(needs))
     write = any(needs)
     B, T = targets.shape
     totals = torch.zeros(len(SUM_COLUMNS), dtype=row_scale.dtype, device=hidden.device)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
-    old_flat, w_flat = _flat(old_lp), _flat(weights)
+    old_flat, w_flat, ref_flat = _flat(old_lp), _flat(weights), _flat(ref_lp)
     adv_flat = _flat(adv.unsqueeze(-1).expand(B, T) if adv.dim() == 1 else adv)
     scale_flat = row_scale.unsqueeze(-1).expand(B, T).reshape(-1)
+    kl_flat, entropy_flat = (None if x is None else x.unsqueeze(-1).expand(B, T).reshape(-1)
+                             for x in (kl_scale, entropy_scale))
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
         logits = chunk_logits(h_rows, weight, bias)
@@ -249,7 +256,10 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
             logits, y_flat[tokens, None], m_flat[tokens, None],
             None if old_flat is None else old_flat[tokens, None], adv_flat[tokens],
             None if w_flat is None else w_flat[tokens, None], scale_flat[tokens], spec,
-            temperature=temperature, write_dlogits=write, dlogits=logits if write else None)
+            temperature=temperature, write_dlogits=write, dlogits=logits if write else None,
+            ref_lp=None if ref_flat is None else ref_flat[tokens, None], kl=kl,
+            kl_scale=None if kl_flat is None else kl_flat[tokens],
+            entropy_scale=None if entropy_flat is None else entropy_flat[tokens])
         totals += sums.sum(0)
         if write:
             grads.add(logits, h_rows, rows)
@@ -258,8 +268,9 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 
 
 @linear_surrogate_op.register_fake
-def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, temperature,
-      objective, geometry, topology, delta_low, delta_high, params, offset, chunk_tokens, gather,
+def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
+      entropy_scale, temperature, objective, geometry, topology, delta_low, delta_high, params,
+      clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp, offset, chunk_tokens, gather,
       needs):
     return ((row_scale.new_empty(()), row_scale.new_empty((len(SUM_COLUMNS),)))
             + _gradients_fake(hidden, weight, bias, needs))

@@ -54,13 +54,16 @@ def window_logprobs(policy, mask: Optional[Tensor], *, gather: bool, validate: b
             layout.to_loss_layout(policy, entropy, mask))
 
 
-def learner_logprobs(policy, mask: Tensor, *, validate: bool) -> Tensor:
-    """The learner log-probs ``[B, T]`` of any policy form (checked by the loss); the loss's
+def learner_logprobs(policy, mask: Tensor, *, validate: bool, return_entropy: bool = False):
+    """The learner log-probs ``[B, T]`` of any policy form (checked by the loss), with
+    ``return_entropy`` ``(logp, entropy)`` (entropy None for ``[B, T]`` log-probs); the loss's
     gradient reaches logits or head through one backward pass over them. A ``LinearHead``
     forms the actor rows' logits only when the loss validates (it reads the mask then)."""
     if isinstance(policy, (Logits, LinearHead)):
-        return window_logprobs(policy, mask, gather=validate, validate=validate)[0]
-    return policy
+        logp, entropy = window_logprobs(policy, mask, gather=validate, validate=validate,
+                                        return_entropy=return_entropy)
+        return (logp, entropy) if return_entropy else logp
+    return (policy, None) if return_entropy else policy
 
 
 @falls_back_to(reference.policy_logprobs)

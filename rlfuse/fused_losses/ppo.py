@@ -24,4 +24,4 @@ def ppo_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Ten
         ratio_level=ratio_level, agg=agg, weights=weights, loss_scale=loss_scale,
         num_tokens=num_tokens, num_sequences=num_sequences, validate=validate)
     return surrogate_family_loss(policy, old_logprobs, args, agg, validate=validate,
-                                 sequence=ratio_level == "sequence")
+                                 ratio=ratio_level)

@@ -22,15 +22,18 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._args import Objective
+from .._specs import Objective
+from .._batch_objectives import term_ratio
 from .._math import aggregation_weights
+from .._names import OBJECTIVE_FLAGS
 from .._types import LinearHead, LossOutput, Logits
 from .._validation import raise_on_overflow
 from ..kernels.objectives import SUM_COLUMNS
 from ..kernels.surrogate import (surrogate_bwd, surrogate_fwd, surrogate_logits_bwd,
                                  surrogate_logits_fwd)
 from ..scaleout.layout import is_scaled_out
-from ._op import custom_op, objective_of, register_autograd
+from ._op import custom_op, kl_fields, kl_of, objective_fields, objective_of, register_autograd
+from .kl import kl_penalty_op
 from .linear_head import chunk_tokens_for, linear_surrogate_op
 from .logprobs import batched_rows
 from .policy import learner_logprobs
@@ -48,53 +51,54 @@ def _loss(sums: Tensor) -> Tensor:
 def surrogate_op(lp: Tensor, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                  weights: Optional[Tensor], row_scale: Tensor, objective: str, geometry: str,
                  topology: str, delta_low: float, delta_high: float, params: List[float],
-                 sequence: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(loss, sums [B, SUM_COLUMNS], seq_grad)`` from learner log-probs ``lp [B, T]``
+                 clamp: float, ratio: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(loss, sums [B, SUM_COLUMNS], seq)`` from learner log-probs ``lp [B, T]``
     (``old_lp`` None: on policy); ``row_scale``: the aggregation weight of each row's tokens;
-    ``sequence``: GSPO's ratio, whose per-row gradient coefficient ``seq_grad [B]`` the backward
-    needs (empty otherwise)."""
-    spec = (objective, geometry, topology, delta_low, delta_high, params)
-    sums, seq_grad = surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, spec,
-                                   sequence=sequence)
-    return _loss(sums), sums, row_scale.new_empty(0) if seq_grad is None else seq_grad
+    ``ratio``: a name of ``_names.RATIO_MODES``, whose per-row state ``seq [B]`` the backward
+    needs (empty for the token's own ratio)."""
+    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
+    sums, seq = surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, spec, ratio=ratio)
+    return _loss(sums), sums, row_scale.new_empty(0) if seq is None else seq
 
 
 @surrogate_op.register_fake
 def _(lp, old_lp, adv, mask, weights, row_scale, objective, geometry, topology, delta_low,
-      delta_high, params, sequence):
+      delta_high, params, clamp, ratio):
     return (row_scale.new_empty(()), row_scale.new_empty((lp.shape[0], len(SUM_COLUMNS))),
-            row_scale.new_empty(lp.shape[0] if sequence else 0))
+            row_scale.new_empty(lp.shape[0] if ratio != "token" else 0))
 
 
 @custom_op("surrogate_backward")
 def surrogate_backward_op(lp: Tensor, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
-                          weights: Optional[Tensor], row_scale: Tensor,
-                          seq_grad: Optional[Tensor], grad: Tensor, objective: str,
-                          geometry: str, topology: str, delta_low: float, delta_high: float,
-                          params: List[float]) -> Tensor:
+                          weights: Optional[Tensor], row_scale: Tensor, seq: Optional[Tensor],
+                          grad: Tensor, objective: str, geometry: str, topology: str,
+                          delta_low: float, delta_high: float, params: List[float],
+                          clamp: float, ratio: str) -> Tensor:
     """``dlp [B, T]`` for the upstream gradient ``grad`` (0-dim, read on the device)."""
-    spec = (objective, geometry, topology, delta_low, delta_high, params)
-    return surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq_grad, grad, spec)
+    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
+    return surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq, grad, spec,
+                         ratio=ratio)
 
 
 @surrogate_backward_op.register_fake
-def _(lp, old_lp, adv, mask, weights, row_scale, seq_grad, grad, objective, geometry, topology,
-      delta_low, delta_high, params):
+def _(lp, old_lp, adv, mask, weights, row_scale, seq, grad, objective, geometry, topology,
+      delta_low, delta_high, params, clamp, ratio):
     return torch.empty_like(lp, memory_format=torch.contiguous_format)
 
 
 def _surrogate_setup(ctx, inputs, output):
-    _, sums, seq_grad = output
+    _, sums, seq = output
     ctx.save_for_backward(inputs.lp, inputs.old_lp, inputs.adv, inputs.mask, inputs.weights,
-                          inputs.row_scale, seq_grad if inputs.sequence else None)
-    ctx.objective = objective_of(inputs)
-    ctx.mark_non_differentiable(sums, seq_grad)
+                          inputs.row_scale, seq if inputs.ratio != "token" else None)
+    ctx.objective, ctx.ratio = objective_of(inputs), inputs.ratio
+    ctx.mark_non_differentiable(sums, seq)
 
 
 def _surrogate_backward(ctx, grad_loss, _grad_sums, _grad_seq):
-    lp, old_lp, adv, mask, weights, row_scale, seq_grad = ctx.saved_tensors
-    return {"lp": surrogate_backward_op(lp, old_lp, adv, mask, weights, row_scale, seq_grad,
-                                        grad_loss.to(row_scale.dtype), *ctx.objective)}
+    lp, old_lp, adv, mask, weights, row_scale, seq = ctx.saved_tensors
+    return {"lp": surrogate_backward_op(lp, old_lp, adv, mask, weights, row_scale, seq,
+                                        grad_loss.to(row_scale.dtype), *ctx.objective,
+                                        ctx.ratio)}
 
 
 register_autograd(surrogate_op, _surrogate_backward, _surrogate_setup)
@@ -107,32 +111,38 @@ register_autograd(surrogate_op, _surrogate_backward, _surrogate_setup)
 @custom_op("surrogate_logits")
 def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: Optional[Tensor],
                         adv: Tensor, weights: Optional[Tensor], row_scale: Tensor,
-                        temperature: float, objective: str, geometry: str, topology: str,
-                        delta_low: float, delta_high: float, params: List[float],
-                        write_dlogits: bool, inplace: bool,
+                        ref_lp: Optional[Tensor], kl_scale: Optional[Tensor],
+                        entropy_scale: Optional[Tensor], temperature: float, objective: str,
+                        geometry: str, topology: str, delta_low: float, delta_high: float,
+                        params: List[float], clamp: float, kl_estimator: str, kl_straight: bool,
+                        kl_weighted: bool, kl_clamp: bool, write_dlogits: bool, inplace: bool,
                         offset: int) -> Tuple[Tensor, Tensor, Tensor]:
     """``(loss, sums [B*T, SUM_COLUMNS], dlogits)`` in one pass over ``logits [B, S, V]``, whose
     rows ``[offset, offset + T)`` predict ``targets [B, T]`` (``old_lp`` None: on policy, the
-    kernel forms old = lp itself).
+    kernel forms old = lp itself), with the KL term to ``ref_lp`` of row weights ``kl_scale``
+    (``kl_estimator`` empty: none) and the entropy bonus of row weights ``entropy_scale`` (None:
+    none), both with their coefficients.
 
     ``dlogits`` (for an upstream gradient of 1) is a new ``[B, S, V]`` buffer (zero rows outside
     the window), or empty: without ``write_dlogits`` (the loss alone, one read of the logits) or
     ``inplace``, where it is written into the logits' own buffer (``stride(-1) == 1`` required),
     which the op does not return: an op's outputs never alias its inputs.
     """
-    spec = (objective, geometry, topology, delta_low, delta_high, params)
+    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
+    kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     dlogits, sums = surrogate_logits_fwd(
         logits, targets, mask, old_lp, adv, weights, row_scale, spec, temperature=temperature,
         write_dlogits=write_dlogits, dlogits=logits if inplace and write_dlogits else None,
-        offset=offset)
+        offset=offset, ref_lp=ref_lp, kl=kl, kl_scale=kl_scale, entropy_scale=entropy_scale)
     if dlogits is None or inplace:
         dlogits = logits.new_empty(0)
     return _loss(sums), sums, dlogits
 
 
 @surrogate_logits_op.register_fake
-def _(logits, targets, mask, old_lp, adv, weights, row_scale, temperature, objective, geometry,
-      topology, delta_low, delta_high, params, write_dlogits, inplace, offset):
+def _(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale, entropy_scale,
+      temperature, objective, geometry, topology, delta_low, delta_high, params, clamp,
+      kl_estimator, kl_straight, kl_weighted, kl_clamp, write_dlogits, inplace, offset):
     dlogits_shape = logits.shape if write_dlogits and not inplace else (0,)
     return (row_scale.new_empty(()), row_scale.new_empty((targets.numel(), len(SUM_COLUMNS))),
             logits.new_empty(dlogits_shape))
@@ -182,65 +192,110 @@ def _(x, mask, scale, offset):
 # Every policy form
 # --------------------------------------------------------------------------------------------
 
-def _single_pass(policy, sequence: bool) -> bool:
+def _single_pass(policy, ratio: str) -> bool:
     """Whether ``policy``'s loss runs in one pass over its logits (see the module)."""
-    if sequence or not isinstance(policy, (Logits, LinearHead)) or is_scaled_out(policy):
+    if ratio != "token" or not isinstance(policy, (Logits, LinearHead)) or \
+            is_scaled_out(policy):
         return False
     rows = policy.logits if isinstance(policy, Logits) else policy.hidden
     return rows.dtype != torch.float16
 
 
+def _masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, x, torch.zeros_like(x)).sum()
+
+
+def terms_apart(lp: Tensor, old_lp: Optional[Tensor], mask: Tensor, row_scale: Tensor,
+                 ratio: str, ref_lp: Optional[Tensor], kl, entropy: Optional[Tensor],
+                 entropy_scale: Optional[Tensor]) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """The KL and entropy terms from ``[B, T]`` log-probs (and entropies): ``(loss, totals)``."""
+    loss = row_scale.new_zeros(())
+    totals = {}
+    if kl is not None:   # masked positions may hold anything: zeros go into the kernels
+        lp = torch.where(mask, lp, torch.zeros_like(lp))
+        ref = torch.where(mask, ref_lp, torch.zeros_like(ref_lp))
+        value = kl_penalty_op(lp, ref, kl.estimator, kl.straight, kl.clamp)
+        if kl.weighted:
+            old = lp.detach() if old_lp is None else torch.where(mask, old_lp, 0.0)
+            value = value * term_ratio(lp.to(value.dtype), old.to(value.dtype), mask, ratio)
+        per_row = torch.where(mask, value, torch.zeros_like(value)).sum(-1)
+        loss = loss + kl.coef * (per_row * row_scale).sum()
+        totals["kl"] = per_row.detach().sum()
+        totals["overflow"] = _masked_sum(~torch.isfinite(value.detach()), mask).to(loss.dtype)
+    if entropy_scale is not None:
+        h = torch.where(mask, entropy, torch.zeros_like(entropy))
+        scale = entropy_scale if entropy_scale.dim() == 2 else entropy_scale.unsqueeze(-1)
+        loss = loss - (h * scale).sum()
+        totals["entropy"] = h.detach().sum()
+    return loss, totals
+
+
 def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                    row_scale: Tensor, objective: Objective, *, weights: Optional[Tensor] = None,
-                   sequence: bool = False, validate: bool) -> Tuple[Tensor, Dict[str, Tensor]]:
+                   ratio: str = "token", ref_lp: Optional[Tensor] = None, kl=None,
+                   entropy_scale: Optional[Tensor] = None,
+                   validate: bool) -> Tuple[Tensor, Dict[str, Tensor]]:
     """``(loss, {column: total})`` of the surrogate ``objective`` for any policy form
-    (``old_lp`` None: on policy); with ``validate`` an overflowing objective raises (one host
-    sync)."""
-    name, geometry, topology, delta_low, delta_high, params = objective
-    flat = dict(objective=name, geometry=geometry, topology=topology, delta_low=float(delta_low),
-                delta_high=float(delta_high), params=[float(p) for p in params])
+    (``old_lp`` None: on policy), with the KL term ``kl`` (an ``rlfuse._specs.KLTerm``) to
+    ``ref_lp`` and the entropy bonus of weights ``entropy_scale`` (``[B]``, or ``[B, T]``
+    apart from the single pass; its coefficient included). The single pass carries the terms
+    in its kernel; otherwise they are ops over the ``[B, T]`` log-probs. With ``validate`` an
+    overflowing objective raises (one host sync)."""
+    flat = objective_fields(objective)
     tokens = dict(mask=mask, old_lp=old_lp, adv=adv, weights=weights, row_scale=row_scale)
-    if _single_pass(policy, sequence) and isinstance(policy, LinearHead):
+    terms_in = dict(ref_lp=ref_lp, kl_scale=None if kl is None else kl.coef * row_scale,
+                    entropy_scale=entropy_scale, **kl_fields(kl))
+    single = _single_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
+    if single and isinstance(policy, LinearHead):
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad
                  for t in (policy.hidden, policy.weight, policy.bias)]
         chunk = chunk_tokens_for(policy.weight.shape[0], policy.weight.element_size(),
                                  policy.chunk_tokens)
         loss, sums, *_ = linear_surrogate_op(
-            policy.hidden, policy.weight, policy.bias, policy.targets, **tokens,
+            policy.hidden, policy.weight, policy.bias, policy.targets, **tokens, **terms_in,
             temperature=float(policy.temperature), **flat, offset=int(policy.offset),
             chunk_tokens=chunk, gather=validate, needs=needs)
-    elif _single_pass(policy, sequence):
+        terms = {}
+    elif single:
         logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)
         loss, sums, _ = surrogate_logits_op(
-            logits, targets, **tokens, temperature=float(policy.temperature), **flat,
+            logits, targets, **tokens, **terms_in, temperature=float(policy.temperature),
+            **flat,
             write_dlogits=policy.logits.requires_grad and torch.is_grad_enabled(),
             inplace=bool(policy.inplace_backward) and logits is policy.logits,
             offset=int(policy.offset))
+        terms = {}
     else:
-        lp = learner_logprobs(policy, mask, validate=validate)
-        loss, sums, _ = surrogate_op(lp, **tokens, **flat, sequence=sequence)
+        if entropy_scale is not None:
+            lp, entropy = learner_logprobs(policy, mask, validate=validate, return_entropy=True)
+        else:
+            lp, entropy = learner_logprobs(policy, mask, validate=validate), None
+        loss, sums, _ = surrogate_op(lp, **tokens, **flat, ratio=ratio)
+        extra, terms = terms_apart(lp, old_lp, mask, row_scale, ratio, ref_lp, kl, entropy,
+                                    entropy_scale)
+        loss = loss + extra
     totals = dict(zip(SUM_COLUMNS, (sums if sums.dim() == 1 else sums.sum(0)).unbind()))
+    for name, value in terms.items():
+        totals[name] = totals[name] + value
     if validate:
         raise_on_overflow(totals["overflow"], row_scale.dtype)
     return loss, totals
 
 
-def surrogate_metrics(totals: Dict[str, Tensor], tokens: Tensor) -> Dict[str, Tensor]:
-    """The metrics of GPPO and PPO from the surrogate's column totals."""
+def surrogate_metrics(totals: Dict[str, Tensor], tokens: Tensor,
+                      flags: Tuple[str, ...]) -> Dict[str, Tensor]:
+    """The metrics of a surrogate objective from its column totals: the shares of its
+    ``flags`` (the metric names of the columns flag0, ...), ratio_mean, approx_kl, overflow."""
     tokens = tokens.clamp_min(1)
-    return {
-        "clip_frac_low": totals["clip_low"] / tokens,
-        "clip_frac_high": totals["clip_high"] / tokens,
-        "dual_clip_frac": totals["dual_clip"] / tokens,
-        "ratio_mean": totals["ratio"] / tokens,
-        "approx_kl": totals["neg_log_ratio"] / tokens,
-        "overflow": (totals["overflow"] > 0).to(tokens.dtype),
-    }
+    metrics = {name: totals[f"flag{i}"] / tokens for i, name in enumerate(flags)}
+    metrics.update(ratio_mean=totals["ratio"] / tokens, approx_kl=totals["neg_log_ratio"] / tokens,
+                   overflow=(totals["overflow"] > 0).to(tokens.dtype))
+    return metrics
 
 
 def surrogate_family_loss(policy, old_logprobs: Optional[Tensor], args, agg: str, *,
-                          validate: bool, sequence: bool = False) -> LossOutput:
+                          validate: bool, ratio: str = "token") -> LossOutput:
     """A GPPO or PPO loss from its checked ``args`` (``_args.SurrogateArgs``)."""
     cdt = args.info.compute_dtype
     row_scale = args.loss_scale * aggregation_weights(args.mask, agg, cdt,
@@ -249,6 +304,7 @@ def surrogate_family_loss(policy, old_logprobs: Optional[Tensor], args, agg: str
     old = None if old_logprobs is None else old_logprobs.detach()
     weights = None if args.weights is None else args.weights.detach()
     loss, totals = surrogate_loss(policy, old, args.advantages.detach(), args.mask, row_scale,
-                                  args.objective, weights=weights, sequence=sequence,
+                                  args.objective, weights=weights, ratio=ratio,
                                   validate=validate)
-    return LossOutput(loss, surrogate_metrics(totals, args.mask.sum().to(cdt)))
+    flags = OBJECTIVE_FLAGS[args.objective.name]
+    return LossOutput(loss, surrogate_metrics(totals, args.mask.sum().to(cdt), flags))

@@ -1,16 +1,22 @@
 """The per-token objectives of the surrogate losses, as a table of named codes.
 
 Every surrogate kernel (from log-probs, and the single pass from logits) evaluates one token's
-objective by ``token_objective``: given the log-ratio ``log r = lp - old_lp``, the advantage
-``A``, the token's trust region ``[lo, hi]`` (``regions.region_bounds``, fp64) and the
-objective's parameters ``p0..p3`` (runtime floats: a new value does not recompile), it returns
+objective by ``token_objective``: given the log-ratio ``log r = lp - old_lp``, the learner and
+old log-probs, the advantage ``A``, the token's trust region ``[lo, hi]``
+(``regions.region_bounds``, fp64), the objective's parameters ``p0..p3`` and the clamp ``L`` of
+the log-ratio where verl's form exponentiates a clamped one (runtime floats: a new value does not
+recompile), it returns
 
-    (J, dJ/dlp, clipped_low, clipped_high, dual_clipped, overflow)
+    (J, dJ/dlp, flag0, flag1, flag2, overflow)
 
-the objective, its derivative with respect to the learner log-prob, and the branch flags the
-metrics count. ``OBJECTIVE`` is a code of ``rlfuse._names.OBJECTIVES``; an objective is one
-entry here (its function and its branch in ``token_objective``), its reference twin in
-``rlfuse.reference.objectives`` and its name in ``rlfuse._names``.
+the objective (to maximise), its derivative with respect to the learner log-prob, three
+per-token flags that the objective's metrics count (``rlfuse._objectives`` names them) and
+whether the value overflowed. ``OBJECTIVE`` is a code of ``rlfuse._names.OBJECTIVES``; an
+objective is one entry here (its function and its branch in ``token_objective``), its
+reference twin in ``rlfuse.reference.objectives`` and its name in ``rlfuse._names``.
+
+Several objectives are ``sg(c) A lp``, a stopped coefficient times the log-prob (CISPO, GPG,
+DPPO): their gradient is ``c A``.
 """
 from __future__ import annotations
 
@@ -21,64 +27,173 @@ from .._names import OBJECTIVES
 from .regions import region_codes, region_sizes
 from .utils import constexpr_codes
 
-(CLIP,) = constexpr_codes(OBJECTIVES, "clip")
+CLIP, CISPO, SAPO, GPG, DRO, DPPO_TV, DPPO_KL = constexpr_codes(
+    OBJECTIVES, "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
 N_PARAMS = 4    # p0..p3 of every surrogate kernel; an objective uses the first few
 
 # Columns of the surrogate kernels' partial sums (per row from log-probs, per token from
-# logits): the loss and what the metrics count.
-SUM_COLUMNS = ("loss", "clip_low", "clip_high", "dual_clip", "ratio", "neg_log_ratio",
-               "overflow")
-SUM_LOSS, SUM_CLIP_LOW, SUM_CLIP_HIGH, SUM_DUAL_CLIP, SUM_RATIO, SUM_NEG_LOG_RATIO, \
-    SUM_OVERFLOW = constexpr_codes(SUM_COLUMNS, *SUM_COLUMNS)
+# logits): the loss, the objective's three flags, the ratio, old - lp (clamped to +-L), the
+# overflow flag, then the terms of the single pass (the KL penalty's value, the entropy).
+SUM_COLUMNS = ("loss", "flag0", "flag1", "flag2", "ratio", "neg_log_ratio", "overflow", "kl",
+               "entropy")
+SUM_LOSS, SUM_FLAG0, SUM_FLAG1, SUM_FLAG2, SUM_RATIO, SUM_NEG_LOG_RATIO, SUM_OVERFLOW, \
+    SUM_KL, SUM_ENTROPY = constexpr_codes(SUM_COLUMNS, *SUM_COLUMNS)
 N_SUM_COLS = tl.constexpr(len(SUM_COLUMNS))
 
 
 @triton.jit
-def _clip(log_ratio, adv, lo, hi, dual_clip):
-    """PPO's clipped surrogate over ``[lo, hi]``, with the dual clip ``c = p0`` (inf: none).
+def _clip(log_ratio, adv, lo, hi, dual_clip, cap):
+    """PPO's clipped surrogate over ``[lo, hi]``, with the dual clip ``c = p0`` (verl's
+    ``clip_ratio_c``) and the cap ``p1`` of the unclipped ratio (TRL's ``delta``), inf for none:
 
-        J = min(r A, clip(r, lo, hi) A)     (A < 0 with a dual clip: max(min(...), c A)),
-        dJ/dlp = A r 1[active],
-        active = not ((A > 0 and r > hi) or (A < 0 and r < lo) or (A < 0 and r > c))
+        J = min(min(r, cap) A, clip(r, lo, hi) A)          (A < 0: max(J, c A) with a dual clip)
 
-    decided in log space; only the selected branch is exponentiated, so a clipped token with any
-    log-ratio is finite. The bounds are rounded to the compute dtype first, as the reference
-    holds them: a bound beyond the dtype's range is inf, so its branch is never the clipped one.
-    The dual clip makes the unclipped r A the constant c A (zero gradient) once r > c.
-    ``overflow``: the selected J is not finite.
+    that is ``min(r, hi, cap) A`` for A > 0 and ``min(c, max(r, lo)) A`` for A < 0 when
+    r <= cap, ``min(c, max(cap, clip(r, lo, hi))) A`` when r > cap. ``dJ/dlp = r A`` where the
+    value is ``r A``, else 0. Decided in log space; only the selected branch is exponentiated, so
+    a clipped token with any log-ratio is finite. The bounds are rounded to the compute dtype
+    first, as the reference holds them: a bound beyond the dtype's range is inf, so its branch
+    is never the clipped one. Flags: clipped low (A < 0 and min(r, cap) < lo), clipped high
+    (A > 0 and min(r, cap) > hi), dual-clipped (A < 0 and the value before the dual clip
+    exceeds c A's ratio).
     """
-    lo = lo.to(log_ratio.dtype)
-    hi = hi.to(log_ratio.dtype)
-    clipped_high = (adv > 0) & (log_ratio > tl.log(hi))
-    clipped_low = (adv < 0) & (log_ratio < tl.log(lo))
-    dual = (adv < 0) & ~clipped_low & (log_ratio > tl.log(dual_clip))
-    active = (adv != 0) & ~(clipped_high | clipped_low | dual)
+    dtype = log_ratio.dtype
+    lo = lo.to(dtype)
+    hi = hi.to(dtype)
+    cap = tl.cast(cap, dtype)
+    dual_clip = tl.cast(dual_clip, dtype)
+    log_lo = tl.log(lo)
+    log_hi = tl.log(hi)
+    log_cap = tl.log(cap)
+    positive = adv > 0
+    negative = adv < 0
+    # A > 0: the ratio unless it exceeds hi or the cap
+    pos_active = log_ratio <= tl.minimum(log_hi, log_cap)
+    pos_bound = tl.minimum(hi, cap)
+    # A < 0: max(min(r, cap), clip(r)) before the dual clip
+    capped = log_ratio > log_cap
+    in_range = (log_ratio >= log_lo) & (log_ratio <= log_hi)
+    neg_active = tl.where(capped, in_range, log_ratio >= log_lo)
+    neg_bound = tl.where(capped, tl.maximum(tl.where(log_ratio < log_lo, lo, hi), cap), lo)
+    log_q = tl.where(neg_active, log_ratio, tl.log(neg_bound))
+    dual = negative & (log_q > tl.log(dual_clip))
+    active = tl.where(positive, pos_active, negative & neg_active & ~dual)
+    bound = tl.where(positive, pos_bound, tl.where(dual, dual_clip, neg_bound))
     dj = tl.where(active, tl.exp(tl.where(active, log_ratio, 0.0)) * adv, 0.0)
-    bound = tl.where(clipped_high, hi, tl.where(clipped_low, lo, tl.where(dual, dual_clip, 0.0)))
-    j = tl.where(active, dj, bound * adv)
-    overflow = ~(tl.abs(j) < float("inf"))
-    return j, dj, clipped_low, clipped_high, dual, overflow
+    j = tl.where(active, dj, tl.where(adv != 0, bound * adv, 0.0))
+    capped_ratio = tl.minimum(log_ratio, log_cap)
+    low = negative & (capped_ratio < log_lo)
+    high = positive & (capped_ratio > log_hi)
+    return j, dj, low, high, dual
 
 
 @triton.jit
-def token_objective(log_ratio, adv, lo, hi, p0, p1, p2, p3, OBJECTIVE: tl.constexpr):
-    """(J, dJ/dlp, clipped_low, clipped_high, dual_clipped, overflow) of the tokens' objective
-    (the module docstring); a code without an entry fails to compile."""
-    if OBJECTIVE == CLIP:
-        j, dj, low, high, dual, bad = _clip(log_ratio, adv, lo, hi, p0)
+def _cispo(log_ratio, lp, adv, lo, hi, clamp):
+    """CISPO: ``J = sg(clip(r, lo, hi)) A lp`` (verl: ``[1 - eps_low, 1 + eps_high]``; TRL:
+    ``[0, eps_high]``), r of the log-ratio clamped to +-clamp. Flags: clipped (r outside
+    [lo, hi], verl's ``pg_clipfrac``), clipped high with A > 0 (TRL's ``cispo_clip_ratio``)."""
+    dtype = log_ratio.dtype
+    lo = lo.to(dtype)
+    hi = hi.to(dtype)
+    below = log_ratio < tl.log(lo)
+    above = log_ratio > tl.log(hi)
+    inside = ~(below | above)
+    clamped = tl.minimum(tl.maximum(log_ratio, -clamp), clamp)
+    coef = tl.where(below, lo, tl.where(above, hi, tl.exp(tl.where(inside, clamped, 0.0))))
+    dj = coef * adv
+    return dj * lp, dj, ~inside, above & (adv > 0)
+
+
+@triton.jit
+def _softplus(x):
+    """log(1 + e^x) without overflow."""
+    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _sapo(log_ratio, adv, tau_pos, tau_neg, clamp):
+    """SAPO's soft gate: ``J = sigma(tau (r - 1)) 4 / tau A``, ``tau = tau_pos`` if A > 0 else
+    ``tau_neg``, r of the log-ratio clamped to +-clamp (verl: 20; TRL: none), so that
+    ``dJ/dlp = 4 A sigma(x) sigma(-x) r`` inside the clamp (0 outside). ``r sigma(-x)`` is
+    formed as ``exp(log r - softplus(x))``: finite for any ratio."""
+    dtype = log_ratio.dtype
+    tau = tl.where(adv > 0, tl.cast(tau_pos, dtype), tl.cast(tau_neg, dtype))
+    clamped = tl.minimum(tl.maximum(log_ratio, -clamp), clamp)
+    x = tau * (tl.exp(clamped) - 1.0)
+    gate = 1.0 / (1.0 + tl.exp(-x))
+    j = gate * (4.0 / tau) * adv
+    inside = (log_ratio >= -clamp) & (log_ratio <= clamp)
+    dj = tl.where(inside, 4.0 * adv * gate * tl.exp(clamped - _softplus(x)), 0.0)
+    return j, dj
+
+
+@triton.jit
+def _dppo(log_ratio, lp, old, adv, delta_low, delta_high, truncation, clamp,
+          BINARY_KL: tl.constexpr):
+    """DPPO (verl's ``dppo_tv`` / ``dppo_kl``): ``J = sg(min(r, c)) A lp`` on the tokens whose
+    move stays inside the divergence threshold, 0 on the others; r of the log-ratio clamped to
+    +-clamp, c = ``truncation`` (verl's ``clip_ratio_c``). With p = e^lp, mu = e^old: TV keeps
+    A > 0 tokens with p - mu <= delta_high and the others with p - mu >= -delta_low; the binary
+    KL ``mu (old - lp) + (1 - mu) log((1 - mu + 1e-8) / (1 - p + 1e-8))`` keeps A > 0 tokens
+    with KL <= delta_high or p <= mu, the others with KL <= delta_low or p >= mu. Flags:
+    dropped (verl's ``pg_clipfrac``), kept and truncated (r > c, verl's
+    ``pg_clipfrac_lower``)."""
+    dtype = log_ratio.dtype
+    ratio = tl.exp(tl.minimum(tl.maximum(log_ratio, -clamp), clamp))
+    truncation = tl.cast(truncation, dtype)
+    p = tl.exp(lp)
+    mu = tl.exp(old)
+    if BINARY_KL:
+        kl = mu * (old - lp) + (1.0 - mu) * tl.log((1.0 - mu + 1e-8) / (1.0 - p + 1e-8))
+        keep_pos = (kl <= delta_high) | (p <= mu)
+        keep_neg = (kl <= delta_low) | (p >= mu)
     else:
-        tl.static_assert(OBJECTIVE == CLIP)
-    return j, dj, low, high, dual, bad
+        keep_pos = (p - mu) <= delta_high
+        keep_neg = (p - mu) >= -delta_low
+    keep = tl.where(adv > 0, keep_pos, keep_neg)
+    dj = tl.where(keep, tl.minimum(ratio, truncation) * adv, 0.0)
+    return dj * lp, dj, ~keep, keep & (ratio > truncation)
+
+
+@triton.jit
+def token_objective(log_ratio, lp, old, adv, lo, hi, p0, p1, p2, p3, clamp,
+                    OBJECTIVE: tl.constexpr):
+    """(J, dJ/dlp, flag0, flag1, flag2, overflow) of the tokens' objective (the module
+    docstring); a code without an entry fails to compile."""
+    false = log_ratio < float("-inf")    # the flags an objective does not set
+    f0 = false
+    f1 = false
+    f2 = false
+    if OBJECTIVE == CLIP:
+        j, dj, f0, f1, f2 = _clip(log_ratio, adv, lo, hi, p0, p1)
+    elif OBJECTIVE == CISPO:
+        j, dj, f0, f1 = _cispo(log_ratio, lp, adv, lo, hi, clamp)
+    elif OBJECTIVE == SAPO:
+        j, dj = _sapo(log_ratio, adv, p0, p1, clamp)
+    elif OBJECTIVE == GPG:
+        j = adv * lp
+        dj = adv
+    elif OBJECTIVE == DRO:   # lp A - beta (lp - old)^2 / 2
+        beta = tl.cast(p0, log_ratio.dtype)
+        j = lp * adv - 0.5 * beta * log_ratio * log_ratio
+        dj = adv - beta * log_ratio
+    elif OBJECTIVE == DPPO_TV:
+        j, dj, f0, f1 = _dppo(log_ratio, lp, old, adv, p0, p1, p2, clamp, False)
+    else:
+        tl.static_assert(OBJECTIVE == DPPO_KL)
+        j, dj, f0, f1 = _dppo(log_ratio, lp, old, adv, p0, p1, p2, clamp, True)
+    overflow = ~(tl.abs(j) < float("inf"))
+    return j, dj, f0, f1, f2, overflow
 
 
 def objective_args(objective):
     """The constexpr codes ``(OBJECTIVE, GEOMETRY, TOPOLOGY)`` and the runtime scalars (the
-    region's four sizes of ``region_bounds``, then ``p0..p3``) of an ``rlfuse._args.Objective``
-    (or a tuple of its fields)."""
-    name, geometry, topology, delta_low, delta_high, params = objective
+    region's four sizes of ``region_bounds``, then ``p0..p3``, then the clamp) of an
+    ``rlfuse._args.Objective`` (or a tuple of its fields)."""
+    name, geometry, topology, delta_low, delta_high, params, clamp = objective
     if len(params) > N_PARAMS:
         raise ValueError(f"objective {name!r}: {len(params)} parameters, the kernels take "
                          f"{N_PARAMS}")
     params = tuple(float(p) for p in params) + (0.0,) * (N_PARAMS - len(params))
     codes = (OBJECTIVES.index(name),) + region_codes(geometry, topology)
-    return codes, region_sizes(delta_low, delta_high) + params
+    return codes, region_sizes(delta_low, delta_high) + params + (float(clamp),)

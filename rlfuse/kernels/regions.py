@@ -1,5 +1,6 @@
 """Trust regions: per-token bounds [l, u] = {r : D(r) <= delta} for GPPO's 5 geometries x 3
-topologies and PPO's fixed ``[1 - eps_low, 1 + eps_high]`` (``ppo_clip``), computed in fp64 inside
+topologies, PPO's fixed ``[1 - eps_low, 1 + eps_high]`` (``ppo_clip``) and a fixed range of the
+ratio (``ratio_range``: TRL's CISPO cap, verl's unclipped ratio of ``kl_cov``), computed in fp64 inside
 the kernels, plus an elementwise kernel that exports them (``gppo_bounds``).
 
 ``region_bounds`` is the one device function every kernel uses (bounds export, the surrogate
@@ -16,8 +17,9 @@ from .._names import REGION_GEOMETRIES, TOPOLOGIES
 from .._types import compute_dtype
 from .utils import constexpr_codes, empty, fp64_parts
 
-TV, CHI2, HELLINGER, KL, TWO_SIDED_LOG, PPO_CLIP = constexpr_codes(
-    REGION_GEOMETRIES, "tv", "chi2", "hellinger", "kl", "two_sided_log", "ppo_clip")
+TV, CHI2, HELLINGER, KL, TWO_SIDED_LOG, PPO_CLIP, RATIO_RANGE = constexpr_codes(
+    REGION_GEOMETRIES, "tv", "chi2", "hellinger", "kl", "two_sided_log", "ppo_clip",
+    "ratio_range")
 MC, ATOMIC, BINARY = constexpr_codes(TOPOLOGIES, "mc", "atomic", "binary")
 
 
@@ -102,6 +104,8 @@ def _lower_bound(mu, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
     one = tl.zeros_like(mu) + 1.0
     if GEOMETRY == PPO_CLIP:
         lo = one - delta
+    elif GEOMETRY == RATIO_RANGE:
+        lo = one * delta
     elif TOPOLOGY == BINARY:
         if GEOMETRY == TV:
             lo = one - delta / mu
@@ -140,6 +144,8 @@ def _upper_bound(mu, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
     one = tl.zeros_like(mu) + 1.0
     if GEOMETRY == PPO_CLIP:
         hi = one + delta
+    elif GEOMETRY == RATIO_RANGE:
+        hi = one * delta
     elif TOPOLOGY == BINARY:
         if GEOMETRY == TV:
             hi = tl.minimum(1.0 / mu, one + delta / mu)
@@ -181,7 +187,8 @@ def region_bounds(old_lp, low_hi, low_lo, high_hi, high_lo, GEOMETRY: tl.constex
     mc: D = f(r); atomic: D = mu f(r); binary: the f-divergence of Bernoulli(mu) vs
     Bernoulli(mu r). Closed forms as in SPEC 4.2 (w = delta for mc, delta / mu for atomic); the
     binary kl and two_sided_log cells by ``_binary_root_*``. Lower bounds clamp at 0. With
-    GEOMETRY == PPO_CLIP: the fixed range [1 - delta_low, 1 + delta_high]. An unknown code fails
+    GEOMETRY == PPO_CLIP: the fixed range [1 - delta_low, 1 + delta_high]; RATIO_RANGE: the range
+    [delta_low, delta_high] of the ratio itself. An unknown code fails
     to compile. The lower bound takes ``delta_low = low_hi + low_lo``, the upper
     ``delta_high = high_hi + high_lo``, each summed in fp64 (``utils.fp64_parts``: on a GPU a
     float argument is fp32).

@@ -9,9 +9,11 @@ from ..scaleout.layout import packed_index
 from .ggpo import ggpo_loss
 from .gppo import gppo_bounds, gppo_loss
 from .gr_opd import gr_opd_advantages, gr_opd_loss
+from .kl import kl_penalty
 from .logprobs import policy_logprobs, token_logprobs
+from .policy_loss import policy_loss
 from .ppo import ppo_loss
 
 __all__ = ["LinearHead", "Logits", "LossOutput", "ggpo_loss", "global_counts", "gppo_bounds",
-           "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages", "packed_index",
-           "policy_logprobs", "ppo_loss", "token_logprobs"]
+           "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages", "kl_penalty",
+           "packed_index", "policy_logprobs", "policy_loss", "ppo_loss", "token_logprobs"]

@@ -69,7 +69,7 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     terms = result.terms
     with torch.no_grad():
         metrics = {
-            "clip_frac": masked_mean((terms.clipped_low | terms.clipped_high).to(cdt), mask),
+            "clip_frac": masked_mean((terms.flags[0] | terms.flags[1]).to(cdt), mask),
             "adv_mean": adv.mean() if adv.numel() else adv.new_zeros(()),
             "adv_abs_mean": adv.abs().mean() if adv.numel() else adv.new_zeros(()),
             "feedback_mean": masked_mean(feedback, mask),

@@ -1,14 +1,18 @@
 """Reference per-token objectives of the surrogate losses, one function per name of
-``rlfuse._names.OBJECTIVES``: ``OBJECTIVES[name](log_ratio, adv, lo, hi, mask, *params)``
-gives each actor token's objective J and which branch it took.
+``rlfuse._names.OBJECTIVES``::
 
-``lo, hi`` are the token's trust region (``regions.region_bounds``, in the compute dtype);
-``params`` the objective's own parameters (``rlfuse._args.Objective``).
+    OBJECTIVES[name](log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective
+
+each actor token's objective J (to maximise) and the flags its metrics count
+(``rlfuse._names.OBJECTIVE_FLAGS`` names them). ``log_ratio`` is ``lp - old`` (or a sequence's
+log-ratio under GSPO), differentiable; ``lo, hi`` the token's trust region
+(``regions.region_bounds``, in the compute dtype); ``params`` the objective's own parameters;
+``clamp`` the bound of the log-ratio where verl's form exponentiates a clamped one (inf: none).
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, Dict, NamedTuple, Sequence, Tuple
 
 import torch
 
@@ -16,40 +20,135 @@ import torch
 class TokenObjective(NamedTuple):
     """Per-token result of an objective (all ``[B, T]``)."""
 
-    value: torch.Tensor          # J, differentiable, 0 off the mask
-    ratio_used: torch.Tensor     # bool: J depends on r (its gradient is not 0)
-    clipped_low: torch.Tensor    # bool: A < 0 and r < lo
-    clipped_high: torch.Tensor   # bool: A > 0 and r > hi
-    dual_clipped: torch.Tensor   # bool: A < 0 and r > c (the dual clip)
-    overflow: torch.Tensor       # bool: the selected value is not representable
+    value: torch.Tensor                     # J, differentiable, 0 off the mask
+    flags: Tuple[torch.Tensor, ...]         # bool, one per name of OBJECTIVE_FLAGS[name]
+    overflow: torch.Tensor                  # bool: the selected value is not representable
 
 
-def clip(log_ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-         mask: torch.Tensor, dual_clip: float = math.inf) -> TokenObjective:
-    """PPO's clipped surrogate ``J = min(r A, clip(r, lo, hi) A)`` with ``r = exp(log_ratio)``,
-    zero off the mask; with a dual clip ``c`` (``A < 0`` only)
-    ``J = max(min(r A, clip(r, lo, hi) A), c A)``.
+def _result(value, mask, *flags) -> TokenObjective:
+    value = torch.where(mask, value, torch.zeros_like(value))
+    return TokenObjective(value, tuple(mask & f for f in flags),
+                          mask & ~torch.isfinite(value.detach()))
 
-    The branch is decided in log space — ``clipped_high = A > 0 ∧ log r > log hi``,
-    ``clipped_low = A < 0 ∧ log r < log lo``, ``dual_clipped = A < 0 ∧ log r > log c``
-    (log 0 = −inf, log inf = +inf) — and only the selected branch is evaluated: a clipped token is
-    the constant ``bound · A`` (zero gradient) and never exponentiates its log-ratio, so any
-    log-ratio is safe there. Elsewhere ``J = r A`` and ``∂J/∂log r = r A``; a token with
-    ``A = 0`` is 0 without evaluating r. ``overflow`` marks the tokens whose selected value is not
-    representable in the dtype (the unclipped ``r A`` of a negative advantage, or of a positive
-    one under an upper bound beyond the dtype's range).
+
+def _clamped(log_ratio: torch.Tensor, clamp: float) -> torch.Tensor:
+    return log_ratio.clamp(-clamp, clamp)
+
+
+def clip(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+    """PPO's clipped surrogate with verl's dual clip ``c`` and TRL's cap of the unclipped ratio
+    (``params = (c, cap)``, inf for none), ``r = exp(log_ratio)``::
+
+        J = min(min(r, cap) A, clip(r, lo, hi) A)         (A < 0: max(J, c A))
+
+    The branch is decided in log space and only the selected one is evaluated: a clipped token
+    is the constant ``bound A`` (zero gradient) and never exponentiates its log-ratio, so any
+    log-ratio is safe there; elsewhere ``J = r A``. For A > 0 the value is ``min(r, hi, cap) A``;
+    for A < 0 ``min(c, max(r, lo)) A`` when r <= cap, ``min(c, max(cap, clip(r, lo, hi))) A``
+    past the cap. Flags: clipped low (A < 0, min(r, cap) < lo), clipped high (A > 0,
+    min(r, cap) > hi), dual-clipped (A < 0, the value before the dual clip beyond c).
     """
+    dual_clip, cap = params
     with torch.no_grad():
-        clipped_high = mask & (adv > 0) & (log_ratio > hi.log())
-        clipped_low = mask & (adv < 0) & (log_ratio < lo.log())
-        dual_clipped = mask & (adv < 0) & ~clipped_low & (log_ratio > math.log(dual_clip))
-        ratio_used = mask & ~clipped_high & ~clipped_low & ~dual_clipped & (adv != 0)
-        bound = torch.where(clipped_high, hi, torch.where(clipped_low, lo, torch.zeros_like(lo)))
-        bound = torch.where(dual_clipped, torch.full_like(lo, dual_clip), bound)
-    ratio = torch.exp(torch.where(ratio_used, log_ratio, torch.zeros_like(log_ratio)))
-    value = torch.where(ratio_used, ratio * adv, bound * adv)
-    overflow = mask & ~torch.isfinite(value.detach())
-    return TokenObjective(value, ratio_used, clipped_low, clipped_high, dual_clipped, overflow)
+        log_lo, log_hi = lo.log(), hi.log()
+        log_cap, log_c = math.log(cap), math.log(dual_clip)
+        positive, negative = adv > 0, adv < 0
+        pos_active = log_ratio <= torch.minimum(log_hi, torch.full_like(log_hi, log_cap))
+        pos_bound = hi.clamp_max(cap)
+        capped = log_ratio > log_cap
+        in_range = (log_ratio >= log_lo) & (log_ratio <= log_hi)
+        neg_active = torch.where(capped, in_range, log_ratio >= log_lo)
+        neg_bound = torch.where(capped, torch.where(log_ratio < log_lo, lo, hi).clamp_min(cap),
+                                lo)
+        log_q = torch.where(neg_active, log_ratio, neg_bound.log())
+        dual = negative & (log_q > log_c)
+        active = torch.where(positive, pos_active, negative & neg_active & ~dual)
+        bound = torch.where(positive, pos_bound,
+                            torch.where(dual, torch.full_like(lo, dual_clip), neg_bound))
+        capped_ratio = log_ratio.clamp_max(log_cap)
+        low = negative & (capped_ratio < log_lo)
+        high = positive & (capped_ratio > log_hi)
+    ratio = torch.exp(torch.where(active, log_ratio, torch.zeros_like(log_ratio)))
+    constant = torch.where(adv != 0, bound * adv, torch.zeros_like(adv))
+    return _result(torch.where(active, ratio * adv, constant), mask, low, high, dual)
 
 
-OBJECTIVES = {"clip": clip}
+def cispo(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+    """CISPO: ``J = sg(clip(r, lo, hi)) A lp`` with r of the log-ratio clamped to +-clamp
+    (verl: ``[1 - eps_low, 1 + eps_high]``, clamp 20; TRL: ``[0, eps_high]``, no clamp). Flags:
+    r outside [lo, hi]; r > hi with A > 0."""
+    with torch.no_grad():
+        below, above = log_ratio < lo.log(), log_ratio > hi.log()
+        coef = torch.where(below, lo, torch.where(above, hi, _clamped(log_ratio, clamp).exp()))
+    return _result(coef * adv * lp, mask, below | above, above & (adv > 0))
+
+
+# Past this argument sigma is 1 in fp64 and its torch gradient 0: SAPO's gate is evaluated on
+# the ratio capped there, which keeps an overflowing ratio from turning 0 * inf into NaN.
+_SIGMOID_SATURATED = 60.0
+
+
+def sapo(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+    """SAPO's soft gate ``J = sigma(tau (r - 1)) 4 / tau A``, ``tau = tau_pos`` if A > 0 else
+    ``tau_neg`` (``params``), r of the log-ratio clamped to +-clamp (verl: 20; TRL: none)."""
+    tau_pos, tau_neg = params
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    log_r = _clamped(log_ratio, clamp)
+    log_r = torch.minimum(log_r, torch.log1p(_SIGMOID_SATURATED / tau))
+    gate = torch.sigmoid(tau * (torch.exp(log_r) - 1.0))
+    return _result(gate * 4.0 / tau * adv, mask)
+
+
+def gpg(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+    """The policy gradient ``J = A lp`` (verl's ``gpg``, REINFORCE)."""
+    return _result(adv * lp, mask)
+
+
+def dro(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+    """Direct reward optimisation: ``J = lp A - beta (lp - old)^2 / 2`` (``params = (beta,)``)."""
+    (beta,) = params
+    return _result(lp * adv - 0.5 * beta * log_ratio.square(), mask)
+
+
+def _dppo(log_ratio, lp, old, adv, mask, params, clamp, keep_pos, keep_neg):
+    truncation = params[2]
+    with torch.no_grad():
+        ratio = _clamped(log_ratio, clamp).exp()
+        keep = torch.where(adv > 0, keep_pos, keep_neg)
+        coef = torch.where(keep, ratio.clamp_max(truncation), torch.zeros_like(ratio))
+    return _result(coef * adv * lp, mask, ~keep, keep & (ratio > truncation))
+
+
+def dppo_tv(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+    """DPPO with the total variation (verl's ``dppo_tv``): ``J = sg(min(r, c)) A lp`` where the
+    move of the probability ``p - mu`` (p = e^lp, mu = e^old) stays within ``delta_high``
+    (A > 0) or ``-delta_low`` (A <= 0), else 0; ``params = (delta_low, delta_high, c)``. Flags:
+    dropped; kept with r > c."""
+    delta_low, delta_high, _ = params
+    with torch.no_grad():
+        move = lp.detach().exp() - old.exp()
+    return _dppo(log_ratio, lp, old, adv, mask, params, clamp, move <= delta_high,
+                 move >= -delta_low)
+
+
+def dppo_kl(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+    """DPPO with the binary KL (verl's ``dppo_kl``) ``mu (old - lp) + (1 - mu) log((1 - mu +
+    1e-8) / (1 - p + 1e-8))``: A > 0 tokens are kept with KL <= delta_high or p <= mu, the
+    others with KL <= delta_low or p >= mu; otherwise as ``dppo_tv``."""
+    delta_low, delta_high, _ = params
+    with torch.no_grad():
+        p, mu = lp.detach().exp(), old.exp()
+        kl = mu * (old - lp.detach()) + (1.0 - mu) * torch.log((1.0 - mu + 1e-8) /
+                                                               (1.0 - p + 1e-8))
+    return _dppo(log_ratio, lp, old, adv, mask, params, clamp, (kl <= delta_high) | (p <= mu),
+                 (kl <= delta_low) | (p >= mu))
+
+
+OBJECTIVES: Dict[str, Callable[..., TokenObjective]] = {
+    "clip": clip, "cispo": cispo, "sapo": sapo, "gpg": gpg, "dro": dro, "dppo_tv": dppo_tv,
+    "dppo_kl": dppo_kl}
+
+
+def flags_of(result: TokenObjective, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """The objective's flags by metric name."""
+    return dict(zip(names, result.flags))

@@ -26,6 +26,6 @@ def ppo_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Ten
     result = surrogate(policy, old_logprobs, args.advantages, args.mask, args.objective,
                        compute_dtype=args.info.compute_dtype, agg=agg, weights=args.weights,
                        loss_scale=args.loss_scale, num_tokens=args.num_tokens,
-                       num_sequences=args.num_sequences, sequence=ratio_level == "sequence",
+                       num_sequences=args.num_sequences, ratio=ratio_level,
                        validate=validate)
     return LossOutput(result.loss, surrogate_metrics(result, args.mask))

@@ -1,5 +1,6 @@
 """Reference trust regions: per-token bounds ``[l, u] = {r : D(r) <= delta}`` in fp64, for
-GPPO's 5 geometries x 3 topologies and PPO's fixed clip range (``ppo_clip``)."""
+GPPO's 5 geometries x 3 topologies, PPO's fixed clip range (``ppo_clip``) and a fixed range of
+the ratio (``ratio_range``)."""
 from __future__ import annotations
 
 import math
@@ -16,11 +17,13 @@ def region_bounds(old: torch.Tensor, geometry: str, topology: str,
                   delta: Tuple[float, float]) -> Tuple[torch.Tensor, torch.Tensor]:
     """fp64 ``(lo, hi)`` of tokens with behavior log-probs ``old`` (any float dtype): the lower
     bound of the region of size ``delta[0]``, the upper of ``delta[1]``; lower bounds clamped at
-    0. ``ppo_clip``: ``[1 - delta[0], 1 + delta[1]]``."""
+    0. ``ppo_clip``: ``[1 - delta[0], 1 + delta[1]]``; ``ratio_range``: ``[delta[0], delta[1]]``."""
     old = old.detach().double()
     if geometry == "ppo_clip":
         return (torch.full_like(old, max(1.0 - delta[0], 0.0)),
                 torch.full_like(old, 1.0 + delta[1]))
+    if geometry == "ratio_range":
+        return torch.full_like(old, delta[0]), torch.full_like(old, delta[1])
     mu = old.exp().clamp(MU_MIN, 1.0 - MU_MIN)
     lo = _bounds_fp64(mu, geometry, topology, delta[0])[0]
     hi = _bounds_fp64(mu, geometry, topology, delta[1])[1]

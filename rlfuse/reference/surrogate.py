@@ -2,12 +2,13 @@
 trust region, the per-token multipliers, and verl's aggregations."""
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .._args import Objective
+from .._specs import Objective
 from .._math import aggregation_weights, masked_mean, per_token
+from .._names import OBJECTIVE_FLAGS
 from .._validation import raise_on_overflow
 from .logprobs import learner_logprobs
 from .objectives import OBJECTIVES, TokenObjective
@@ -16,13 +17,14 @@ from .regions import region_bounds
 
 class Surrogate(NamedTuple):
     """What a surrogate loss computed: the loss, each token's objective, the log-ratios it
-    used (a sequence's under GSPO's ratio) and the mean of ``old - lp`` over the actor
-    tokens."""
+    used (a sequence's under GSPO's ratio) and the mean of ``old - lp`` over the actor tokens
+    (each log-ratio clamped to +-``objective.clamp``)."""
 
     loss: torch.Tensor
     terms: TokenObjective
     log_ratio: torch.Tensor
     approx_kl: torch.Tensor
+    flags: Tuple[str, ...]
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
@@ -48,15 +50,32 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
     return (values.sum(-1) * weights).sum()
 
 
+# verl's GSPO clamps the log of its straight-through sequence ratio at 10
+STRAIGHT_LOG_MAX = 10.0
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, lp: torch.Tensor,
+                       ratio: str) -> torch.Tensor:
+    """The log-ratio every token of a row takes under a sequence-level ``ratio``: the mean over
+    the row's actor tokens (``sequence``: differentiated through the mean), or that mean
+    clamped at 10 and passed straight through to each token (``sequence_straight``)."""
+    tokens = mask.sum(-1, keepdim=True).clamp_min(1)
+    mean = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / tokens
+    if ratio == "sequence":
+        return torch.where(mask, mean, 0.0)
+    straight = lp - lp.detach() + mean.detach()
+    return torch.where(mask, straight.clamp(max=STRAIGHT_LOG_MAX), 0.0)
+
+
 def surrogate(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
               mask: torch.Tensor, objective: Objective, *, compute_dtype: torch.dtype,
               agg: str, weights: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
-              num_tokens=None, num_sequences=None, sequence: bool = False,
+              num_tokens=None, num_sequences=None, ratio: str = "token",
               validate: bool) -> Surrogate:
     """``-loss_scale · agg(w J)`` of ``objective`` for any policy form (``old_logprobs``
-    None: on policy, ``old = lp.detach()``, r = 1). ``sequence`` (GSPO): every token of row
-    i takes the row's ratio ``s_i = exp(Σ_t M (lp − old) / T_i)`` (differentiated through the
-    mean). With ``validate`` an overflowing selected objective raises."""
+    None: on policy, ``old = lp.detach()``, r = 1); ``ratio``: a name of
+    ``_names.RATIO_MODES`` (``sequence_log_ratio``). With ``validate`` an overflowing selected
+    objective raises."""
     cdt = compute_dtype
     lp = torch.where(mask, learner_logprobs(policy, mask, validate=validate).to(cdt), 0.0)
     old = lp.detach() if old_logprobs is None else torch.where(
@@ -66,12 +85,11 @@ def surrogate(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Te
                            (objective.delta_low, objective.delta_high))
     log_ratio = lp - old
     with torch.no_grad():
-        approx_kl = masked_mean(-log_ratio, mask)
-    if sequence:
-        tokens = mask.sum(-1, keepdim=True).clamp_min(1)
-        log_ratio = torch.where(mask, log_ratio.sum(-1, keepdim=True) / tokens, 0.0)
-    terms = OBJECTIVES[objective.name](log_ratio, adv, lo.to(cdt), hi.to(cdt), mask,
-                                       *objective.params)
+        approx_kl = masked_mean(-log_ratio.clamp(-objective.clamp, objective.clamp), mask)
+    if ratio != "token":
+        log_ratio = sequence_log_ratio(log_ratio, mask, lp, ratio)
+    terms = OBJECTIVES[objective.name](log_ratio, lp, old, adv, lo.to(cdt), hi.to(cdt), mask,
+                                       objective.params, objective.clamp)
     value = terms.value
     if weights is not None:
         value = value * torch.where(mask, weights.detach().to(cdt), 0.0)
@@ -79,7 +97,7 @@ def surrogate(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Te
                                    num_sequences=num_sequences)
     if validate:
         raise_on_overflow(terms.overflow.sum(), value.dtype)
-    return Surrogate(loss, terms, log_ratio, approx_kl)
+    return Surrogate(loss, terms, log_ratio, approx_kl, OBJECTIVE_FLAGS[objective.name])
 
 
 def overflow_metric(terms: TokenObjective) -> torch.Tensor:
@@ -88,15 +106,13 @@ def overflow_metric(terms: TokenObjective) -> torch.Tensor:
 
 
 def surrogate_metrics(result: Surrogate, mask: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """The metrics of GPPO and PPO over the actor tokens."""
+    """The metrics of a surrogate objective over the actor tokens: its flags' shares, the mean
+    ratio, approx_kl and the overflow flag."""
     terms = result.terms
     dtype = terms.value.dtype
     with torch.no_grad():
-        return {
-            "clip_frac_low": masked_mean(terms.clipped_low.to(dtype), mask),
-            "clip_frac_high": masked_mean(terms.clipped_high.to(dtype), mask),
-            "dual_clip_frac": masked_mean(terms.dual_clipped.to(dtype), mask),
-            "ratio_mean": masked_mean(result.log_ratio.detach().exp(), mask),
-            "approx_kl": result.approx_kl,
-            "overflow": overflow_metric(terms),
-        }
+        metrics = {name: masked_mean(flag.to(dtype), mask)
+                   for name, flag in zip(result.flags, terms.flags)}
+        metrics.update(ratio_mean=masked_mean(result.log_ratio.detach().exp(), mask),
+                       approx_kl=result.approx_kl, overflow=overflow_metric(terms))
+        return metrics

@@ -1,4 +1,4 @@
-"""The global counts of data parallelism."""
+"""What data parallelism gathers: the global counts, and values of every rank."""
 from __future__ import annotations
 
 from typing import Tuple
@@ -24,3 +24,20 @@ def global_counts(mask: Tensor, group=None) -> Tuple[Tensor, Tensor]:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, group=group)
     return counts[0], counts[1]
+
+
+def gather_values(values: Tensor, group) -> Tensor:
+    """The 1-D ``values`` of every rank of ``group``, concatenated in rank order (ranks may hold
+    different counts: one all-gather of the counts, one of the values padded to the largest)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    size = dist.get_world_size(group)
+    count = torch.tensor([values.numel()], device=values.device)
+    counts = [torch.empty_like(count) for _ in range(size)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(c) for c in counts]
+    padded = values.new_zeros(max(counts))
+    padded[:values.numel()] = values
+    gathered = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(gathered, padded, group=group)
+    return torch.cat([g[:n] for g, n in zip(gathered, counts)])

@@ -1,0 +1,86 @@
+"""Reference ``policy_loss``: any objective of ``rlfuse.objectives`` with the terms and masks
+of ``rlfuse.terms``, from every policy form (the log-probs and entropies first, then the loss
+on ``[B, T]``)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._args import check_policy_loss_args
+from .._batch_objectives import BATCH_OBJECTIVES, apply_masks, entropy_weights, term_ratio
+from .._docs import documented
+from .._math import aggregation_weights, masked_mean
+from .._types import LinearHead, Logits, LossOutput
+from .._validation import raise_on_overflow
+from .kl import kl_estimate
+from .logprobs import learner_logprobs, window_logprobs
+from .surrogate import surrogate, surrogate_metrics
+
+
+def _logprobs(policy, mask, *, validate: bool, entropy: bool):
+    if entropy and isinstance(policy, (Logits, LinearHead)):
+        return window_logprobs(policy, mask, validate=validate, return_entropy=True)
+    return learner_logprobs(policy, mask, validate=validate), None
+
+
+@documented
+def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
+                mask: torch.Tensor, objective="clip", *, agg: Optional[str] = None,
+                weights: Optional[torch.Tensor] = None,
+                ref_logprobs: Optional[torch.Tensor] = None, kl=None, entropy=None,
+                entropy_mask=None, off_policy_mask=None, loss_scale: float = 1.0,
+                num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
+                generator: Optional[torch.Generator] = None,
+                validate: bool = True) -> LossOutput:
+    args = check_policy_loss_args(
+        policy, old_logprobs, advantages, mask, objective, agg=agg, weights=weights,
+        ref_logprobs=ref_logprobs, kl=kl, entropy=entropy, entropy_mask=entropy_mask,
+        off_policy_mask=off_policy_mask, loss_scale=loss_scale, num_tokens=num_tokens,
+        num_sequences=num_sequences, validate=validate)
+    spec, mask, cdt = args.spec, args.mask, args.info.compute_dtype
+    lp, h = _logprobs(policy, mask, validate=validate,
+                      entropy=args.entropy is not None or args.entropy_mask is not None)
+    lp = torch.where(mask, lp.to(cdt), 0.0)
+    if h is not None:
+        h = torch.where(mask, h.to(cdt), 0.0)
+    old = None if old_logprobs is None else torch.where(mask, old_logprobs.detach().to(cdt), 0.0)
+    adv = args.advantages.detach().to(cdt)
+    weights = None if args.weights is None else args.weights.detach().to(cdt)
+    weights, entropy_mask, metrics = apply_masks(args, lp, h, old, weights)
+    row_scale = args.loss_scale * aggregation_weights(mask, args.agg, cdt,
+                                                      num_tokens=args.num_tokens,
+                                                      num_sequences=args.num_sequences)
+    if spec.ratio == "batch":
+        loss, found = BATCH_OBJECTIVES[spec.source.name](
+            spec.source, lp, lp.detach() if old is None else old, adv, mask, weights, row_scale,
+            loss_scale=args.loss_scale, num_sequences=args.num_sequences, generator=generator)
+        metrics.update(found)
+    else:
+        result = surrogate(lp, old, adv, mask, spec.kernel, compute_dtype=cdt, agg=args.agg,
+                           weights=weights, loss_scale=args.loss_scale,
+                           num_tokens=args.num_tokens, num_sequences=args.num_sequences,
+                           ratio=spec.ratio, validate=validate)
+        loss = result.loss
+        metrics.update(surrogate_metrics(result, mask))
+    if args.kl is not None:
+        term = args.kl
+        ref = torch.where(mask, ref_logprobs.detach().to(cdt), 0.0)
+        value = kl_estimate(lp, ref, term.estimator, straight=term.straight, clamp=term.clamp)
+        if term.weighted:
+            value = value * term_ratio(lp, lp.detach() if old is None else old, mask,
+                                       spec.ratio)
+        value = torch.where(mask, value, 0.0)
+        loss = loss + term.coef * (value.sum(-1) * row_scale).sum()
+        bad = (~torch.isfinite(value.detach()) & mask).sum()
+        if validate:
+            raise_on_overflow(bad, cdt)
+        if "overflow" in metrics:
+            metrics["overflow"] = torch.maximum(metrics["overflow"], (bad > 0).to(cdt))
+        metrics["kl"] = masked_mean(value.detach(), mask)
+    scale = entropy_weights(args, entropy_mask, cdt)
+    if scale is not None:
+        loss = loss - (torch.where(entropy_mask, h, 0.0).sum(-1) * scale).sum()
+    if h is not None:
+        metrics["entropy"] = masked_mean(h.detach(), mask)
+    return LossOutput(loss, metrics)
