@@ -170,8 +170,28 @@ def kl_cov(objective, lp, old, adv, mask, weights, row_scale, *, loss_scale, num
     return loss, metrics
 
 
+def cispo_trl(objective, lp, old, adv, mask, weights, row_scale, *, loss_scale, num_sequences,
+              generator) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """TRL's CISPO at the sequence level: ``J = sg(min(s, epsilon_high)) A lp`` with the
+    sequence ratio ``s = exp(mean_t (lp - old))``."""
+    adv = _per_token(adv, mask)
+    log_ratio = torch.where(mask, lp - old, 0.0).detach()
+    seq = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    coef = torch.exp(seq).clamp(max=objective.epsilon_high)
+    values = -coef * adv * lp
+    if weights is not None:
+        values = values * weights
+    loss = (torch.where(mask, values, 0.0).sum(-1) * row_scale).sum()
+    tokens = mask.sum().clamp_min(1)
+    with torch.no_grad():
+        high = (seq > math.log(objective.epsilon_high)) & (adv > 0) & mask
+        metrics = {"clip_frac_high": high.sum().to(lp.dtype) / tokens,
+                   "approx_kl": -log_ratio.sum() / tokens}
+    return loss, metrics
+
+
 BATCH_OBJECTIVES = {"geo_mean": geo_mean, "vespo": vespo, "clip_cov": clip_cov,
-                    "kl_cov": kl_cov}
+                    "kl_cov": kl_cov, "cispo_trl": cispo_trl}
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,10 +225,9 @@ def off_policy_mask(lp: Tensor, sampling: Tensor, adv: Tensor, mask: Tensor,
 
 def term_ratio(lp: Tensor, old: Tensor, mask: Tensor, ratio: str) -> Tensor:
     """The objective's ratio ``[B, T]`` (or ``[B, 1]``), differentiable: what TRL's
-    importance-weighted KL multiplies by (``ratio``: a name of ``_names.RATIO_MODES`` or
-    "batch", the token's)."""
+    importance-weighted KL multiplies by (``ratio``: a name of ``_names.RATIO_MODES``)."""
     log_ratio = torch.where(mask, lp - old, 0.0)
-    if ratio in ("token", "batch"):
+    if ratio == "token":
         return torch.exp(log_ratio)
     seq = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     if ratio == "sequence":

@@ -41,13 +41,16 @@ class KLTerm(NamedTuple):
 
 
 class ObjectiveSpec(NamedTuple):
-    """What a loss needs of a public objective: its per-token ``kernel`` objective (None for a
+    """What a loss needs of a public objective: its per-token objective ``token`` (None for a
     batch-level one), how its ratio is formed (a name of ``_names.RATIO_MODES``, or "batch":
     computed on ``[B, T]`` log-probs by ``rlfuse._batch_objectives``), the aggregation it fixes
-    (None: the caller's), the metric names of the kernel's flags, and the objective itself."""
+    (None: the caller's), the metric names of the kernel's flags, the objective itself, and
+    the level of the ratio TRL's importance-weighted KL multiplies by ("token" or
+    "sequence")."""
 
-    kernel: Optional[Objective]
+    token: Optional[Objective]
     ratio: str
     agg: Optional[str]
     flags: Tuple[str, ...]
     source: object
+    level: str = "token"

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import ClassVar, Dict, Optional, Tuple, Union
 
-from ._names import GEOMETRIES, OBJECTIVE_FLAGS, TOPOLOGIES
+from ._names import GEOMETRIES, OBJECTIVE_FLAGS, RATIO_LEVELS, TOPOLOGIES
 from ._specs import VERL_LOG_RATIO_CLAMP, Objective, ObjectiveSpec
 from ._validation import (check_choice, check_clip, check_dual_clip, check_number,
                           check_positive, check_sides)
@@ -29,8 +29,9 @@ def _cap(name: str, value) -> float:
 
 def _spec(source, name, geometry, low, high, params=(), *, topology="mc",
           clamp=VERL_LOG_RATIO_CLAMP, ratio="token", agg=None) -> ObjectiveSpec:
-    kernel = Objective(name, geometry, topology, low, high, tuple(params), clamp)
-    return ObjectiveSpec(kernel, ratio, agg, OBJECTIVE_FLAGS[name], source)
+    token = Objective(name, geometry, topology, low, high, tuple(params), clamp)
+    return ObjectiveSpec(token, ratio, agg, OBJECTIVE_FLAGS[name], source,
+                         "token" if ratio == "token" else "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +85,18 @@ class CISPO:
 @dataclasses.dataclass(frozen=True)
 class CISPOTRL:
     """TRL's CISPO: ``J = sg(min(r, epsilon_high)) A lp`` (TRL's ``epsilon_high``; ScaleRL
-    recommends 5)."""
+    recommends 5); ``ratio_level="sequence"``: r is the sequence's ratio (TRL's
+    ``importance_sampling_level``)."""
 
     name: ClassVar[str] = "cispo_trl"
     epsilon_high: float = 5.0
+    ratio_level: str = "token"
 
     def spec(self) -> ObjectiveSpec:
         cap = check_positive("epsilon_high", self.epsilon_high)
+        if check_choice("ratio_level", self.ratio_level, RATIO_LEVELS) == "sequence":
+            # the stopped coefficient of the sequence ratio: J depends on each lp directly
+            return ObjectiveSpec(None, "batch", None, (), self, "sequence")
         return _spec(self, "cispo", "ratio_range", 0.0, cap, clamp=math.inf)
 
 
@@ -113,16 +119,19 @@ class SAPO:
 @dataclasses.dataclass(frozen=True)
 class SAPOTRL:
     """TRL's SAPO (``sapo_temperature_pos`` / ``_neg``): verl's gate on the unclamped ratio,
-    aggregated as the caller says."""
+    aggregated as the caller says; ``ratio_level="sequence"``: the gate of the sequence's
+    ratio."""
 
     name: ClassVar[str] = "sapo_trl"
     tau_pos: float = 1.0
     tau_neg: float = 1.05
+    ratio_level: str = "token"
 
     def spec(self) -> ObjectiveSpec:
+        ratio = check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         return _spec(self, "sapo", "ppo_clip", 1.0, 1.0,
                      (check_positive("tau_pos", self.tau_pos),
-                      check_positive("tau_neg", self.tau_neg)), clamp=math.inf)
+                      check_positive("tau_neg", self.tau_neg)), clamp=math.inf, ratio=ratio)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,14 +228,14 @@ class LUSPO:
 
     def spec(self) -> ObjectiveSpec:
         low, high = check_clip("clip", self.clip)
-        ratio = check_choice("ratio_level", self.ratio_level, ("token", "sequence"))
+        ratio = check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         return _spec(self, "clip", "ppo_clip", low, high,
                      (math.inf, _cap("ratio_cap", self.ratio_cap)), clamp=math.inf,
                      ratio=ratio, agg="seq-mean-token-sum")
 
 
 def _batch(source, agg=None) -> ObjectiveSpec:
-    return ObjectiveSpec(None, "batch", agg, (), source)
+    return ObjectiveSpec(None, "batch", agg, (), source, "token")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -146,6 +146,11 @@ def fp32_exact(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
+def as_logprobs(x: torch.Tensor) -> torch.Tensor:
+    """Test data as log-probs: ``-|x|``, <= 0 (the losses refuse a positive log-prob)."""
+    return -x.abs()
+
+
 def max_err(x: torch.Tensor, ref64: torch.Tensor) -> float:
     if x.numel() == 0:
         return 0.0

@@ -28,8 +28,8 @@ LOSSES = ("ggpo_loss", "gppo_loss", "gr_opd_loss", "ppo_loss")
 def test_every_public_function_has_a_reference_twin():
     assert set(PUBLIC_FUNCTIONS) == {"ggpo_loss", "global_counts", "gppo_bounds", "gppo_loss",
                                      "gr_opd_advantages", "gr_opd_loss", "group_advantages",
-                                     "packed_index", "policy_logprobs", "ppo_loss",
-                                     "token_logprobs"}
+                                     "kl_penalty", "packed_index", "policy_logprobs",
+                                     "policy_loss", "ppo_loss", "token_logprobs"}
     for name in PUBLIC_FUNCTIONS:
         fused, ref = getattr(rlfuse, name), getattr(rlfuse.reference, name)
         assert inspect.signature(fused) == inspect.signature(ref), name
@@ -131,7 +131,7 @@ def test_without_triton_the_reference_runs_every_call():
     code = ("import sys; sys.modules['triton'] = None; import rlfuse, torch; "
             "assert not rlfuse.use_kernels('cuda'); "
             "assert rlfuse.gppo_loss is rlfuse.reference.gppo_loss; "
-            "x = torch.randn(2, 3, requires_grad=True); "
+            "x = -torch.rand(2, 3, requires_grad=True); "
             "out = rlfuse.gppo_loss(x, x.detach(), torch.ones(2), torch.ones(2, 3, dtype=bool)); "
             "out.loss.backward(); print(rlfuse.GPPOLoss()(x, x.detach(), torch.ones(2), "
             "torch.ones(2, 3, dtype=bool)).loss.item() == out.loss.item())")

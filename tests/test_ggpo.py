@@ -20,7 +20,7 @@ import torch
 import rlfuse
 from rlfuse import reference
 
-from conftest import APPROX, TOL, assert_three_way, fp32_exact
+from conftest import APPROX, TOL, assert_three_way, fp32_exact, as_logprobs
 from loss_harness import check_three_way, constexpr_params, run_loss, token_inputs, with_garbage
 
 
@@ -271,7 +271,7 @@ def _batch(G=3, m=4, T=6, seed=0, dtype=torch.float64, reward_scale=1.0, device=
     g = torch.Generator().manual_seed(seed)
     B = G * m
     lp = torch.log(torch.rand(B, T, generator=g, dtype=torch.float64) * 0.9 + 0.05)
-    ref = lp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = as_logprobs(lp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64))
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[torch.arange(B), torch.randint(0, T, (B,), generator=g)] = True
     rewards = reward_scale * torch.randn(B, generator=g, dtype=torch.float64)
@@ -451,7 +451,7 @@ def test_gradcheck_logits(impl, device):
     targets = torch.randint(0, V, (B, T), generator=g)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]], dtype=torch.bool)
     targets[~mask] = 10 ** 6                                  # out of range off the mask is fine
-    ref = torch.randn(B, T, generator=g, dtype=torch.float64) - 2
+    ref = as_logprobs(torch.randn(B, T, generator=g, dtype=torch.float64) - 2)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
     targets, mask, ref, rewards = (x.to(device) for x in (targets, mask, ref, rewards))
     f = lambda x: impl.ggpo_loss(impl.Logits(x, targets, 1.3), ref, rewards, mask,

@@ -19,7 +19,7 @@ import rlfuse
 from rlfuse import reference
 from rlfuse._names import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
 
-from conftest import APPROX, TOL, assert_three_way, fp32_exact
+from conftest import APPROX, TOL, assert_three_way, fp32_exact, as_logprobs
 from loss_harness import (RecomputedInBackward, check_three_way, constexpr_params, run_loss,
                           token_inputs, with_garbage)
 
@@ -258,7 +258,8 @@ def test_runtime_hyperparameters_are_not_constexpr():
                    surrogate._surrogate_logits_kernel, gppo._gppo_bounds_kernel):
         assert constexpr_params(kernel) <= {"BLOCK", "BLOCK_T", "BLOCK_V", "OBJECTIVE", "GEOMETRY",
                                             "TOPOLOGY", "ACC", "WRITE_DLOGITS", "HAS_OLD",
-                                            "SEQUENCE",
+                                            "RATIO", "KL", "KL_STRAIGHT", "KL_WEIGHTED",
+                                            "KL_CLAMP", "WITH_ENTROPY",
                                             # the single pass's launch configuration
                                             "PERSISTENT", "EVICT", "NUM_STAGES", "ORDER"}
 
@@ -658,7 +659,8 @@ def test_logits_single_pass(dtype, V, geometry, topology, agg, device):
     mask[:, 0] = True
     targets[~mask] = V + 3
     lp = torch.log_softmax(logits[:, :-1] / 0.9, -1).gather(-1, targets.clamp(0, V - 1)[..., None])
-    old = with_garbage(lp[..., 0] + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3,
+    old = with_garbage(as_logprobs(lp[..., 0] + torch.randn(B, T, generator=gen,
+                                                         dtype=torch.float64) * 0.3),
                        mask)
     adv = torch.randn(B, generator=gen, dtype=torch.float64)
     check_three_way(rlfuse.gppo_loss, reference.gppo_loss, logits, dtype=dtype, device=device,
@@ -689,7 +691,8 @@ def linear_head_case(seed, dtype, *, per_token_adv):
     logits = hidden[:, HEAD_OFFSET:HEAD_OFFSET + T] @ weight.T + bias
     lp = torch.log_softmax(logits / HEAD_TEMPERATURE, -1).gather(-1, targets[..., None])[..., 0]
     targets[~mask] = V + 3
-    old = with_garbage(lp + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3, mask)
+    old = with_garbage(as_logprobs(lp + torch.randn(B, T, generator=gen, dtype=torch.float64)
+                                   * 0.3), mask)
     adv = torch.randn((B, T) if per_token_adv else (B,), generator=gen, dtype=torch.float64)
     return dict(hidden=hidden, weight=weight, bias=bias, targets=targets, lp=lp, old=old, adv=adv,
                 mask=mask)
@@ -745,7 +748,7 @@ def test_logits_upstream_gradient_and_inplace(device):
     logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64).to(device)
     targets = torch.randint(0, V, (B, T), generator=gen).to(device)
     mask = torch.ones(B, T, dtype=torch.bool, device=device)
-    old = (torch.randn(B, T, generator=gen, dtype=torch.float64) - 4).to(device)
+    old = as_logprobs(torch.randn(B, T, generator=gen, dtype=torch.float64) - 4).to(device)
     adv = torch.randn(B, generator=gen, dtype=torch.float64).to(device)
     grads = []
     for fn, inplace in ((rlfuse.gppo_loss, False), (rlfuse.gppo_loss, True),
@@ -777,7 +780,7 @@ def logits_case(B, T, V, *, seed, device):
     logits = torch.randn(B, T, V, generator=gen).to(device)
     targets = torch.randint(0, V, (B, T), generator=gen).to(device)
     mask = torch.ones(B, T, dtype=torch.bool, device=device)
-    old = (torch.randn(B, T, generator=gen) - 4).to(device)
+    old = as_logprobs(torch.randn(B, T, generator=gen) - 4).to(device)
     adv = torch.randn(B, generator=gen).to(device)
     return logits, targets, mask, old, adv
 

@@ -17,7 +17,7 @@ import torch
 import rlfuse
 from rlfuse import reference
 
-from conftest import APPROX, TOL, assert_three_way, fp32_exact
+from conftest import APPROX, TOL, assert_three_way, fp32_exact, as_logprobs
 from loss_harness import (RecomputedInBackward, check_three_way, constexpr_params, run_loss,
                           token_inputs, with_garbage)
 
@@ -48,7 +48,7 @@ def hyper(**changes):
 def gr_opd_case(B, T, *, seed, spread=0.3):
     gen, _, mask = token_inputs(B, T, seed=seed)
     old = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 4
-    teacher = old + torch.randn(B, T, generator=gen, dtype=torch.float64)
+    teacher = as_logprobs(old + torch.randn(B, T, generator=gen, dtype=torch.float64))
     lp = old + torch.randn(B, T, generator=gen, dtype=torch.float64) * spread
     return torch.cat([lp, lp[:, :1]], 1), with_garbage(old, mask), with_garbage(teacher, mask), mask
 
@@ -59,7 +59,7 @@ def _batch(G=3, m=3, T=8, seed=0, dtype=torch.float64, scale=0.3, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     B = G * m
     old = torch.log(torch.rand(B, T, generator=g, dtype=torch.float64) * 0.9 + 0.05)
-    teacher = old + torch.randn(B, T, generator=g, dtype=torch.float64)
+    teacher = as_logprobs(old + torch.randn(B, T, generator=g, dtype=torch.float64))
     lp = old + scale * torch.randn(B, T, generator=g, dtype=torch.float64)
     lengths = torch.randint(2, T + 1, (B,), generator=g)
     mask = torch.arange(T)[None, :] < lengths[:, None]
@@ -180,7 +180,7 @@ def test_identical_scores_give_finite_advantages(impl, device):
     """sigma = 0 in every group: A = min(lam mu / std_eps, adv_clip), finite, also unclamped."""
     _, _, _, mask = _batch(G=2, seed=4, device=device)
     # multiples of 1/16 and a feedback of exactly 0.25: every S_i is exactly 0.25, sigma = 0
-    old = -torch.randint(1, 64, mask.shape, generator=torch.Generator().manual_seed(4)) / 16
+    old = -torch.randint(4, 64, mask.shape, generator=torch.Generator().manual_seed(4)) / 16
     old = old.to(torch.float64).to(device)
     teacher = old + 0.25
     for lam, adv_clip in [(0.25, 5.0), (0.0, 5.0), (0.25, math.inf)]:
@@ -234,6 +234,7 @@ def test_advantages_discount_spans_time_blocks(dtype, device):
 def test_advantages_identical_scores(device):
     """sigma = 0: A = clamp(lam mu / std_eps), finite."""
     _, old, _, mask = gr_opd_case(4, 6, seed=5)
+    old = old - 0.5
     teacher = old + 0.5
     adv = rlfuse.gr_opd_advantages(old.to(device), teacher.to(device), mask.to(device),
                                    group_size=2, lam=0.25)
@@ -311,8 +312,10 @@ def test_logits_single_pass(dtype, V, device):
     mask[:, 0] = True
     targets[~mask] = -1
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, targets.clamp(0)[..., None])[..., 0]
-    old = with_garbage(lp + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.2, mask)
-    teacher = with_garbage(lp + torch.randn(B, T, generator=gen, dtype=torch.float64), mask)
+    old = with_garbage(as_logprobs(lp + torch.randn(B, T, generator=gen,
+                                                    dtype=torch.float64) * 0.2), mask)
+    teacher = with_garbage(as_logprobs(lp + torch.randn(B, T, generator=gen,
+                                                        dtype=torch.float64)), mask)
     check_three_way(rlfuse.gr_opd_loss, reference.gr_opd_loss, logits, dtype=dtype,
                     device=device, logits_targets=targets,
                     args=(old.float(), teacher.float(), mask), args64=(old, teacher, mask),
@@ -329,7 +332,7 @@ def head_case(seed):
     mask = torch.rand(HEAD_B, HEAD_T, generator=gen) > 0.3
     mask[:, 0] = True
     old = -torch.rand(HEAD_B, HEAD_T, generator=gen, dtype=torch.float64) * 4
-    teacher = old + torch.randn(HEAD_B, HEAD_T, generator=gen, dtype=torch.float64)
+    teacher = as_logprobs(old + torch.randn(HEAD_B, HEAD_T, generator=gen, dtype=torch.float64))
     return dict(
         hidden=torch.randn(HEAD_B, HEAD_S, HEAD_H, generator=gen, dtype=torch.float64),
         weight=torch.randn(HEAD_V, HEAD_H, generator=gen, dtype=torch.float64) * 0.7,
@@ -480,8 +483,8 @@ def test_gradcheck_logits(impl, device):
     targets = torch.randint(0, V, (B, T), generator=g)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]], dtype=torch.bool)
     targets[~mask] = -1
-    old = torch.randn(B, T, generator=g, dtype=torch.float64) - 1.5
-    teacher = torch.randn(B, T, generator=g, dtype=torch.float64) - 1.5
+    old = as_logprobs(torch.randn(B, T, generator=g, dtype=torch.float64) - 1.5)
+    teacher = as_logprobs(torch.randn(B, T, generator=g, dtype=torch.float64) - 1.5)
     if impl is rlfuse:
         rows, V = [0, 3], 3
         logits, targets = logits[rows, :, :V], targets[rows].remainder(V)

@@ -17,7 +17,7 @@ def make_case(seed):
     logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 2
     targets = torch.randint(0, V, (B, T), generator=gen)
     lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
-    old = lp + 0.2 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    old = -(lp + 0.2 * torch.randn(B, T, generator=gen, dtype=torch.float64)).abs()
     return dict(logits=logits, targets=targets, mask=mask, old=old, ref=old - 0.1,
                 teacher=old - 0.5, adv=torch.randn(B, generator=gen, dtype=torch.float64),
                 rewards=(torch.rand(B, generator=gen) > 0.5).double())

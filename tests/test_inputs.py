@@ -49,7 +49,7 @@ def token_case(name, device, *, seed=20):
     logits = 4 * rand(B, T, V) - 2
     targets = torch.randint(0, V, (B, T), generator=gen).to(device)
     lp = -3 * rand(B, T)
-    old, other = lp + 0.3 * (rand(B, T) - 0.5), -3 * rand(B, T)
+    old, other = (lp + 0.3 * (rand(B, T) - 0.5)).clamp_max(0), -3 * rand(B, T)
     old, other, per_token = (with_garbage(x, mask) for x in (old, other, rand(B, T) - 0.5))
     inputs = {"ggpo": (other, rand(B)), "gppo": (old, per_token), "gr_opd": (old, other)}[name]
     kwargs = {"ggpo": dict(group_size=2, beta=0.5), "gppo": {}, "gr_opd": dict(group_size=2)}[name]

@@ -20,7 +20,7 @@ def make_case(seed, device, dtype=torch.float32):
     logits = (torch.randn(B, S, V, generator=gen, dtype=torch.float64) * 2).to(dtype).double()
     targets = torch.randint(0, V, (B, T), generator=gen)
     lp = torch.log_softmax(logits[:, OFFSET:OFFSET + T], -1).gather(-1, targets[..., None])[..., 0]
-    old = lp + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    old = -(lp + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).abs()
     case = dict(logits=logits, targets=targets, mask=mask, old=old, ref=old - 0.2,
                 teacher=old - 0.5, adv=torch.randn(B, generator=gen, dtype=torch.float64),
                 rewards=(torch.rand(B, generator=gen) > 0.5).double())

@@ -9,7 +9,7 @@ import rlfuse
 from rlfuse import reference
 from rlfuse._names import AGGREGATIONS
 
-from conftest import TOL, assert_three_way, fp32_exact
+from conftest import TOL, assert_three_way, fp32_exact, as_logprobs
 
 B, T, V, H = 4, 6, 37, 8
 
@@ -23,7 +23,7 @@ def make_case(seed, device="cpu", *, empty_row=False):
     logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 2
     targets = torch.randint(0, V, (B, T), generator=gen)
     lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
-    old = lp + 0.4 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    old = as_logprobs(lp + 0.4 * torch.randn(B, T, generator=gen, dtype=torch.float64))
     case = dict(logits=logits, targets=targets, mask=mask, lp=lp,
                 old=torch.where(mask, old, torch.full_like(old, float("nan"))),
                 adv=torch.randn(B, generator=gen, dtype=torch.float64),
@@ -193,8 +193,9 @@ def test_gppo_and_gr_opd_options(impl, device):
 
 
 BAD = [
-    (dict(clip=0.0), ValueError, r"clip: expected a clip range in \(0, 1\)"),
-    (dict(clip=(0.2, 1.0)), ValueError, r"clip\[1\]: expected a clip range"),
+    (dict(clip=0.0), ValueError, r"clip: expected a clip range in \(0, 1\]"),
+    (dict(clip=(0.2, 0.0)), ValueError, r"clip\[1\]: expected a clip range finite and > 0"),
+    (dict(clip=(1.5, 0.2)), ValueError, r"clip\[0\]: expected a clip range in \(0, 1\]"),
     (dict(clip=(0.1, 0.2, 0.3)), ValueError, "clip: expected a number or a"),
     (dict(clip="0.2"), TypeError, "clip: expected a number"),
     (dict(dual_clip=1.0), ValueError, "dual_clip: expected None or a finite value > 1"),

@@ -102,7 +102,8 @@ def test_gr_opd_as_advantage_estimator(device):
     rlfuse_ppo with seq-mean-token-mean and a dual clip that never binds, is gr_opd_loss."""
     old, lp, _, mask, _ = batch(14, device)
     mask[3, 0] = 1                                  # GR-OPD needs a token in every response
-    teacher = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(15)).to(device)
+    teacher = (old + torch.randn(old.shape, generator=torch.Generator().manual_seed(15))
+               .to(device)).clamp_max(0)
     adv = rlfuse.gr_opd_advantages(old, teacher, mask.bool(), group_size=2)
     ours = losses("rlfuse_ppo", old, lp, adv[:, None].expand(B, T), mask,
                   "seq-mean-token-mean", config(0.2, 0.2, 1e9), None)
@@ -122,3 +123,91 @@ def test_dp_without_global_counts_is_refused(device):
         with pytest.raises(ValueError, match=match):
             losses("rlfuse_ppo", old, lp, adv, mask, mode, config(info={"dp_size": 2}), None)
 
+
+
+# --------------------------------------------------------------------------------------------
+# Every verl loss_mode: rlfuse_<mode> against verl's own function
+# --------------------------------------------------------------------------------------------
+
+VERL_MODES = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+              "geo_mean", "dro", "cispo", "bypass_mode"]
+
+
+def mode_config(mode, info=None, loss_type="ppo_clip"):
+    """An ActorConfig for ``mode`` whose options all bind on the test batch: DPPO's divergence
+    thresholds near the batch's moves, Clip-Cov's covariance window around its values,
+    KL-Cov's share of tokens, DRO's penalty, bypass_mode's rollout correction."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.workers.config.actor import PolicyLossConfig
+
+    clip = {"dppo_tv": (0.05, 0.08), "dppo_kl": (0.02, 0.04), "gspo": (3e-3, 4e-3)}.get(
+        mode, (0.2, 0.28))
+    policy = PolicyLossConfig(
+        loss_mode=mode, clip_cov_ratio=0.1, clip_cov_lb=-0.5, clip_cov_ub=0.5, kl_cov_ratio=0.2,
+        ppo_kl_coef=0.5, dro_beta=0.3,
+        rollout_correction=RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5,
+                                                   loss_type=loss_type))
+    return ActorConfig(strategy="fsdp", clip_ratio=0.2, clip_ratio_low=clip[0],
+                       clip_ratio_high=clip[1], clip_ratio_c=3.0,
+                       ppo_micro_batch_size_per_gpu=1, rollout_n=2, ppo_mini_batch_size=2,
+                       tau_pos=1.0, tau_neg=1.05, policy_loss=policy,
+                       global_batch_info=info or {})
+
+
+def both(mode, cfg, agg, weighted, seed, device):
+    old, lp, adv, mask, weights = batch(seed, device)
+    w = weights if weighted else None
+    torch.manual_seed(seed)                  # clip_cov draws from torch's default generator
+    ours = losses(f"rlfuse_{mode}", old, lp, adv, mask, agg, cfg, w)
+    torch.manual_seed(seed)
+    theirs = losses(mode, old, lp, adv, mask, agg, cfg, w)
+    return ours, theirs
+
+
+def assert_same(ours, theirs):
+    # fp32 rounding of the same sums in another order (and verl's 1e-8 in seq-mean-token-mean)
+    torch.testing.assert_close(ours[0], theirs[0], **TOL["fp32_sum"])
+    torch.testing.assert_close(ours[1], theirs[1], **TOL["fp32_reduce"])
+    assert set(theirs[2]) <= set(ours[2])
+    for key, value in theirs[2].items():
+        assert ours[2][key] == pytest.approx(value, **APPROX["fp32_metric"]), key
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+@pytest.mark.parametrize("agg", MODES)
+def test_every_mode_is_verls(mode, agg, device):
+    """Loss, gradient and metrics of rlfuse_<mode> and verl's <mode>: every loss_agg_mode,
+    with rollout weights, with and without global batch counts."""
+    for info, weighted in ((0, True), (1, False)):
+        cfg = mode_config(mode, BATCH_INFO[info])
+        assert_same(*both(mode, cfg, agg, weighted, 20 + MODES.index(agg) + 7 * info, device))
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl", "gspo", "sapo", "clip_cov", "kl_cov",
+                                  "geo_mean", "cispo"])
+def test_every_mode_binds(mode, device):
+    """The options of each mode act on the test batch (a metric of each is not 0), so the
+    comparisons above compare the branches, not only the plain ones."""
+    _, theirs = both(mode, mode_config(mode), "token-mean", False, 21, device)
+    key = {"kl_cov": "actor/ppo_kl", "sapo": "actor/ppo_kl"}.get(mode, "actor/pg_clipfrac")
+    assert theirs[2][key] != 0.0, key
+
+
+def test_bypass_mode_reinforce(device):
+    cfg = mode_config("bypass_mode", loss_type="reinforce")
+    assert_same(*both("bypass_mode", cfg, "seq-mean-token-sum", False, 31, device))
+
+
+@pytest.mark.parametrize("kind", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+",
+                                  "abs+", "k2+", "k3+", "low_var_kl+"])
+def test_kl_penalty_is_verls(kind, device):
+    old, lp, _, _, _ = batch(40, device)
+    lp = old + 8 * (lp - old)                       # log-ratios past verl's clamps of k3
+    x, y = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    ours = rlfuse.integrations.verl.kl_penalty(x, old, kind)
+    theirs = core_algos.kl_penalty(y, old, kind)
+    grad = torch.randn(ours.shape, generator=torch.Generator().manual_seed(41)).to(device)
+    torch.testing.assert_close(ours, theirs, **TOL["fp32"])
+    (gx,) = torch.autograd.grad(ours, x, grad)
+    (gy,) = torch.autograd.grad(theirs, y, grad)
+    torch.testing.assert_close(gx, gy, **TOL["fp32"])

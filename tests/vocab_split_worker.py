@@ -43,7 +43,8 @@ def make_data(world: int, dtype: torch.dtype):
     bias = (0.1 * torch.randn(V, generator=g, dtype=torch.float64)).to(dtype)
     logits = (3 * torch.randn(B, P + T + 1, V, generator=g, dtype=torch.float64)).to(dtype)
     own = rlfuse.reference.token_logprobs(logits[:, P:P + T].double(), targets, mask=mask)
-    old = torch.where(mask, own + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64), 0)
+    old = torch.where(mask, own + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
+                      0).clamp_max(0)
     # packed: sequence b's rows 0 .. P + len_b (prompt, response, the last row predicts nothing)
     rows = [torch.arange(P + int(n) + 1) for n in lengths]
     cu = torch.tensor([0] + torch.cumsum(torch.tensor([len(r) for r in rows]), 0).tolist())

@@ -54,7 +54,7 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
         args.off_policy_mask is not None
     if not two_pass:
         loss, totals = surrogate_loss(
-            policy, old, adv, mask, row_scale, spec.kernel, weights=weights, ratio=spec.ratio,
+            policy, old, adv, mask, row_scale, spec.token, weights=weights, ratio=spec.ratio,
             ref_lp=ref, kl=args.kl, entropy_scale=entropy_weights(args, mask, cdt),
             validate=validate)
         metrics = surrogate_metrics(totals, tokens, spec.flags)
@@ -74,10 +74,10 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
                 loss_scale=args.loss_scale, num_sequences=args.num_sequences,
                 generator=generator)
             metrics.update(found)
-            extra, totals = terms_apart(lp, old_c, mask, row_scale, "batch", ref, args.kl,
+            extra, totals = terms_apart(lp, old_c, mask, row_scale, spec.level, ref, args.kl,
                                         None, None)
         else:
-            loss, totals = surrogate_loss(lp, old, adv, mask, row_scale, spec.kernel,
+            loss, totals = surrogate_loss(lp, old, adv, mask, row_scale, spec.token,
                                           weights=weights, ratio=spec.ratio, ref_lp=ref,
                                           kl=args.kl, validate=validate)
             metrics.update(surrogate_metrics(totals, tokens, spec.flags))

@@ -1,32 +1,42 @@
 """rlfuse in verl: importing this module registers policy losses in verl's registry.
 
     import rlfuse.integrations.verl   # e.g. through VERL_USE_EXTERNAL_MODULES
-    # actor_rollout_ref.actor.policy_loss.loss_mode = rlfuse_ppo | rlfuse_gppo
+    # actor_rollout_ref.actor.policy_loss.loss_mode = rlfuse_<mode>
 
-``rlfuse_ppo`` is verl's ``vanilla`` loss (clip, clip-higher through ``clip_ratio_low`` /
-``clip_ratio_high``, dual clip through ``clip_ratio_c``, every ``loss_agg_mode``,
-``rollout_is_weights``) run by ``rlfuse.ppo_loss``; ``rlfuse_gppo`` is ``rlfuse.gppo_loss`` with
-the seed's region (chi2 / atomic / delta 0.04), and :func:`register_gppo` registers other
-regions under other names. Both take verl's signature and config fields and return verl's
-metric names. verl's log-probs are ``[B, T]`` tensors, so the log-prob kernels run (one
-forward and one backward kernel; the logits stay verl's).
+Every verl 0.9.1 ``loss_mode`` has its ``rlfuse_<mode>``: ``rlfuse_vanilla`` (also
+``rlfuse_ppo``), ``rlfuse_dppo_tv``, ``rlfuse_dppo_kl``, ``rlfuse_gspo``, ``rlfuse_sapo``,
+``rlfuse_gpg``, ``rlfuse_clip_cov``, ``rlfuse_kl_cov``, ``rlfuse_geo_mean``, ``rlfuse_dro``,
+``rlfuse_cispo`` and ``rlfuse_bypass_mode``, each ``rlfuse.policy_loss`` with the objective
+verl's mode computes, read from the same config fields (``clip_ratio*``, ``tau_pos`` /
+``tau_neg``, ``policy_loss.clip_cov_*``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``dro_beta``,
+``rollout_correction``, ``global_batch_info``) and returning verl's metric names, plus
+``actor/rlfuse_overflow`` where the objective can overflow. ``rlfuse_gppo`` is
+``rlfuse.gppo_loss`` with the seed's region (chi2 / atomic / delta 0.04); :func:`register_gppo`
+registers other regions under other names. :func:`kl_penalty` is verl's ``kl_penalty`` by
+``rlfuse.kl_penalty``. verl's log-probs are ``[B, T]`` tensors, so the log-prob path of the
+kernels runs (the logits stay verl's).
 
-Differences from ``vanilla``: verl clamps the log-ratio to [-20, 20] before exponentiating
-(its gradient is 0 beyond); rlfuse decides the branch in log space and exponentiates only the
-selected one, so it needs no clamp (an overflowing ratio is reported as
-``actor/rlfuse_overflow``). verl's ``seq-mean-token-mean`` divides each row by ``T_i + 1e-8``,
-rlfuse by ``T_i``: the same to fp32 rounding.
+Where verl draws at random (``clip_cov``), rlfuse draws the same numbers from the same
+generator (torch's default one): a run seeded as verl's takes verl's choice. ``bypass_mode``
+computes its importance weights and rejection mask with verl's own
+``compute_rollout_correction_and_rejection_mask`` (``[B, T]`` data, no gradient).
+
+Differences from verl, all to fp32 rounding: verl exponentiates a log-ratio clamped to +-20
+where rlfuse selects the branch in log space and exponentiates only the selected one (the
+values are equal wherever verl's are finite); verl's ``seq-mean-token-mean`` divides each row
+by ``T_i + 1e-8``, rlfuse by ``T_i``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from verl.trainer.ppo.core_algos import register_policy_loss
 
 import rlfuse
+from rlfuse import objectives
 
-__all__ = ["register_gppo", "verl_aggregation"]
+__all__ = ["MODES", "kl_penalty", "register_gppo", "verl_aggregation"]
 
 
 def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor,
@@ -70,27 +80,150 @@ def _clip(config) -> Tuple[float, float]:
     return low, high
 
 
-def _metrics(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
-    """verl's metric names (and values: floats)."""
-    return {"actor/pg_clipfrac": (metrics["clip_frac_low"] + metrics["clip_frac_high"]).item(),
-            "actor/ppo_kl": metrics["approx_kl"].item(),
-            "actor/pg_clipfrac_lower": metrics["dual_clip_frac"].item(),
-            "actor/rlfuse_overflow": metrics["overflow"].item()}
+def _policy_config(config):
+    return config.policy_loss
 
 
-@register_policy_loss("rlfuse_ppo")
-def compute_policy_loss_rlfuse_ppo(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
-                                   advantages: torch.Tensor, response_mask: torch.Tensor,
-                                   loss_agg_mode: str = "token-mean", config=None,
-                                   rollout_is_weights: Optional[torch.Tensor] = None):
-    """verl's ``vanilla`` policy loss by ``rlfuse.ppo_loss``."""
+# Each mode: its objective from verl's config, the aggregation it uses (None: the caller's
+# loss_agg_mode; "own": the objective's, whatever verl is told), and its metrics: {verl's name:
+# rlfuse's name(s) (summed), or None for verl's constant 0}.
+_CLIP_METRICS = {"actor/pg_clipfrac": ("clip_frac_low", "clip_frac_high"),
+                 "actor/ppo_kl": "approx_kl", "actor/pg_clipfrac_lower": "dual_clip_frac"}
+_DPPO_METRICS = {"actor/pg_clipfrac": "dropped_frac", "actor/ppo_kl": "approx_kl",
+                 "actor/pg_clipfrac_lower": "truncated_frac"}
+
+
+def _dppo(cls):
+    return lambda c: cls(clip=_clip(c), truncation=c.get("clip_ratio_c", 20.0))
+
+
+MODES: Dict[str, Tuple[Callable, Optional[str], Dict[str, Any]]] = {
+    "vanilla": (lambda c: objectives.Clip(clip=_clip(c), dual_clip=c.get("clip_ratio_c", 3.0)),
+                None, _CLIP_METRICS),
+    "dppo_tv": (_dppo(objectives.DPPOTV), None, _DPPO_METRICS),
+    "dppo_kl": (_dppo(objectives.DPPOKL), None, _DPPO_METRICS),
+    "gspo": (lambda c: objectives.GSPO(clip=_clip(c)), None,
+             {"actor/pg_clipfrac": ("clip_frac_low", "clip_frac_high"),
+              "actor/ppo_kl": "approx_kl", "actor/pg_clipfrac_lower": None}),
+    "sapo": (lambda c: objectives.SAPO(tau_pos=c.tau_pos, tau_neg=c.tau_neg),
+             "seq-mean-token-mean", {"actor/pg_clipfrac": None, "actor/ppo_kl": "approx_kl",
+                                     "actor/pg_clipfrac_lower": None}),
+    "gpg": (lambda c: objectives.GPG(), None, {}),
+    "clip_cov": (lambda c: objectives.ClipCov(
+        clip=_clip(c), clip_cov_ratio=_or(_policy_config(c).clip_cov_ratio, 0.0002),
+        clip_cov_lb=_or(_policy_config(c).clip_cov_lb, 1.0),
+        clip_cov_ub=_or(_policy_config(c).clip_cov_ub, 5.0)), None,
+        {"actor/pg_clipfrac": "cut_frac", "actor/ppo_kl": "approx_kl"}),
+    "kl_cov": (lambda c: objectives.KLCov(
+        kl_cov_ratio=_or(_policy_config(c).kl_cov_ratio, 0.0002),
+        ppo_kl_coef=_or(_policy_config(c).ppo_kl_coef, 1.0)), None,
+        {"actor/ppo_kl": "approx_kl"}),
+    "geo_mean": (lambda c: objectives.GeoMean(clip=_clip(c)), "own",
+                 {"actor/pg_clipfrac": "clip_frac_high", "actor/ppo_kl": "approx_kl",
+                  "actor/pg_clipfrac_lower": "clip_frac_low"}),
+    "dro": (lambda c: objectives.DRO(dro_beta=_policy_config(c).dro_beta), None,
+            {"actor/ppo_kl": "approx_kl"}),
+    "cispo": (lambda c: objectives.CISPO(clip=_clip(c)), None,
+              {"actor/pg_clipfrac": "clip_frac", "actor/ppo_kl": "approx_kl",
+               "actor/pg_clipfrac_lower": None}),
+}
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _metrics(names: Dict[str, Any], found: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """verl's metric names (and values: floats) from rlfuse's metrics."""
+    out = {}
+    for verl_name, ours in names.items():
+        if ours is None:
+            out[verl_name] = 0.0
+        elif isinstance(ours, tuple):
+            out[verl_name] = sum(found[name] for name in ours).item()
+        else:
+            out[verl_name] = found[ours].item()
+    if "overflow" in found:
+        out["actor/rlfuse_overflow"] = found["overflow"].item()
+    return out
+
+
+def _loss(mode: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+          rollout_is_weights):
+    make, agg, names = MODES[mode]
+    info = config.get("global_batch_info")
+    aggregation = {} if agg == "own" else verl_aggregation(agg or loss_agg_mode, response_mask,
+                                                           info)
+    out = rlfuse.policy_loss(log_prob, old_log_prob, advantages, response_mask.bool(),
+                             make(config), weights=rollout_is_weights, validate=False,
+                             **aggregation)
+    return out.loss, _metrics(names, out.metrics)
+
+
+def _register(mode: str) -> Callable:
+    def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
+                            advantages: torch.Tensor, response_mask: torch.Tensor,
+                            loss_agg_mode: str = "token-mean", config=None,
+                            rollout_is_weights: Optional[torch.Tensor] = None):
+        assert config is not None
+        return _loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                     config, rollout_is_weights)
+
+    compute_policy_loss.__name__ = f"compute_policy_loss_rlfuse_{mode}"
+    compute_policy_loss.__doc__ = f"verl's ``{mode}`` policy loss by ``rlfuse.policy_loss``."
+    return register_policy_loss(f"rlfuse_{mode}")(compute_policy_loss)
+
+
+for _mode in MODES:
+    globals()[f"compute_policy_loss_rlfuse_{_mode}"] = _register(_mode)
+compute_policy_loss_rlfuse_ppo = register_policy_loss("rlfuse_ppo")(
+    globals()["compute_policy_loss_rlfuse_vanilla"])
+
+
+@register_policy_loss("rlfuse_bypass_mode")
+def compute_policy_loss_rlfuse_bypass_mode(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
+                                           advantages: torch.Tensor, response_mask: torch.Tensor,
+                                           loss_agg_mode: str = "token-mean", config=None,
+                                           rollout_is_weights: Optional[torch.Tensor] = None):
+    """verl's ``bypass_mode`` (``old_log_prob`` is the rollout's): verl's rollout correction
+    (importance weights and rejection mask, from ``[B, T]`` log-probs), then ``vanilla``
+    without weights (``loss_type="ppo_clip"``) or the policy gradient with the importance
+    weights (``"reinforce"``), by ``rlfuse.policy_loss``."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
     assert config is not None
-    out = rlfuse.ppo_loss(
-        log_prob, old_log_prob, advantages, response_mask.bool(), clip=_clip(config),
-        dual_clip=config.get("clip_ratio_c", 3.0), weights=rollout_is_weights,
-        validate=False, **verl_aggregation(loss_agg_mode, response_mask,
-                                           config.get("global_batch_info")))
-    return out.loss, _metrics(out.metrics)
+    corr = config.policy_loss.get("rollout_correction", None) \
+        if hasattr(config, "policy_loss") else None
+    if corr is None:
+        raise ValueError("rollout_correction config not found in policy_loss: "
+                         "loss_mode='rlfuse_bypass_mode' needs it")
+    loss_type = corr.get("loss_type", "ppo_clip")
+    with torch.no_grad():
+        weights, mask, corr_metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=log_prob, rollout_log_prob=old_log_prob, response_mask=response_mask,
+            rollout_is=corr.get("rollout_is", None),
+            rollout_is_threshold=corr.get("rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=corr.get("rollout_is_batch_normalize", False),
+            rollout_rs=corr.get("rollout_rs", None),
+            rollout_rs_threshold=corr.get("rollout_rs_threshold", None))
+    weights = weights.batch["rollout_is_weights"] if weights else None
+    if loss_type == "ppo_clip":
+        loss, metrics = _loss("vanilla", old_log_prob, log_prob, advantages, mask,
+                              loss_agg_mode, config, None)
+    elif loss_type == "reinforce":
+        loss, _ = _loss("gpg", old_log_prob, log_prob, advantages, mask, loss_agg_mode, config,
+                        weights)
+        kl = (old_log_prob - log_prob.detach()) * mask
+        metrics = {"actor/ppo_kl": (kl.sum() / (mask.sum() + 1e-8)).item()}
+    else:
+        raise ValueError(f"Invalid loss_type: {loss_type}. Must be 'reinforce' or 'ppo_clip'.")
+    metrics.update(corr_metrics)
+    return loss, metrics
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """verl's ``kl_penalty`` (every type and its ``+`` form) by ``rlfuse.kl_penalty``."""
+    return rlfuse.kl_penalty(logprob, ref_logprob, kl_penalty)
 
 
 def register_gppo(name: str = "rlfuse_gppo", *, geometry: str = "chi2", topology: str = "atomic",
@@ -105,7 +238,7 @@ def register_gppo(name: str = "rlfuse_gppo", *, geometry: str = "chi2", topology
             log_prob, old_log_prob, advantages, response_mask.bool(), geometry=geometry,
             topology=topology, delta=delta, dual_clip=dual_clip, weights=rollout_is_weights,
             validate=False, **verl_aggregation(loss_agg_mode, response_mask, info))
-        return out.loss, _metrics(out.metrics)
+        return out.loss, _metrics(_CLIP_METRICS, out.metrics)
 
     return compute_policy_loss_rlfuse_gppo
 

@@ -57,7 +57,7 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
             loss_scale=args.loss_scale, num_sequences=args.num_sequences, generator=generator)
         metrics.update(found)
     else:
-        result = surrogate(lp, old, adv, mask, spec.kernel, compute_dtype=cdt, agg=args.agg,
+        result = surrogate(lp, old, adv, mask, spec.token, compute_dtype=cdt, agg=args.agg,
                            weights=weights, loss_scale=args.loss_scale,
                            num_tokens=args.num_tokens, num_sequences=args.num_sequences,
                            ratio=spec.ratio, validate=validate)
@@ -68,8 +68,8 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
         ref = torch.where(mask, ref_logprobs.detach().to(cdt), 0.0)
         value = kl_estimate(lp, ref, term.estimator, straight=term.straight, clamp=term.clamp)
         if term.weighted:
-            value = value * term_ratio(lp, lp.detach() if old is None else old, mask,
-                                       spec.ratio)
+            level = spec.level if spec.ratio == "batch" else spec.ratio
+            value = value * term_ratio(lp, lp.detach() if old is None else old, mask, level)
         value = torch.where(mask, value, 0.0)
         loss = loss + term.coef * (value.sum(-1) * row_scale).sum()
         bad = (~torch.isfinite(value.detach()) & mask).sum()

@@ -1,0 +1,425 @@
+"""policy_loss: every objective and term against float64 in every policy form, the fused kernels
+against the reference, TRL's formulas (its own functions where it has them), bad input."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rlfuse
+from rlfuse import objectives as O
+from rlfuse import reference
+from rlfuse import terms as K
+
+from conftest import TOL, as_logprobs, assert_three_way, fp32_exact, integration
+
+B, T, V, H = 4, 6, 37, 8
+
+
+def make_case(seed):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=gen) > 0.25
+    mask[:, 0] = True
+    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 2
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    noise = lambda s: s * torch.randn(B, T, generator=gen, dtype=torch.float64)   # noqa: E731
+    nan = torch.full((B, T), float("nan"), dtype=torch.float64)
+    garbage = lambda x: torch.where(mask, x, nan)   # noqa: E731  (never to be read)
+    return dict(logits=logits, targets=targets, mask=mask, lp=lp,
+                old=garbage(as_logprobs(lp + noise(0.4))), ref=garbage(as_logprobs(lp + noise(0.5))),
+                sampling=garbage(as_logprobs(lp + noise(0.6))),
+                adv=torch.randn(B, generator=gen, dtype=torch.float64),
+                adv_tok=torch.randn(B, T, generator=gen, dtype=torch.float64),
+                weights=torch.rand(B, T, generator=gen, dtype=torch.float64) * 2,
+                hidden=torch.randn(B, T, H, generator=gen, dtype=torch.float64),
+                weight=torch.randn(V, H, generator=gen, dtype=torch.float64) * 0.7)
+
+
+def policy_of(case, form, dtype, device):
+    leaf = {"logprobs": case["lp"], "logits": case["logits"], "head": case["hidden"]}[form]
+    leaf = leaf.to(device=device, dtype=dtype).clone().requires_grad_(True)
+    targets = case["targets"].to(device)
+    if form == "logits":
+        return leaf, rlfuse.Logits(leaf, targets)
+    if form == "head":
+        return leaf, rlfuse.LinearHead(leaf, case["weight"].to(device, dtype), targets,
+                                       chunk_tokens=5)
+    return leaf, leaf
+
+
+def run(lib, case, form, dtype, device, objective, **kw):
+    """(loss, metrics, gradient w.r.t. the policy's leaf) of policy_loss; the [B, T] inputs in
+    the compute dtype."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    leaf, policy = policy_of(case, form, dtype, device)
+    kw = {k: v.to(device=device, dtype=acc) if isinstance(v, torch.Tensor) else v
+          for k, v in kw.items()}
+    old = kw.pop("old", case["old"].to(device=device, dtype=acc))
+    adv = kw.pop("adv", case["adv"].to(device=device, dtype=acc))
+    out = lib.policy_loss(policy, old, adv, case["mask"].to(device), objective, **kw)
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    return out.loss.detach().cpu(), {k: v.cpu() for k, v in out.metrics.items()}, grad.cpu()
+
+
+X = fp32_exact   # hyper-parameters a float64 kernel run sees exactly (Triton passes fp32)
+OBJECTIVES = {
+    "clip": O.Clip(clip=(X(0.2), X(0.28))),
+    "clip_dual_cap": O.Clip(clip=(X(0.2), X(0.28)), dual_clip=X(2.5), ratio_cap=X(1.75)),
+    "gppo": O.GPPO(geometry="kl", topology="binary", delta=(0.05, 0.3)),
+    "cispo": O.CISPO(clip=(X(0.2), X(0.28))),
+    "cispo_trl": O.CISPOTRL(epsilon_high=X(1.25)),
+    "cispo_trl_sequence": O.CISPOTRL(epsilon_high=X(1.25), ratio_level="sequence"),
+    "sapo": O.SAPO(tau_pos=1.0, tau_neg=X(1.0625)),
+    "sapo_trl": O.SAPOTRL(tau_pos=X(0.75), tau_neg=X(1.0625)),
+    "sapo_trl_sequence": O.SAPOTRL(tau_pos=X(0.75), tau_neg=X(1.0625), ratio_level="sequence"),
+    "gpg": O.GPG(),
+    "dro": O.DRO(dro_beta=X(0.375)),
+    "dppo_tv": O.DPPOTV(clip=(X(0.05), X(0.08)), truncation=X(1.5)),
+    "dppo_kl": O.DPPOKL(clip=(X(0.02), X(0.04)), truncation=X(1.5)),
+    "gspo": O.GSPO(clip=(X(0.02), X(0.03))),
+    "gspo_trl": O.GSPOTRL(clip=(X(0.02), X(0.03)), ratio_cap=X(1.125)),
+    "luspo": O.LUSPO(clip=(X(0.02), X(0.03))),
+    "geo_mean": O.GeoMean(clip=(X(0.2), X(0.3))),
+    "vespo": O.VESPO(),
+    "clip_cov": O.ClipCov(clip=(X(0.2), X(0.28)), clip_cov_ratio=0.2, clip_cov_lb=-1.0,
+                          clip_cov_ub=1.0),
+    "kl_cov": O.KLCov(kl_cov_ratio=0.25, ppo_kl_coef=X(0.5)),
+}
+
+
+def terms(name, case):
+    """The terms of a case by name (``logits``-only ones need Logits / LinearHead)."""
+    return {
+        "none": {},
+        "kl_k3": dict(ref_logprobs=case["ref"], kl=K.KLPenalty(X(0.25))),
+        "kl_trl": dict(ref_logprobs=case["ref"], kl=K.KLPenalty(X(0.25), clamp=False,
+                                                               importance_weighted=True)),
+        "kl_abs_st": dict(ref_logprobs=case["ref"], kl=K.KLPenalty(X(0.25), "abs+")),
+        "weights": dict(weights=case["weights"], agg="seq-mean-token-sum"),
+        "entropy": dict(entropy=K.EntropyBonus(X(0.125))),
+        "entropy_mask": dict(entropy=K.EntropyBonus(X(0.125), agg="token-mean"),
+                             entropy_mask=K.TopEntropyMask(0.5)),
+        "off_policy": dict(off_policy_mask=K.OffPolicyMask(X(0.125), case["sampling"]),
+                           ref_logprobs=case["ref"], kl=K.KLPenalty(X(0.25), "low_var_kl")),
+    }[name]
+
+
+LOGPROB_TERMS = ("none", "kl_k3", "kl_trl", "kl_abs_st", "weights", "off_policy")
+LOGITS_TERMS = LOGPROB_TERMS + ("entropy", "entropy_mask")
+FIXED_AGG = ("sapo", "luspo")
+
+
+def objective_kw(objective, kw):
+    if objective in FIXED_AGG:
+        kw = {k: v for k, v in kw.items() if k != "agg"}
+    return kw
+
+
+def seeded(kw, seed=7):
+    return dict(kw, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+@pytest.mark.parametrize("form", ["logprobs", "logits", "head"])
+def test_fused_is_the_reference_in_float64(objective, form, device):
+    """Every objective with every term, from every policy form: the kernels compute the
+    reference's math (float64, exact hyper-parameters)."""
+    case = make_case(1)
+    for name in (LOGITS_TERMS if form != "logprobs" else LOGPROB_TERMS):
+        kw = objective_kw(objective, terms(name, case))
+        fused = run(rlfuse, case, form, torch.float64, device, OBJECTIVES[objective], **seeded(kw))
+        ref = run(reference, case, form, torch.float64, "cpu", OBJECTIVES[objective],
+                  **seeded(kw))
+        torch.testing.assert_close(fused[0], ref[0], **TOL["fp64_chain"], msg=name)
+        torch.testing.assert_close(fused[2], ref[2], **TOL["fp64_chain"], msg=name)
+        assert fused[1].keys() == ref[1].keys(), name
+        for metric in fused[1]:
+            torch.testing.assert_close(fused[1][metric], ref[1][metric], **TOL["fp64_chain"],
+                                       msg=f"{name}: {metric}")
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+@pytest.mark.parametrize("form, dtype", [("logprobs", torch.float32), ("logits", torch.bfloat16),
+                                         ("logits", torch.float32), ("head", torch.float32)])
+def test_matches_float64(objective, form, dtype, device):
+    """The three-way rule in the inputs' own dtype, with the KL penalty and (from logits) the
+    entropy bonus."""
+    case = make_case(2)
+    kw = dict(terms("kl_trl", case), **(terms("entropy", case) if form != "logprobs" else {}))
+    fused = run(rlfuse, case, form, dtype, device, OBJECTIVES[objective], **seeded(kw))
+    ref = run(reference, case, form, dtype, "cpu", OBJECTIVES[objective], **seeded(kw))
+    ref64 = run(reference, case, form, torch.float64, "cpu", OBJECTIVES[objective],
+                **seeded(kw))
+    assert_three_way(fused[0], ref[0], ref64[0], "loss")
+    assert_three_way(fused[2], ref[2], ref64[2], "gradient")
+    assert fused[1].keys() == ref64[1].keys()
+    for name in fused[1]:
+        # log-ratios are rounded at the log-probs' magnitude (~8), not at their mean's
+        scale = 8.0 if name in ("approx_kl", "kl") else None
+        assert_three_way(fused[1][name], ref[1][name], ref64[1][name], name,
+                         atol_dtype=torch.float32, scale=scale)
+
+
+def test_objectives_bind():
+    """Each objective's branches act on the test case: its flags count tokens, so the
+    comparisons above reach the clipped, capped, dropped and truncated branches."""
+    case = make_case(1)
+    flags = {"clip": ["clip_frac_low", "clip_frac_high"], "clip_dual_cap": ["dual_clip_frac"],
+             "cispo": ["clip_frac"], "cispo_trl": ["clip_frac_high"],
+             "dppo_tv": ["dropped_frac", "truncated_frac"],
+             "dppo_kl": ["dropped_frac", "truncated_frac"], "gspo": ["clip_frac_high"],
+             "gspo_trl": ["clip_frac_low"], "geo_mean": ["clip_frac_high"],
+             "clip_cov": ["cut_frac"]}
+    for objective, names in flags.items():
+        metrics = run(reference, case, "logprobs", torch.float64, "cpu", OBJECTIVES[objective],
+                      **seeded({}))[1]
+        for name in names:
+            assert metrics[name] > 0, (objective, name)
+
+
+def test_terms_metrics(device):
+    case = make_case(3)
+    out = run(rlfuse, case, "logits", torch.float32, device, "clip",
+              **terms("entropy_mask", case), **terms("off_policy", case))[1]
+    assert {"kl", "entropy", "entropy_mask_frac", "off_policy_mask_frac"} <= set(out)
+    assert 0 < out["entropy_mask_frac"] < 1 and 0 < out["off_policy_mask_frac"] <= 1
+    mask = case["mask"]
+    lp, h = reference.token_logprobs(case["logits"], case["targets"], return_entropy=True)
+    torch.testing.assert_close(out["entropy"], h[mask].mean().float(), **TOL["fp32_sum"])
+
+
+def test_clip_cov_replays_its_draw(impl, device):
+    """The random choice of Clip-Cov comes from ``generator``: the same seed, the same tokens
+    (the same loss); another seed, another choice."""
+    case = make_case(4)
+    dev = device if impl is rlfuse else "cpu"
+    objective = OBJECTIVES["clip_cov"]
+    a = run(impl, case, "logprobs", torch.float64, dev, objective, **seeded({}, 1))
+    b = run(impl, case, "logprobs", torch.float64, dev, objective, **seeded({}, 1))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+    others = {run(impl, case, "logprobs", torch.float64, dev, objective, **seeded({}, s))[0].item()
+              for s in range(2, 8)}
+    assert len(others | {a[0].item()}) > 1
+
+
+# --------------------------------------------------------------------------------------------
+# TRL's formulas
+# --------------------------------------------------------------------------------------------
+
+def trl_loss(lp, old, adv, mask, h, *, loss_type, eps_low, eps_high, level="token", delta=None,
+             beta=0.0, ref=None, bias_correction=True, tau=(1.0, 1.0625), vespo=(2.0, 3.0, 3.0, 2.0),
+             is_ratio=None, top_q=1.0, entropy_coef=0.0, opsm=None, sampling=None, max_len=None,
+             num_items=None):
+    """GRPOTrainer._compute_loss on one process without gradient accumulation, in plain torch;
+    its masks and VESPO's weights by TRL's own functions."""
+    from trl import GRPOTrainer
+
+    mask = mask.to(lp.dtype)
+    adv = adv.unsqueeze(1)
+    one_process = SimpleNamespace(accelerator=SimpleNamespace(
+        pad_across_processes=lambda x, dim, pad_index: x, gather=lambda x: x))
+    entropy_mask = GRPOTrainer.get_high_entropy_mask(one_process, h, mask, 1 - top_q) \
+        if top_q < 1 else None
+    if opsm is not None:
+        off_policy = GRPOTrainer.get_off_policy_mask(adv, lp, sampling, mask, opsm)
+    log_ratio = lp - old
+    if level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    if beta:
+        kl = torch.exp(ref - lp) - (ref - lp) - 1
+        if bias_correction:
+            kl = kl * coef_1
+    if loss_type == "cispo":
+        loss = -torch.clamp(coef_1, max=eps_high).detach() * adv * lp
+    elif loss_type == "sapo":
+        taus = torch.where(adv > 0, tau[0], tau[1])
+        loss = -torch.sigmoid(taus * (coef_1 - 1)) * 4 / taus * adv
+    elif loss_type == "vespo":
+        phi = GRPOTrainer.get_gamma_weights(adv, log_ratio, mask, is_ratio, *vespo)
+        loss = -phi * adv * lp
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    if opsm is not None:
+        loss = loss * off_policy
+    if entropy_mask is not None:
+        loss = loss * entropy_mask
+    if is_ratio is not None and loss_type != "vespo":
+        loss = loss * is_ratio
+    if beta:
+        loss = loss + beta * kl
+    if loss_type in ("grpo", "sapo"):
+        out = ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        out = (loss * mask).sum() / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        out = (loss * mask).sum() / (loss.size(0) * max_len)
+    elif loss_type in ("cispo", "dapo", "vespo"):
+        out = (loss * mask).sum() / num_items
+    else:   # luspo
+        out = (loss * mask).sum(-1).mean()
+    if entropy_coef:
+        eff = mask if entropy_mask is None else mask * entropy_mask
+        out = out - entropy_coef * (h * eff).sum() / eff.sum().clamp(min=1.0)
+    return out
+
+
+def rlfuse_for_trl(policy, old, adv, mask, *, loss_type, eps_low, eps_high, level="token",
+                   delta=None, beta=0.0, ref=None, bias_correction=True, tau=(1.0, 1.0625),
+                   vespo=(2.0, 3.0, 3.0, 2.0), is_ratio=None, top_q=1.0, entropy_coef=0.0,
+                   opsm=None, sampling=None, max_len=None, num_items=None):
+    """The rlfuse call of each TRL loss_type and option (the README's table)."""
+    clip = (eps_low, eps_high)
+    if loss_type == "cispo":
+        objective = O.CISPOTRL(epsilon_high=eps_high, ratio_level=level)
+    elif loss_type == "sapo":
+        objective = O.SAPOTRL(tau_pos=tau[0], tau_neg=tau[1], ratio_level=level)
+    elif loss_type == "vespo":
+        objective = O.VESPO(*vespo)
+    elif loss_type == "luspo":
+        objective = O.LUSPO(clip=clip, ratio_cap=delta, ratio_level=level)
+    elif level == "sequence":
+        objective = O.GSPOTRL(clip=clip, ratio_cap=delta)
+    else:
+        objective = O.Clip(clip=clip, ratio_cap=delta)
+    agg = {"grpo": dict(agg="seq-mean-token-mean"), "sapo": dict(agg="seq-mean-token-mean"),
+           "bnpo": dict(agg="token-mean"),
+           "dr_grpo": dict(agg="token-mean", num_tokens=mask.shape[0] * max_len),
+           "luspo": {}}.get(loss_type, dict(agg="token-mean", num_tokens=num_items))
+    kw = dict(agg, weights=is_ratio)
+    if beta:
+        kw.update(ref_logprobs=ref, kl=K.KLPenalty(beta, "k3", clamp=False,
+                                                   importance_weighted=bias_correction))
+    if entropy_coef:
+        kw["entropy"] = K.EntropyBonus(entropy_coef, agg="token-mean")
+    if top_q < 1:
+        kw["entropy_mask"] = K.TopEntropyMask(top_q)
+    if opsm is not None:
+        kw["off_policy_mask"] = K.OffPolicyMask(opsm, sampling)
+    return rlfuse.policy_loss(policy, old, adv, mask, objective, **kw).loss
+
+
+TRL_CASES = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo_delta": dict(loss_type="bnpo", delta=X(1.25)),
+    "dr_grpo": dict(loss_type="dr_grpo", max_len=T + 2),
+    "dapo_is_ratio": dict(loss_type="dapo", num_items=17.0, is_ratio="weights"),
+    "cispo": dict(loss_type="cispo", eps_high=X(1.25), num_items=17.0),
+    "cispo_sequence": dict(loss_type="cispo", eps_high=X(1.25), num_items=17.0,
+                           level="sequence"),
+    "sapo": dict(loss_type="sapo"),
+    "sapo_sequence": dict(loss_type="sapo", level="sequence"),
+    "luspo": dict(loss_type="luspo", level="sequence"),
+    "gspo": dict(loss_type="grpo", level="sequence", delta=X(1.125)),
+    "vespo": dict(loss_type="vespo", num_items=17.0, is_ratio="weights"),
+    "beta": dict(loss_type="grpo", beta=X(0.125), ref="ref"),
+    "beta_no_correction": dict(loss_type="dapo", num_items=17.0, beta=X(0.125), ref="ref",
+                               bias_correction=False),
+    "beta_sequence": dict(loss_type="grpo", level="sequence", beta=X(0.125), ref="ref"),
+    "entropy": dict(loss_type="bnpo", entropy_coef=X(0.0625)),
+    "top_entropy": dict(loss_type="grpo", top_q=0.5, entropy_coef=X(0.0625)),
+    "opsm": dict(loss_type="dapo", num_items=17.0, opsm=X(0.125), sampling="sampling"),
+    "everything": dict(loss_type="grpo", delta=X(1.5), beta=X(0.125), ref="ref", top_q=0.75,
+                       entropy_coef=X(0.0625), opsm=X(0.25), sampling="sampling",
+                       is_ratio="weights"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRL_CASES))
+def test_trl_formulas(name, device):
+    """Every TRL 1.16 loss_type and loss option: rlfuse's loss and gradient (from logits, fused)
+    equal TRL's formula on the same tokens (float64)."""
+    integration("trl")
+    case = make_case(5)
+    kw = dict(dict(eps_low=X(0.2), eps_high=X(0.28)), **TRL_CASES[name])
+    for key in ("is_ratio", "ref", "sampling"):
+        if isinstance(kw.get(key), str):
+            kw[key] = torch.where(case["mask"], case[kw[key]], 0.0) if key != "is_ratio" \
+                else case[kw[key]]
+    mask = case["mask"]
+    old = torch.where(mask, case["old"], 0.0)
+    x = case["logits"].clone().requires_grad_(True)
+    lp, h = reference.token_logprobs(x, case["targets"], return_entropy=True)
+    want = trl_loss(lp, old, case["adv"], mask, h, **kw)
+    (want_grad,) = torch.autograd.grad(want, x)
+    y = case["logits"].to(device).clone().requires_grad_(True)
+    dev_kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    got = rlfuse_for_trl(rlfuse.Logits(y, case["targets"].to(device)), old.to(device),
+                         case["adv"].to(device), mask.to(device), **dev_kw)
+    (grad,) = torch.autograd.grad(got, y)
+    torch.testing.assert_close(got.cpu(), want.detach(), **TOL["fp64_chain"])
+    torch.testing.assert_close(grad.cpu(), want_grad, **TOL["fp64_chain"])
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+def bad_calls(case):
+    lp = case["lp"].clone().requires_grad_(True)
+    logits = rlfuse.Logits(case["logits"].clone().requires_grad_(True), case["targets"])
+    old, adv, mask = case["old"], case["adv"], case["mask"]
+    ref = case["ref"]
+    return [
+        (lambda f: f(lp, old, adv, mask, "ppo"), ValueError, "objective: expected one of 'clip'"),
+        (lambda f: f(lp, old, adv, mask, 3), TypeError, "objective: expected a name"),
+        (lambda f: f(lp, old, adv, mask, "dro"), ValueError, "dro_beta: DRO needs"),
+        (lambda f: f(lp, old, adv, mask, O.SAPO(tau_pos=0.0)), ValueError,
+         "tau_pos: expected a value finite and > 0"),
+        (lambda f: f(lp, old, adv, mask, O.DPPOTV(truncation=-1.0)), ValueError, "truncation"),
+        (lambda f: f(lp, old, adv, mask, O.Clip(ratio_cap=0.0)), ValueError, "ratio_cap"),
+        (lambda f: f(lp, old, adv, mask, O.VESPO(k_pos=math.nan)), ValueError,
+         "k_pos: expected a number, got nan"),
+        (lambda f: f(lp, old.exp(), adv, mask), ValueError,
+         r"old_logprobs: expected log-probabilities \(<= 0\)"),
+        (lambda f: f(lp, old, adv, mask, ref_logprobs=ref.exp(), kl=K.KLPenalty(0.1)),
+         ValueError, "ref_logprobs: expected log-probabilities"),
+        (lambda f: f(lp, old, adv, mask, ref_logprobs=ref[:, :2], kl=K.KLPenalty(0.1)),
+         ValueError, r"ref_logprobs: expected shape \(4, 6\)"),
+        (lambda f: f(lp, old, adv, mask, kl=K.KLPenalty(0.1)), ValueError,
+         "ref_logprobs: the KL penalty needs both"),
+        (lambda f: f(lp, old, adv, mask, ref_logprobs=ref), ValueError,
+         "ref_logprobs: the KL penalty needs both"),
+        (lambda f: f(lp, old, adv, mask, ref_logprobs=ref, kl=K.KLPenalty(-0.1)), ValueError,
+         "kl.coef: expected a value finite and >= 0"),
+        (lambda f: f(lp, old, adv, mask, ref_logprobs=ref, kl=K.KLPenalty(math.nan)),
+         ValueError, "kl.coef: expected a number, got nan"),
+        (lambda f: f(lp, old, adv, mask, ref_logprobs=ref, kl=K.KLPenalty(0.1, "k4")),
+         ValueError, "estimator: expected one of 'k1', 'abs'"),
+        (lambda f: f(lp, old, adv, mask, ref_logprobs=ref, kl=0.1), TypeError,
+         "kl: expected None or an rlfuse.terms.KLPenalty"),
+        (lambda f: f(lp, old, adv, mask, entropy=K.EntropyBonus(0.1)), ValueError,
+         "entropy: needs the policy's entropy"),
+        (lambda f: f(lp, old, adv, mask, entropy_mask=K.TopEntropyMask(0.2)), ValueError,
+         "entropy_mask: needs the policy's entropy"),
+        (lambda f: f(logits, old, adv, mask, entropy=K.EntropyBonus(-1.0)), ValueError,
+         "entropy.coef: expected a value finite and >= 0"),
+        (lambda f: f(logits, old, adv, mask, entropy_mask=K.TopEntropyMask(1.5)), ValueError,
+         r"entropy_mask.quantile: expected a value in \[0, 1\]"),
+        (lambda f: f(lp, old, adv, mask, off_policy_mask=K.OffPolicyMask(0.0)), ValueError,
+         "off_policy_mask.threshold"),
+        (lambda f: f(lp, old, adv, mask, "sapo", agg="token-mean"), ValueError,
+         "agg: objective 'sapo' aggregates by 'seq-mean-token-mean'"),
+        (lambda f: f(lp, old, adv, mask, agg="mean"), ValueError, "agg: expected one of"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(bad_calls(make_case(0)))))
+def test_bad_input(index, impl):
+    fn, error, match = bad_calls(make_case(0))[index]
+    with pytest.raises(error, match=match):
+        fn(impl.policy_loss)
+
+
+def test_kl_penalty_bad_input(impl):
+    lp = -torch.rand(2, 3)
+    with pytest.raises(ValueError, match="estimator: expected one of"):
+        impl.kl_penalty(lp, lp, "full")
+    with pytest.raises(ValueError, match=r"ref_logprobs: expected shape \(2, 3\)"):
+        impl.kl_penalty(lp, lp[:, :2])
