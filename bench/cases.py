@@ -313,6 +313,29 @@ def _gppo(lib, policy, x, **kw):
     return lib.gppo_loss(policy, x.old_lp, x.advantages, x.mask, **kw).loss
 
 
+def _policy(lib, policy, x, objective, **terms_kw):
+    """policy_loss with the KL penalty (to the behaviour log-probs: any reference costs the
+    same) and the entropy bonus."""
+    from rlfuse import objectives, terms
+
+    return lib.policy_loss(policy, x.old_lp, x.advantages, x.mask,
+                           getattr(objectives, objective)(), ref_logprobs=x.old_lp,
+                           kl=terms.KLPenalty(0.01), entropy=terms.EntropyBonus(0.01),
+                           **terms_kw).loss
+
+
+def _packed(lib, x):
+    """A whole output's rows packed (``[B (T + 2), V]``, a view): ``Logits`` with ``index``."""
+    B, S, V = x.full_output.shape
+    T = x.shape.T
+    t = torch.arange(S, device=x.targets.device) - 1           # rows 1 .. T predict the tokens
+    inside = (t >= 0) & (t < T)
+    batch = torch.arange(B, device=t.device)[:, None]
+    index = torch.where(inside, batch * T + t, -1).reshape(-1)
+    targets = torch.where(inside, x.targets[batch, t.clamp(0, T - 1)], 0).reshape(-1)
+    return lib.Logits(x.full_output.reshape(B * S, V), targets, index=index)
+
+
 def _variants():
     """What a trainer does beyond the benchmark's calls, with GPPO's single pass (PPO's is the
     same kernel): a whole model output with offset, loss_scale, an upstream gradient that is
@@ -340,6 +363,25 @@ def _variants():
         variant(head, name="gppo_head, chunk_tokens=5",
                 run=lambda lib, x: _gppo(lib, lib.LinearHead(x.hidden, x.weight, x.targets,
                                                              chunk_tokens=5), x)),
+        variant(logits, name="gppo_logits, packed rows", fused_modes=step, modes=step,
+                run=lambda lib, x: _gppo(lib, _packed(lib, x), x),
+                leaves=lambda x: x.full_output, window=lambda x: (x.shape.T + 2, 1)),
+        variant(logits, name="policy_logits, packed rows, CISPO + KL + entropy",
+                fused_modes=step, modes=step,
+                run=lambda lib, x: _policy(lib, _packed(lib, x), x, "CISPO"),
+                leaves=lambda x: x.full_output, window=lambda x: (x.shape.T + 2, 1)),
+        # token-local objectives with the KL and entropy terms: the same single pass
+        *(variant(logits, name=f"policy_logits, {objective} + KL + entropy",
+                  run=lambda lib, x, o=objective: _policy(lib, lib.Logits(x.logits, x.targets),
+                                                          x, o))
+          for objective in ("Clip", "CISPO", "SAPOTRL", "DPPOKL")),
+        variant(head, name="policy_head, CISPO + KL + entropy",
+                run=lambda lib, x: _policy(lib, lib.LinearHead(x.hidden, x.weight, x.targets),
+                                           x, "CISPO")),
+        # a sequence-level objective: the log-prob pass, the loss on [B, T], the backward
+        variant(logits, name="policy_logits, VESPO (two passes) + KL + entropy",
+                fused_modes=step, modes=step, floor=OPS["ggpo_logits"].floor,
+                run=lambda lib, x: _policy(lib, lib.Logits(x.logits, x.targets), x, "VESPO")),
     )}
 
 

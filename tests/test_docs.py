@@ -91,6 +91,7 @@ def context_tensors(tmp_path):
 def context_batch(tmp_path):
     d = _batch()
     d["logits"] = torch.randn(4, 6, V, requires_grad=True)
+    d["teacher_logprobs"] = d["old_logprobs"] - torch.rand(4, 6)
     return d
 
 

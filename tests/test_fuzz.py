@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rlfuse
-from rlfuse import reference
+from rlfuse import objectives, reference, terms
 from rlfuse._math import aggregation_weights
 from rlfuse._names import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
 from rlfuse.reference.objectives import clip as clipped_surrogate
@@ -231,3 +231,88 @@ def test_upstream_scale_and_entropy(data):
     for i, name in enumerate(("logp", "entropy", "dlogits")):
         assert_three_way(*(r[i] for r in results), name, atol_dtype=acc if i < 2 else dtype,
                          scale=max(1.0, scales[i]) if i < 2 else scales[i])
+
+
+X = fp32_exact
+# Every objective with fp32-exact parameters (Clip-Cov cuts every candidate token: its draw
+# then chooses nothing, and the three runs of a case agree without sharing a generator).
+FUZZ_OBJECTIVES = [
+    lambda: objectives.Clip(clip=(X(0.2), X(0.28)), dual_clip=X(3.0), ratio_cap=X(1.75)),
+    lambda: objectives.GPPO(geometry="kl", topology="binary", delta=X(0.04)),
+    lambda: objectives.CISPO(clip=(X(0.2), X(0.28))),
+    lambda: objectives.CISPOTRL(epsilon_high=X(1.25)),
+    lambda: objectives.CISPOTRL(epsilon_high=X(1.25), ratio_level="sequence"),
+    lambda: objectives.SAPO(tau_pos=1.0, tau_neg=X(1.0625)),
+    lambda: objectives.SAPOTRL(tau_pos=X(0.75), tau_neg=X(1.0625), ratio_level="sequence"),
+    lambda: objectives.GPG(),
+    lambda: objectives.DRO(dro_beta=X(0.375)),
+    lambda: objectives.DPPOTV(clip=(X(0.05), X(0.08)), truncation=X(1.5)),
+    lambda: objectives.DPPOKL(clip=(X(0.02), X(0.04)), truncation=X(1.5)),
+    lambda: objectives.GSPO(clip=(X(0.02), X(0.03))),
+    lambda: objectives.GSPOTRL(clip=(X(0.02), X(0.03))),
+    lambda: objectives.LUSPO(clip=(X(0.02), X(0.03))),
+    lambda: objectives.GeoMean(clip=(X(0.2), X(0.3))),
+    lambda: objectives.VESPO(),
+    lambda: objectives.ClipCov(clip=(X(0.2), X(0.28)), clip_cov_ratio=1.0, clip_cov_lb=-1.0,
+                               clip_cov_ub=1.0),
+    lambda: objectives.KLCov(kl_cov_ratio=0.25, ppo_kl_coef=X(0.5)),
+]
+
+
+@FUZZ
+@given(data=st.data())
+def test_policy_loss(data):
+    """Any objective with any terms (KL of every estimator, plain or importance-weighted; from
+    logits the entropy bonus and the top-entropy mask; the off-policy mask), any aggregation."""
+    B, T, m, mask, gen, policy = draw_case(data)
+    from_logits = policy[1] is not None
+    old, ref = logprobs_like(gen, mask), logprobs_like(gen, mask)
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    objective = data.draw(st.sampled_from(FUZZ_OBJECTIVES))()
+    kw = dict(objective=objective, validate=False)
+    if objective.name not in ("sapo", "luspo", "geo_mean"):   # their aggregation is their own
+        kw["agg"] = data.draw(st.sampled_from(AGGREGATIONS))
+    kl_coef = ent_coef = 0.0
+    if data.draw(st.booleans()):
+        kl_coef = X(data.draw(st.sampled_from([0.01, 0.5])))
+        d_max = torch.where(mask, policy[4] - ref, 0.0).abs().max().item()
+        estimator = data.draw(st.sampled_from(["k1", "abs", "k2", "k3", "k3+", "abs+"]))
+        kw.update(ref_logprobs=ref, kl=terms.KLPenalty(
+            # TRL's unclamped k3 overflows past |lp - ref| ~ 700 (its own result is inf)
+            kl_coef, estimator, clamp=data.draw(st.booleans()) or d_max > 30,
+            importance_weighted=data.draw(st.booleans())))
+    if from_logits and data.draw(st.booleans()):
+        ent_coef = X(data.draw(st.sampled_from([0.01, 0.5])))
+        kw["entropy"] = terms.EntropyBonus(ent_coef)
+        if data.draw(st.booleans()):
+            kw["entropy_mask"] = terms.TopEntropyMask(X(data.draw(st.sampled_from([0.25, 1.0]))))
+    if data.draw(st.booleans()):
+        kw["off_policy_mask"] = terms.OffPolicyMask(X(0.5), logprobs_like(gen, mask))
+    # the terms the loss adds (they cancel): per token the objective's |A| (1 + r + s)
+    # (1 + |lp|) and its log-ratio penalties, the KL terms (e^|d| bounds k3 and its weight) and
+    # the entropy (at most log V), each weighted by its row's aggregation weight
+    lp64 = policy[4]
+    d_old = torch.where(mask, lp64 - old, 0.0)
+    d_ref = torch.where(mask, lp64 - ref, 0.0).abs()
+    seq = (d_old.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).clamp(-20, 20).exp()
+    per_token = (adv[:, None].abs() * (1 + d_old.clamp(-20, 20).exp() + seq)
+                 * (1 + lp64.abs().where(mask, 0.0)) + d_old ** 2 + d_old.abs()
+                 + kl_coef * d_ref.clamp(max=30).exp() * (1 + d_old.clamp(-20, 20).exp() + seq)
+                 + ent_coef * math.log(max(policy[0].shape[-1], 2)))
+    weights = aggregation_weights(mask, kw.get("agg", "seq-mean-token-mean"), torch.float64)
+    loss_scale = (torch.where(mask, per_token, 0.0).sum(-1) * weights).sum().item()
+    # |dL/dlp| of the objective and KL (from log-probs), and the entropy's through the softmax
+    grad_kw = {k: v for k, v in kw.items() if k not in ("entropy", "entropy_mask")}
+    grad_scale = loss_gradient_scale(reference.policy_loss, lp64, policy[3], from_logits,
+                                     (old, adv, mask), **grad_kw)
+    grad_scale += ent_coef * weights.max().item() * (1 / math.e + math.log(
+        max(policy[0].shape[-1], 2))) / policy[3]
+    lp_max = torch.where(mask, lp64, 0.0).abs().max().item() + 6
+    buffer, targets, dtype, temperature, _ = policy
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    check_three_way(rlfuse.policy_loss, reference.policy_loss, buffer, dtype=dtype,
+                    device=DEVICE, args=(old.to(acc), adv.to(acc), mask),
+                    args64=(old, adv, mask), logits_targets=targets, temperature=temperature,
+                    metric_scales={"approx_kl": lp_max, "kl": loss_scale / max(kl_coef, 1e-3),
+                                   "ratio_mean": loss_scale, "phi_mean": loss_scale},
+                    loss_scale=max(1.0, loss_scale), grad_scale=max(1e-30, grad_scale), **kw)

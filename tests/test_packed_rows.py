@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import rlfuse
+from rlfuse import objectives, terms
 
 from conftest import TOL
 
@@ -75,6 +76,12 @@ LOSSES = {
     "ppo": lambda lib, pol, d: lib.ppo_loss(pol, d["old"], d["adv"], d["mask"], clip=(0.2, 0.28)),
     "gspo": lambda lib, pol, d: lib.ppo_loss(pol, d["old"], d["adv"], d["mask"],
                                              ratio_level="sequence"),
+    "policy_terms": lambda lib, pol, d: lib.policy_loss(
+        pol, d["old"], d["adv"], d["mask"], objectives.CISPO(), ref_logprobs=d["teacher"],
+        kl=terms.KLPenalty(0.25), entropy=terms.EntropyBonus(0.125)),
+    "policy_vespo": lambda lib, pol, d: lib.policy_loss(
+        pol, d["old"], d["adv"], d["mask"], objectives.VESPO(),
+        entropy_mask=terms.TopEntropyMask(0.5)),
 }
 
 

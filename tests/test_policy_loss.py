@@ -203,6 +203,25 @@ def test_clip_cov_replays_its_draw(impl, device):
     assert len(others | {a[0].item()}) > 1
 
 
+def test_gr_opd_is_the_clip_over_its_advantages(impl, device):
+    """GR-OPD with terms is policy_loss with gr_opd_advantages (docs/objectives.md): without
+    terms, equal to gr_opd_loss in loss and gradient."""
+    case = make_case(5)
+    dev = device if impl is rlfuse else "cpu"
+    old, mask = case["old"].to(dev), case["mask"].to(dev)
+    teacher = case["ref"].to(dev)
+    adv = impl.gr_opd_advantages(old, teacher, mask, group_size=2)
+    outs = []
+    for call in (lambda p: impl.gr_opd_loss(p, old, teacher, mask, group_size=2, eps=0.25),
+                 lambda p: impl.policy_loss(p, old, adv, mask, O.Clip(clip=0.25),
+                                            agg="seq-mean-token-mean")):
+        leaf, policy = policy_of(case, "logits", torch.float64, dev)
+        out = call(policy)
+        outs.append((out.loss.detach(), torch.autograd.grad(out.loss, leaf)[0]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], **TOL["fp64_chain"])
+    torch.testing.assert_close(outs[1][1], outs[0][1], **TOL["fp64_chain"])
+
+
 # --------------------------------------------------------------------------------------------
 # TRL's formulas
 # --------------------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ def _expected(name, op, mode):
     if not op.from_logits:
         return {}, {}, 0.0
     target = 1 / V      # z[y], read once by a forward kernel
-    single_pass = not name.startswith(("token_logprobs", "ggpo"))   # token-local losses
+    single_pass = not name.startswith(("token_logprobs", "ggpo")) and \
+        "two passes" not in name                # token-local losses
     writes = 0 if mode == "fwd" else 1
     if mode == "fwd":
         actor = (1 + target, 1, 0)
@@ -98,7 +99,7 @@ def _expected(name, op, mode):
         return rows, {"linear": (0, formed), "matmul": (2, 0)}, 0.0
     rows = {"actor": actor, "masked": (0, 0, writes)}
     window_rows = 1.0
-    if "offset" in name:
+    if "offset" in name or "packed" in name:   # the rows outside the window: zeros written
         rows["outside"] = (0, 0, writes)
         window_rows = (traffic.TRAFFIC_T + 2) / traffic.TRAFFIC_T
     if mode == "fwd" or "inplace" in name:

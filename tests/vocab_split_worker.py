@@ -86,6 +86,10 @@ CALLS = {
                                              clip=(0.2, 0.28), ratio_level="sequence"),
     "ppo_dual": lambda lib, pol, d: lib.ppo_loss(pol, d["old"], d["adv"], d["mask"], clip=0.2,
                                                  dual_clip=3.0, agg="seq-mean-token-mean"),
+    "policy_terms": lambda lib, pol, d: lib.policy_loss(
+        pol, d["old"], d["adv"], d["mask"], rlfuse.objectives.SAPOTRL(),
+        ref_logprobs=d["teacher"], kl=rlfuse.terms.KLPenalty(0.25, importance_weighted=True),
+        entropy=rlfuse.terms.EntropyBonus(0.125)),
 }
 
 

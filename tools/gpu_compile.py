@@ -182,6 +182,26 @@ def _drive():
             backward(rlfuse.gppo_loss(rlfuse.Logits(x, targets), old, adv_seq, mask,
                                       geometry=geometry, topology=topology, delta=0.1).loss)
 
+    # policy_loss: every objective with each KL estimator and the entropy bonus, from log-probs,
+    # logits and a LinearHead (the single pass's KL and entropy variants); kl_penalty.
+    from rlfuse import objectives, terms
+    from rlfuse._names import KL_ESTIMATORS
+
+    weight = torch.randn(V, 64, generator=g).to(torch.bfloat16)
+    hidden = torch.randn(B, T, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    for name in objectives.OBJECTIVES:
+        for estimator in (KL_ESTIMATORS + ("k3+",) if name == "clip" else ("k3",)):
+            kw = dict(ref_logprobs=teacher, validate=False,
+                      kl=terms.KLPenalty(0.01, estimator, importance_weighted=estimator == "k1"))
+            lp = old.clone().requires_grad_()
+            backward(rlfuse.policy_loss(lp, old, adv_seq, mask, name, **kw).loss)
+            for policy in (rlfuse.Logits(logits_of(torch.bfloat16), targets),
+                           rlfuse.Logits(logits_of(torch.float32), targets, temperature=0.7),
+                           rlfuse.LinearHead(hidden, weight, targets)):
+                backward(rlfuse.policy_loss(policy, old, adv_seq, mask, name,
+                                            entropy=terms.EntropyBonus(0.01), **kw).loss)
+        rlfuse.kl_penalty(old, teacher, "low_var_kl")
+
     # The group kernels hold a whole group: large groups must not spill either.
     for group in (256, 1024):
         lp = -torch.rand(group, 64, generator=g, requires_grad=True)   # a full tile

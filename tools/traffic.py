@@ -177,13 +177,16 @@ class Geometry:
         if self.hidden is not None:   # a chunk, [R, V] or [R, 1, V]
             return np.full(tuple(t.shape[:-1]) + ((1,) if t.dim() == 2 else ()), CHUNK,
                            dtype=np.int8)
-        if t.dim() == 3 and t.shape[0] == self.B and t.shape[1] in (self.S, self.T):
-            window = np.where(self.mask.cpu().numpy().astype(bool), ACTOR, MASKED)
-            if t.shape[1] == self.T:
-                return window.astype(np.int8)
-            classes = np.full((self.B, self.S), OUTSIDE, dtype=np.int8)
-            classes[:, self.offset:self.offset + self.T] = window
+        window = np.where(self.mask.cpu().numpy().astype(bool), ACTOR, MASKED)
+        if t.dim() == 3 and t.shape[0] == self.B and t.shape[1] == self.T:
+            return window.astype(np.int8)
+        classes = np.full((self.B, self.S), OUTSIDE, dtype=np.int8)
+        classes[:, self.offset:self.offset + self.T] = window
+        if t.dim() == 3 and t.shape[0] == self.B and t.shape[1] == self.S:
             return classes
+        if t.shape[:-1].numel() == self.B * self.S and (t.dim() == 2 or t.shape[1:-1].numel()
+                                                        == 1):   # the rows packed, [N(, 1), V]
+            return classes.reshape(tuple(t.shape[:-1]))
         return None
 
 

@@ -9,8 +9,9 @@ host sync, and no pass over it when the gradient is 1. fp16 logits take the two-
 instead (log-probs, then the surrogate; the backward forms ``dlogits`` from the logits at the
 true upstream scale), since a gradient rounded to fp16 at scale 1 would lose what a loss
 scaler's 2^16 is meant to keep; so do GSPO's sequence-level ratio (every log-prob of a row
-first), packed rows and a split vocabulary (their gradient needs the whole row's logsumexp
-first).
+first) and a split vocabulary (a row's gradient needs the group's logsumexp, known only after
+an all-reduce of every shard's row statistics). Packed rows run the single pass as N sequences
+of one token each (``scaleout.layout.as_one_token_rows``).
 
 Every op takes the objective flat (``_op.objective_of``): its name, the region's geometry and
 topology, the sizes of the region's two sides, and the objective's parameters.
@@ -31,7 +32,7 @@ from .._validation import raise_on_overflow
 from ..kernels.objectives import SUM_COLUMNS
 from ..kernels.surrogate import (surrogate_bwd, surrogate_fwd, surrogate_logits_bwd,
                                  surrogate_logits_fwd)
-from ..scaleout.layout import is_scaled_out
+from ..scaleout.layout import as_one_token_rows
 from ._op import custom_op, kl_fields, kl_of, objective_fields, objective_of, register_autograd
 from .kl import kl_penalty_op
 from .linear_head import chunk_tokens_for, linear_surrogate_op
@@ -195,7 +196,7 @@ def _(x, mask, scale, offset):
 def _single_pass(policy, ratio: str) -> bool:
     """Whether ``policy``'s loss runs in one pass over its logits (see the module)."""
     if ratio != "token" or not isinstance(policy, (Logits, LinearHead)) or \
-            is_scaled_out(policy):
+            policy.vocab_parallel_group is not None:
         return False
     rows = policy.logits if isinstance(policy, Logits) else policy.hidden
     return rows.dtype != torch.float16
@@ -212,8 +213,9 @@ def terms_apart(lp: Tensor, old_lp: Optional[Tensor], mask: Tensor, row_scale: T
     loss = row_scale.new_zeros(())
     totals = {}
     if kl is not None:   # masked positions may hold anything: zeros go into the kernels
-        lp = torch.where(mask, lp, torch.zeros_like(lp))
-        ref = torch.where(mask, ref_lp, torch.zeros_like(ref_lp))
+        cdt = row_scale.dtype
+        lp = torch.where(mask, lp.to(cdt), 0.0)
+        ref = torch.where(mask, ref_lp.to(cdt), 0.0)
         value = kl_penalty_op(lp, ref, kl.estimator, kl.straight, kl.clamp)
         if kl.weighted:
             old = lp.detach() if old_lp is None else torch.where(mask, old_lp, 0.0)
@@ -242,10 +244,17 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     in its kernel; otherwise they are ops over the ``[B, T]`` log-probs. With ``validate`` an
     overflowing objective raises (one host sync)."""
     flat = objective_fields(objective)
+    single = _single_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
+    if single and policy.index is not None:
+        policy, mask, found, rows = as_one_token_rows(
+            policy, mask, dict(old_lp=old_lp, adv=adv, weights=weights, ref_lp=ref_lp),
+            dict(row_scale=row_scale, entropy_scale=entropy_scale))
+        old_lp, adv, weights, ref_lp = (found[k] for k in ("old_lp", "adv", "weights", "ref_lp"))
+        row_scale, entropy_scale = rows["row_scale"], rows["entropy_scale"]
+        adv = adv[:, 0]
     tokens = dict(mask=mask, old_lp=old_lp, adv=adv, weights=weights, row_scale=row_scale)
     terms_in = dict(ref_lp=ref_lp, kl_scale=None if kl is None else kl.coef * row_scale,
                     entropy_scale=entropy_scale, **kl_fields(kl))
-    single = _single_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
     if single and isinstance(policy, LinearHead):
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad

@@ -165,7 +165,8 @@ def _register(mode: str) -> Callable:
                             advantages: torch.Tensor, response_mask: torch.Tensor,
                             loss_agg_mode: str = "token-mean", config=None,
                             rollout_is_weights: Optional[torch.Tensor] = None):
-        assert config is not None
+        if config is None:
+            raise ValueError(f"config: loss_mode 'rlfuse_{mode}' needs verl's actor config")
         return _loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                      config, rollout_is_weights)
 
@@ -191,7 +192,8 @@ def compute_policy_loss_rlfuse_bypass_mode(old_log_prob: torch.Tensor, log_prob:
     weights (``"reinforce"``), by ``rlfuse.policy_loss``."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
-    assert config is not None
+    if config is None:
+        raise ValueError("config: loss_mode 'rlfuse_bypass_mode' needs verl's actor config")
     corr = config.policy_loss.get("rollout_correction", None) \
         if hasattr(config, "policy_loss") else None
     if corr is None:

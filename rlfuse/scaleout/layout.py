@@ -105,6 +105,31 @@ def as_rows(policy):
                            index=None)
 
 
+def as_one_token_rows(policy, mask: Tensor, per_token: dict, per_row: dict):
+    """Packed rows as a batch of ``N`` sequences of one token each (``[N, 1, ...]``), for the
+    single pass: ``(policy, mask [N, 1], per_token, per_row)`` with the ``[B, T]`` tensors of
+    ``per_token`` read at each row's loss position (``[N, 1]``) and the ``[B]`` ones of
+    ``per_row`` at its sequence's (``[N]``); a row at -1 is masked (its gradient is 0). Token-
+    local losses are the same per token in either layout; only ``[B, T]``-sized data moves."""
+    T = mask.shape[1]
+    pos = policy.index.clamp_min(0)
+    new_mask = packed_rows_mask(policy.index, mask).unsqueeze(1)
+
+    def at_token(x):
+        if x is None:
+            return None
+        return (x.reshape(-1)[pos] if x.dim() == 2 else x[pos // T]).unsqueeze(1)
+
+    rows = {k: None if v is None else v[pos // T] for k, v in per_row.items()}
+    if hasattr(policy, "logits"):
+        policy = policy._replace(logits=policy.logits.unsqueeze(1),
+                                 targets=policy.targets.unsqueeze(1), index=None)
+    else:
+        policy = policy._replace(hidden=policy.hidden.unsqueeze(1),
+                                 targets=policy.targets.unsqueeze(1), index=None)
+    return policy, new_mask, {k: at_token(v) for k, v in per_token.items()}, rows
+
+
 def row_mask(policy, mask: Optional[Tensor]) -> Optional[Tensor]:
     """The mask of ``as_rows(policy)``: ``[1, N]`` for packed rows (the rows a loss position
     uses), else ``mask``."""
