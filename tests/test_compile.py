@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlfuse
-from rlfuse.fused_losses import ggpo, gppo, gr_opd, linear_head, logprobs, surrogate
+from rlfuse.fused_losses import ggpo, gppo, gr_opd, kl, linear_head, logprobs, surrogate
 
 from conftest import TOL
 from vocab_split_worker import SPLIT_OPS
@@ -239,22 +239,42 @@ def _op_cases(device):
                            (full, x.targets, x.mask, 0.9, True, False, 1)],
         "logits_grad_": [(dlogits, logits.detach(), x.targets, x.mask, stats, None,
                           torch.randn(B, T, device=device), None, 0.9, 0)],
-        "surrogate": [(lp, x.old, x.adv, x.mask, None, weights, "clip", "chi2", "atomic",
-                       0.04, 0.04, [inf], False),
-                      (lp, x.old, x.adv[:, None].expand(B, T), x.mask, token_w, weights,
-                       "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], False),
-                      (lp, None, x.adv, x.mask, token_w, weights, "clip", "ppo_clip", "mc", 0.1,
-                       0.2, [inf], True)],
-        "surrogate_backward": [(lp.detach(), x.old, x.adv, x.mask, token_w, weights, None,
-                                torch.tensor(2.0, device=device), "clip", "tv", "binary", 0.1,
-                                0.2, [2.0])],
-        "surrogate_logits": [(logits, x.targets, x.mask, x.old, x.adv, None, weights, 0.9, "clip",
-                              "kl", "binary", 0.1, 0.1, [inf], True, False, 0),
-                             (logits.detach(), x.targets, x.mask, None, x.adv, token_w, weights,
-                              1.0, "clip", "two_sided_log", "atomic", 0.1, 0.3, [2.0], False,
-                              False, 0),
-                             (full, x.targets, x.mask, x.old, x.adv, None, weights, 0.9, "clip",
-                              "tv", "mc", 0.1, 0.1, [inf], True, False, 1)],
+        "surrogate": [
+            (lp, x.old, x.adv, x.mask, None, weights, "clip", "chi2", "atomic", 0.04, 0.04,
+             [inf], 20.0, "token"),
+            (lp, x.old, x.adv[:, None].expand(B, T), x.mask, token_w, weights, "clip",
+             "ppo_clip", "mc", 0.2, 0.28, [3.0, inf], 20.0, "token"),
+            (lp, None, x.adv, x.mask, token_w, weights, "clip", "ppo_clip", "mc", 0.1, 0.2,
+             [inf], inf, "sequence"),
+            (lp, x.old, x.adv, x.mask, None, weights, "clip", "ppo_clip", "mc", 0.1, 0.2,
+             [inf], inf, "sequence_straight"),
+            (lp, x.old, x.adv, x.mask, None, weights, "dppo_kl", "ppo_clip", "mc", 0.1, 0.2,
+             [1.5], 20.0, "token")],
+        "surrogate_backward": [
+            (lp.detach(), x.old, x.adv, x.mask, token_w, weights, None,
+             torch.tensor(2.0, device=device), "clip", "tv", "binary", 0.1, 0.2, [2.0], inf,
+             "token"),
+            (lp.detach(), x.old, x.adv, x.mask, None, weights, torch.rand(B, device=device),
+             torch.tensor(0.5, device=device), "clip", "ppo_clip", "mc", 0.1, 0.2, [inf], inf,
+             "sequence")],
+        "surrogate_logits": [
+            (logits, x.targets, x.mask, x.old, x.adv, None, weights, None, None, None, 0.9,
+             "clip", "kl", "binary", 0.1, 0.1, [inf], 20.0, "", False, False, False, True,
+             False, 0),
+            (logits.detach(), x.targets, x.mask, None, x.adv, token_w, weights, None, None, None,
+             1.0, "clip", "two_sided_log", "atomic", 0.1, 0.3, [2.0], inf, "", False, False,
+             False, False, False, 0),
+            (full, x.targets, x.mask, x.old, x.adv, None, weights, None, None, None, 0.9, "clip",
+             "tv", "mc", 0.1, 0.1, [inf], 20.0, "", False, False, False, True, False, 1),
+            # the KL (importance-weighted k3, clamped) and entropy terms in the same pass
+            (logits, x.targets, x.mask, x.old, x.adv, None, weights, x.ref, 0.5 * weights,
+             0.25 * weights, 0.9, "cispo", "ppo_clip", "mc", 0.2, 0.28, [], 20.0, "k3", False,
+             True, True, True, False, 0)],
+        "kl_penalty": [(x.old, x.ref, "k3", False, True), (x.old, x.ref, "abs", True, False)],
+        "kl_penalty_backward": [(x.old, x.ref, torch.randn(B, T, device=device), "k2", False,
+                                 False),
+                                (x.old, x.ref, torch.randn(B, T, device=device), "k3", True,
+                                 True)],
         "scale_rows_": [(torch.randn(B, T, V, device=device), x.mask,
                          torch.tensor(0.5, device=device), 0)],
         "ggpo": [(lp, x.ref, x.rewards, x.mask, M, 0.5, None, 1.0, None),
@@ -269,12 +289,16 @@ def _op_cases(device):
                                       head_stats, head_entropy, torch.randn(B, T, device=device),
                                       torch.randn(B, T, device=device), 0.9, 1, 7, False,
                                       [True, True, True])],
-        "linear_surrogate": [(hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, None,
-                              weights, 0.9, "clip", "chi2", "atomic", 0.04, 0.04, [inf], 1, 7,
-                              False, [True, True, False]),
-                             (hidden, weight, None, x.targets, x.mask, None, x.adv, token_w,
-                              weights, 1.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 0, 3, True,
-                              [True, True, False])],
+        "linear_surrogate": [
+            (hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, None, weights, None, None,
+             None, 0.9, "clip", "chi2", "atomic", 0.04, 0.04, [inf], 20.0, "", False, False,
+             False, 1, 7, False, [True, True, False]),
+            (hidden, weight, None, x.targets, x.mask, None, x.adv, token_w, weights, None, None,
+             None, 1.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 20.0, "", False, False,
+             False, 0, 3, True, [True, True, False]),
+            (hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, None, weights, x.ref,
+             0.5 * weights, 0.25 * weights, 0.9, "sapo", "ppo_clip", "mc", 1.0, 1.0, [1.0, 1.05],
+             20.0, "k1", True, False, False, 1, 7, False, [True, True, True])],
         "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6,
                                torch.float64)],
     }
@@ -287,7 +311,8 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "gppo_bounds": gppo.gppo_bounds_op, "gr_opd_advantages": gr_opd.gr_opd_advantages_op,
        "linear_logprobs": linear_head.linear_logprobs_op,
        "linear_logprobs_backward": linear_head.linear_logprobs_backward_op,
-       "linear_surrogate": linear_head.linear_surrogate_op}
+       "linear_surrogate": linear_head.linear_surrogate_op, "kl_penalty": kl.kl_penalty_op,
+       "kl_penalty_backward": kl.kl_penalty_backward_op}
 ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")
 

@@ -91,8 +91,9 @@ def surrogate_scale(lp64, old, adv, mask, lo, hi, agg, **counts):
     """sum_bt w_b |J_bt| in float64: the size of the terms a surrogate loss adds up."""
     adv = adv.unsqueeze(-1).expand(mask.shape) if adv.dim() == 1 else adv
     old = torch.where(mask, old, 0.0)
-    sur = clipped_surrogate(torch.where(mask, lp64 - old, 0.0), torch.where(mask, adv, 0.0),
-                            lo, hi, mask)
+    inf = float("inf")
+    sur = clipped_surrogate(torch.where(mask, lp64 - old, 0.0), lp64, old,
+                            torch.where(mask, adv, 0.0), lo, hi, mask, (inf, inf), inf)
     weights = aggregation_weights(mask, agg, torch.float64, **counts)
     return (sur.value.abs().sum(-1) * weights).sum().item()
 

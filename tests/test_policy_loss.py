@@ -65,7 +65,8 @@ def run(lib, case, form, dtype, device, objective, **kw):
 X = fp32_exact   # hyper-parameters a float64 kernel run sees exactly (Triton passes fp32)
 OBJECTIVES = {
     "clip": O.Clip(clip=(X(0.2), X(0.28))),
-    "clip_dual_cap": O.Clip(clip=(X(0.2), X(0.28)), dual_clip=X(2.5), ratio_cap=X(1.75)),
+    # the dual clip binds before the cap (both bound r for A < 0; TRL's cap: "bnpo_delta")
+    "clip_dual_cap": O.Clip(clip=(X(0.2), X(0.28)), dual_clip=X(1.5), ratio_cap=X(1.75)),
     "gppo": O.GPPO(geometry="kl", topology="binary", delta=(0.05, 0.3)),
     "cispo": O.CISPO(clip=(X(0.2), X(0.28))),
     "cispo_trl": O.CISPOTRL(epsilon_high=X(1.25)),
@@ -77,8 +78,8 @@ OBJECTIVES = {
     "dro": O.DRO(dro_beta=X(0.375)),
     "dppo_tv": O.DPPOTV(clip=(X(0.05), X(0.08)), truncation=X(1.5)),
     "dppo_kl": O.DPPOKL(clip=(X(0.02), X(0.04)), truncation=X(1.5)),
-    "gspo": O.GSPO(clip=(X(0.02), X(0.03))),
-    "gspo_trl": O.GSPOTRL(clip=(X(0.02), X(0.03)), ratio_cap=X(1.125)),
+    "gspo": O.GSPO(clip=(X(0.02), X(0.003))),
+    "gspo_trl": O.GSPOTRL(clip=(X(0.02), X(0.003)), ratio_cap=X(1.125)),
     "luspo": O.LUSPO(clip=(X(0.02), X(0.03))),
     "geo_mean": O.GeoMean(clip=(X(0.2), X(0.3))),
     "vespo": O.VESPO(),
@@ -107,7 +108,7 @@ def terms(name, case):
 
 LOGPROB_TERMS = ("none", "kl_k3", "kl_trl", "kl_abs_st", "weights", "off_policy")
 LOGITS_TERMS = LOGPROB_TERMS + ("entropy", "entropy_mask")
-FIXED_AGG = ("sapo", "luspo")
+FIXED_AGG = ("sapo", "luspo", "geo_mean")
 
 
 def objective_kw(objective, kw):
@@ -168,8 +169,8 @@ def test_objectives_bind():
     flags = {"clip": ["clip_frac_low", "clip_frac_high"], "clip_dual_cap": ["dual_clip_frac"],
              "cispo": ["clip_frac"], "cispo_trl": ["clip_frac_high"],
              "dppo_tv": ["dropped_frac", "truncated_frac"],
-             "dppo_kl": ["dropped_frac", "truncated_frac"], "gspo": ["clip_frac_high"],
-             "gspo_trl": ["clip_frac_low"], "geo_mean": ["clip_frac_high"],
+             "dppo_kl": ["dropped_frac", "truncated_frac"], "gspo": ["clip_frac_low", "clip_frac_high"],
+             "gspo_trl": ["clip_frac_low", "clip_frac_high"], "geo_mean": ["clip_frac_high"],
              "clip_cov": ["cut_frac"]}
     for objective, names in flags.items():
         metrics = run(reference, case, "logprobs", torch.float64, "cpu", OBJECTIVES[objective],
@@ -307,10 +308,16 @@ def rlfuse_for_trl(policy, old, adv, mask, *, loss_type, eps_low, eps_high, leve
         objective = O.GSPOTRL(clip=clip, ratio_cap=delta)
     else:
         objective = O.Clip(clip=clip, ratio_cap=delta)
-    agg = {"grpo": dict(agg="seq-mean-token-mean"), "sapo": dict(agg="seq-mean-token-mean"),
-           "bnpo": dict(agg="token-mean"),
-           "dr_grpo": dict(agg="token-mean", num_tokens=mask.shape[0] * max_len),
-           "luspo": {}}.get(loss_type, dict(agg="token-mean", num_tokens=num_items))
+    if loss_type in ("grpo", "sapo"):
+        agg = dict(agg="seq-mean-token-mean")
+    elif loss_type == "bnpo":
+        agg = dict(agg="token-mean")
+    elif loss_type == "dr_grpo":
+        agg = dict(agg="token-mean", num_tokens=mask.shape[0] * max_len)
+    elif loss_type == "luspo":
+        agg = {}
+    else:
+        agg = dict(agg="token-mean", num_tokens=num_items)
     kw = dict(agg, weights=is_ratio)
     if beta:
         kw.update(ref_logprobs=ref, kl=K.KLPenalty(beta, "k3", clamp=False,
@@ -359,8 +366,8 @@ def test_trl_formulas(name, device):
     kw = dict(dict(eps_low=X(0.2), eps_high=X(0.28)), **TRL_CASES[name])
     for key in ("is_ratio", "ref", "sampling"):
         if isinstance(kw.get(key), str):
-            kw[key] = torch.where(case["mask"], case[kw[key]], 0.0) if key != "is_ratio" \
-                else case[kw[key]]
+            # TRL's importance ratios are 1 at padded positions (a log-ratio of 0 there)
+            kw[key] = torch.where(case["mask"], case[kw[key]], 0.0 if key != "is_ratio" else 1.0)
     mask = case["mask"]
     old = torch.where(mask, case["old"], 0.0)
     x = case["logits"].clone().requires_grad_(True)

@@ -211,3 +211,20 @@ def test_kl_penalty_is_verls(kind, device):
     (gx,) = torch.autograd.grad(ours, x, grad)
     (gy,) = torch.autograd.grad(theirs, y, grad)
     torch.testing.assert_close(gx, gy, **TOL["fp32"])
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+def test_every_mode_at_extreme_log_ratios(mode, device):
+    """Log-ratios of +-30 (past verl's clamp of +-20 in its losses and in ``ppo_kl``): the same
+    loss, gradient and metrics as verl's."""
+    old, lp, adv, mask, weights = batch(50, device)
+    for (b, t), (o, p) in (((0, 1), (-31.0, -1.0)), ((1, 2), (-0.5, -30.5)),
+                           ((2, 0), (-30.25, -0.25))):
+        old[b, t], lp[b, t], mask[b, t] = o, p, 1.0
+    cfg = mode_config(mode)
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        torch.manual_seed(51)
+        ours = losses(f"rlfuse_{mode}", old, lp, adv, mask, agg, cfg, weights)
+        torch.manual_seed(51)
+        theirs = losses(mode, old, lp, adv, mask, agg, cfg, weights)
+        assert_same(ours, theirs)

@@ -189,16 +189,18 @@ def _drive():
 
     weight = torch.randn(V, 64, generator=g).to(torch.bfloat16)
     hidden = torch.randn(B, T, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    needs = {"dro": objectives.DRO(dro_beta=0.1)}   # objectives with no default parameters
     for name in objectives.OBJECTIVES:
+        objective = needs.get(name, name)
         for estimator in (KL_ESTIMATORS + ("k3+",) if name == "clip" else ("k3",)):
             kw = dict(ref_logprobs=teacher, validate=False,
                       kl=terms.KLPenalty(0.01, estimator, importance_weighted=estimator == "k1"))
             lp = old.clone().requires_grad_()
-            backward(rlfuse.policy_loss(lp, old, adv_seq, mask, name, **kw).loss)
+            backward(rlfuse.policy_loss(lp, old, adv_seq, mask, objective, **kw).loss)
             for policy in (rlfuse.Logits(logits_of(torch.bfloat16), targets),
                            rlfuse.Logits(logits_of(torch.float32), targets, temperature=0.7),
                            rlfuse.LinearHead(hidden, weight, targets)):
-                backward(rlfuse.policy_loss(policy, old, adv_seq, mask, name,
+                backward(rlfuse.policy_loss(policy, old, adv_seq, mask, objective,
                                             entropy=terms.EntropyBonus(0.01), **kw).loss)
         rlfuse.kl_penalty(old, teacher, "low_var_kl")
 
