@@ -287,6 +287,9 @@ class ClipCov:
         check_positive("clip_cov_ratio", self.clip_cov_ratio)
         check_number("clip_cov_lb", self.clip_cov_lb)
         check_number("clip_cov_ub", self.clip_cov_ub)
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"clip_cov_ub: expected a value above clip_cov_lb "
+                             f"({self.clip_cov_lb}), got {self.clip_cov_ub}")
         return _batch(self)
 
 

@@ -67,7 +67,7 @@ OBJECTIVES = {
     "clip": O.Clip(clip=(X(0.2), X(0.28))),
     # the dual clip binds before the cap (both bound r for A < 0; TRL's cap: "bnpo_delta")
     "clip_dual_cap": O.Clip(clip=(X(0.2), X(0.28)), dual_clip=X(1.5), ratio_cap=X(1.75)),
-    "gppo": O.GPPO(geometry="kl", topology="binary", delta=(0.05, 0.3)),
+    "gppo": O.GPPO(geometry="chi2", topology="binary", delta=(0.05, 0.3)),
     "cispo": O.CISPO(clip=(X(0.2), X(0.28))),
     "cispo_trl": O.CISPOTRL(epsilon_high=X(1.25)),
     "cispo_trl_sequence": O.CISPOTRL(epsilon_high=X(1.25), ratio_level="sequence"),
@@ -108,6 +108,8 @@ def terms(name, case):
 
 LOGPROB_TERMS = ("none", "kl_k3", "kl_trl", "kl_abs_st", "weights", "off_policy")
 LOGITS_TERMS = LOGPROB_TERMS + ("entropy", "entropy_mask")
+# a LinearHead's chunks run the logits' row kernels: each kind of term once
+HEAD_TERMS = ("none", "kl_trl", "weights", "entropy", "entropy_mask")
 FIXED_AGG = ("sapo", "luspo", "geo_mean")
 
 
@@ -127,7 +129,7 @@ def test_fused_is_the_reference_in_float64(objective, form, device):
     """Every objective with every term, from every policy form: the kernels compute the
     reference's math (float64, exact hyper-parameters)."""
     case = make_case(1)
-    for name in (LOGITS_TERMS if form != "logprobs" else LOGPROB_TERMS):
+    for name in {"logprobs": LOGPROB_TERMS, "logits": LOGITS_TERMS, "head": HEAD_TERMS}[form]:
         kw = objective_kw(objective, terms(name, case))
         fused = run(rlfuse, case, form, torch.float64, device, OBJECTIVES[objective], **seeded(kw))
         ref = run(reference, case, form, torch.float64, "cpu", OBJECTIVES[objective],
@@ -399,6 +401,8 @@ def bad_calls(case):
         (lambda f: f(lp, old, adv, mask, O.SAPO(tau_pos=0.0)), ValueError,
          "tau_pos: expected a value finite and > 0"),
         (lambda f: f(lp, old, adv, mask, O.DPPOTV(truncation=-1.0)), ValueError, "truncation"),
+        (lambda f: f(lp, old, adv, mask, O.ClipCov(clip_cov_lb=2.0, clip_cov_ub=1.0)), ValueError,
+         "clip_cov_ub: expected a value above clip_cov_lb"),
         (lambda f: f(lp, old, adv, mask, O.Clip(ratio_cap=0.0)), ValueError, "ratio_cap"),
         (lambda f: f(lp, old, adv, mask, O.VESPO(k_pos=math.nan)), ValueError,
          "k_pos: expected a number, got nan"),
