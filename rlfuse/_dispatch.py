@@ -4,11 +4,12 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 from ._policy import policy_device
+from ._types import LinearHead
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # `@triton.jit` picks the interpreter when the kernels are decorated, at their import right
@@ -28,6 +29,30 @@ def use_kernels(device: Union[torch.device, str]) -> bool:
     return device.type == "cpu" and INTERPRET
 
 
+def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` casts to on ``device``'s type, None when it is off."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def autocast_head(policy, dtype: torch.dtype):
+    """A ``LinearHead`` whose fp32 / fp16 / bf16 hidden states, weight and bias are cast to
+    ``dtype`` (differentiably: their gradients come back in their own dtypes), as autocast
+    casts a linear layer's inputs; fp64 and every other policy unchanged."""
+    if not isinstance(policy, LinearHead):
+        return policy
+
+    def cast(x):
+        if x is None or x.dtype == torch.float64 or not x.is_floating_point():
+            return x
+        return x.to(dtype)
+
+    return policy._replace(hidden=cast(policy.hidden), weight=cast(policy.weight),
+                           bias=cast(policy.bias))
+
+
 def falls_back_to(reference_fn: Callable) -> Callable:
     """Declares a public fused function's reference twin.
 
@@ -45,10 +70,20 @@ def falls_back_to(reference_fn: Callable) -> Callable:
         first = next(iter(signature.parameters))
 
         def public(*args, **kwargs):
-            device = policy_device(args[0] if args else kwargs.get(first))
+            policy = args[0] if args else kwargs.get(first)
+            device = policy_device(policy)
             if device is None or not use_kernels(device):
                 return reference_fn(*args, **kwargs)
-            return kernel_fn(*args, **kwargs)
+            dtype = autocast_dtype(device)
+            if dtype is None:
+                return kernel_fn(*args, **kwargs)
+            # autocast: a head's matmuls in its dtype (as autocast runs a linear layer), the
+            # kernels' own precision (fp32 accumulation) for the rest
+            policy = autocast_head(policy, dtype)
+            args, kwargs = ((policy,) + args[1:], kwargs) if args else \
+                ((), dict(kwargs, **{first: policy}))
+            with torch.autocast(device.type, enabled=False):
+                return kernel_fn(*args, **kwargs)
 
         public.__name__, public.__qualname__ = kernel_fn.__name__, kernel_fn.__qualname__
         public.__module__ = kernel_fn.__module__

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import APPROX, TOL, integration  # noqa: E402
+from conftest import APPROX, TOL, assert_three_way, integration  # noqa: E402
 
 trl = integration("trl")
 transformers = integration("transformers")
@@ -168,6 +168,41 @@ def test_each_rlfuse_loss_trains(loss, extra, tmp_path):
                for name in ("ratio_mean", "gap", "adv_mean"))
     moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert moved
+
+
+def test_default_precision(tmp_path):
+    """TRL's default precision, bf16 autocast (a GPU run's default; on the CPU ``bf16=True``
+    with ``use_cpu``): the trainer trains, and its first-step loss and gradients keep the
+    three-way rule against TRL's own fp32 run, with TRL's own bf16 run as the yardstick."""
+    kw = config(tmp_path, loss_type="dapo", bf16=True)
+    results = {}
+    for name, precision, side in (("ours", {}, 1), ("theirs", {}, 0),
+                                  ("theirs32", dict(bf16=False), 0)):
+        pair = trainers(tmp_path, **dict(kw, **precision))
+        trainer = pair[side]
+        if "inputs" not in results:    # one generation batch for the three runs
+            pair[0].model.train()
+            inputs = pair[0]._generate_and_score_completions([pair[2][i] for i in range(4)])
+            with torch.no_grad():
+                lp = pair[1]._completion_logprobs(pair[1].model, inputs).float()
+            gen = torch.Generator().manual_seed(3)
+            inputs["old_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=gen)
+            inputs["advantages"] = torch.randn(lp.shape[0], generator=gen)
+            results["inputs"] = inputs
+        assert trainer.accelerator.mixed_precision == ("no" if precision else "bf16")
+        with trainer.accelerator.autocast():
+            results[name] = loss_and_grads(trainer, results["inputs"], 1)
+    (got, got_g), (ref, ref_g), (ref32, ref32_g) = (results[k] for k in
+                                                    ("ours", "theirs", "theirs32"))
+    assert_three_way(got, ref, ref32, "loss", atol_dtype=torch.bfloat16)
+    for name in ref32_g:
+        assert got_g[name].dtype == torch.float32
+        assert_three_way(got_g[name], ref_g[name], ref32_g[name], name,
+                         atol_dtype=torch.bfloat16)
+    _, ours, _ = trainers(tmp_path, **kw)
+    ours.train()                                           # the real loop, under autocast
+    losses = [h["loss"] for h in ours.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
 def test_lora_policy(tmp_path):
