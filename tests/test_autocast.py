@@ -117,3 +117,27 @@ def test_autocast_leaves_the_head_in_its_dtype(device):
                              case["mask"].to(device))
     (g_plain,) = torch.autograd.grad(plain.loss, hidden)
     torch.testing.assert_close(g, g_plain, rtol=0, atol=0)
+
+
+def test_compiled_under_autocast(device):
+    """``torch.compile(fullgraph=True)`` of a step under autocast: the same loss and gradients
+    as eager (the cast and the autocast switch are traced, not a graph break)."""
+    case = make_case(1)
+    kind = torch.device(device).type
+
+    def step(hidden, weight):
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            head = rlfuse.LinearHead(hidden, weight, case["ids"].to(device), chunk_tokens=7)
+            out = rlfuse.ppo_loss(head, case["old"].float().to(device),
+                                  case["adv"].float().to(device), case["mask"].to(device),
+                                  validate=False)
+        return out.loss
+
+    results = []
+    for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+        hidden = case["hidden"].float().to(device).requires_grad_(True)
+        weight = case["weight"].float().to(device).requires_grad_(True)
+        loss = fn(hidden, weight)
+        results.append((loss.detach(), *torch.autograd.grad(loss, (hidden, weight))))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)

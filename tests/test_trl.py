@@ -60,12 +60,15 @@ def config(tmp_path, **kw):
     return base
 
 
-def trainers(tmp_path, **kw):
-    """TRL's trainer and rlfuse's, on copies of one model, with one config."""
-    net, data, tok = model(), dataset(), tokenizer()
-    theirs = trl.GRPOTrainer(model=copy.deepcopy(net), reward_funcs=reward, train_dataset=data,
+def trainers(tmp_path, path=None, **kw):
+    """TRL's trainer and rlfuse's, on copies of one model (loaded from ``path``: a reference
+    model is), with one config."""
+    data, tok = dataset(), tokenizer()
+    net = model() if path is None else str(path)
+    copy_of = copy.deepcopy if path is None else (lambda x: x)
+    theirs = trl.GRPOTrainer(model=copy_of(net), reward_funcs=reward, train_dataset=data,
                              processing_class=tok, args=trl.GRPOConfig(**config(tmp_path, **kw)))
-    ours = RLFuseGRPOTrainer(model=copy.deepcopy(net), reward_funcs=reward, train_dataset=data,
+    ours = RLFuseGRPOTrainer(model=copy_of(net), reward_funcs=reward, train_dataset=data,
                              processing_class=tok,
                              args=RLFuseGRPOConfig(**config(tmp_path, **kw), rlfuse_loss="ppo"))
     return theirs, ours, data
@@ -170,6 +173,65 @@ def test_each_rlfuse_loss_trains(loss, extra, tmp_path):
     assert moved
 
 
+# Every loss_type with its own settings, and every loss option, through rlfuse.policy_loss
+OPTION_CASES = [
+    dict(loss_type="cispo", epsilon_high=1.25),
+    dict(loss_type="cispo", epsilon_high=1.25, importance_sampling_level="sequence"),
+    dict(loss_type="sapo", sapo_temperature_pos=0.75, sapo_temperature_neg=1.25),
+    dict(loss_type="sapo", importance_sampling_level="sequence"),
+    dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5),
+    dict(loss_type="luspo", importance_sampling_level="sequence"),
+    dict(loss_type="bnpo", delta=1.25),
+    dict(loss_type="grpo", beta=0.125),
+    dict(loss_type="dapo", beta=0.125, use_bias_correction_kl=False),
+    dict(loss_type="dr_grpo", entropy_coef=0.0625),
+    dict(loss_type="dapo", entropy_coef=0.0625, top_entropy_quantile=0.5),
+    dict(loss_type="grpo", top_entropy_quantile=0.75),
+    dict(loss_type="dapo", off_policy_mask_threshold=0.05),
+    dict(loss_type="grpo", beta=0.125, delta=1.5, entropy_coef=0.0625, top_entropy_quantile=0.75,
+         off_policy_mask_threshold=0.1),
+]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("case", OPTION_CASES, ids=[str(c) for c in OPTION_CASES])
+def test_every_loss_option_reproduces_trl(case, accumulation, tmp_path):
+    """rlfuse_loss="ppo" with each TRL loss_type and loss option: TRL's loss, every parameter's
+    gradient and the metrics TRL logs, on the same batch."""
+    kw = dict(case, gradient_accumulation_steps=accumulation)
+    if case.get("beta"):                 # TRL loads the reference model from the policy's path
+        model().save_pretrained(tmp_path / "policy")
+    theirs, ours, data = trainers(tmp_path, path=tmp_path / "policy" if case.get("beta") else None,
+                                  **kw)
+    theirs.model.train()
+    inputs = theirs._generate_and_score_completions([data[i] for i in range(4)])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        lp = ours._completion_logprobs(ours.model, inputs)
+    noise = 1.0 if case.get("importance_sampling_level") == "sequence" else 0.3
+    inputs["old_per_token_logps"] = lp + noise * torch.randn(lp.shape, generator=gen)
+    inputs["advantages"] = torch.randn(lp.shape[0], generator=gen)
+    if case.get("beta"):   # the reference is the policy's copy: moved, so that the KL acts
+        inputs["ref_per_token_logps"] = inputs["ref_per_token_logps"] + 0.5 * torch.randn(
+            lp.shape, generator=gen)
+    want, want_grads = loss_and_grads(theirs, inputs, accumulation)
+    got, got_grads = loss_and_grads(ours, inputs, accumulation)
+    torch.testing.assert_close(got, want, **TOL["fp32_chain"])
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
+                                   msg=name)
+    if case.get("beta"):
+        assert theirs._metrics["train"]["kl"][-1] > 1e-2
+    names = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"],
+             "sapo": []}.get(case["loss_type"], ["clip_ratio/low_mean", "clip_ratio/high_mean",
+                                                  "clip_ratio/region_mean"])
+    names += ["kl"] if case.get("beta") else []
+    for name in names:
+        assert ours._metrics["train"][name][-1] == pytest.approx(
+            theirs._metrics["train"][name][-1], **APPROX["fp32_metric_abs"]), name
+
+
 def test_default_precision(tmp_path):
     """TRL's default precision, bf16 autocast (a GPU run's default; on the CPU ``bf16=True``
     with ``use_cpu``): the trainer trains, and its first-step loss and gradients keep the
@@ -231,11 +293,14 @@ def test_lora_policy(tmp_path):
 
 
 def test_unsupported_options_are_listed(tmp_path):
-    with pytest.raises(ValueError, match="cannot honour.*loss_type='sapo'.*beta=0.5.*delta=2"):
+    with pytest.raises(ValueError, match="cannot honour.*loss_type='sapo' with rlfuse_loss='gppo'"
+                                         ".*beta=0.5 with rlfuse_loss='gppo'.*delta=2.0 with "
+                                         "rlfuse_loss='gppo'.*use_adaptive_entropy=True"):
         RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
                           processing_class=tokenizer(),
                           args=RLFuseGRPOConfig(**config(tmp_path, loss_type="sapo", beta=0.5,
-                                                         delta=2.0)))
+                                                         delta=2.0, use_adaptive_entropy=True),
+                                                rlfuse_loss="gppo"))
     with pytest.raises(ValueError, match="gr_opd' without teacher_model"):
         RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
                           processing_class=tokenizer(),

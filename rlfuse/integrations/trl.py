@@ -37,11 +37,17 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
     unsplit_pixel_values_by_grid
 
 import rlfuse
+from rlfuse import objectives, terms
 
 __all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]
 
 LOSSES = ("ppo", "gppo", "ggpo", "gr_opd")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# TRL 1.16's loss types: every one with rlfuse_loss="ppo"; GPPO takes the aggregation of the
+# first four
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# the loss types TRL normalises by the generation batch's tokens (not by the accumulation)
+TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
 
 
 @dataclasses.dataclass
@@ -158,14 +164,16 @@ class RLFuseGRPOTrainer(GRPOTrainer):
     def _aggregation(self, inputs, mask: torch.Tensor, train: bool) -> dict:
         """TRL's normaliser of ``loss_type`` as rlfuse's ``agg``, counts and ``loss_scale``."""
         accumulation = self.current_gradient_accumulation_steps if train else 1
-        if self.loss_type == "grpo":
+        if self.loss_type in ("grpo", "sapo"):
             return dict(agg="seq-mean-token-mean", loss_scale=1.0 / accumulation)
+        if self.loss_type == "luspo":   # LUSPO's own: the token sum of each row, then the mean
+            return dict(loss_scale=1.0 / accumulation)
         if self.loss_type == "bnpo":
             return dict(agg="token-mean", loss_scale=1.0 / accumulation)
         if self.loss_type == "dr_grpo":
             return dict(agg="token-mean", loss_scale=1.0 / accumulation,
                         num_tokens=float(mask.shape[0] * self.max_completion_length))
-        # dapo: the generation batch's tokens, per process and accumulation window
+        # dapo, cispo, vespo: the generation batch's tokens, per process and accumulation window
         tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if train:
             tokens = tokens * self.current_gradient_accumulation_steps / \
@@ -190,10 +198,9 @@ class RLFuseGRPOTrainer(GRPOTrainer):
 
         def loss(policy):
             if args.rlfuse_loss == "ppo":
-                return rlfuse.ppo_loss(
-                    policy, old, advantages, mask, clip=eps, dual_clip=args.rlfuse_dual_clip,
-                    ratio_level=self.importance_sampling_level, weights=weights, validate=False,
-                    **agg)
+                return rlfuse.policy_loss(policy, old, advantages, mask, self._objective(),
+                                          weights=weights, validate=False, **agg,
+                                          **self._terms(inputs, old, train))
             if args.rlfuse_loss == "gppo":
                 return rlfuse.gppo_loss(
                     policy, old, advantages, mask, geometry=args.rlfuse_geometry,
@@ -215,11 +222,57 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         self._log_rlfuse_metrics(mode, out.metrics)
         return out.loss
 
+    def _objective(self):
+        """The rlfuse objective of TRL's ``loss_type`` and its settings."""
+        args, level = self.args, self.importance_sampling_level
+        eps = (self.epsilon_low, self.epsilon_high)
+        if self.loss_type == "cispo":
+            return objectives.CISPOTRL(epsilon_high=self.epsilon_high, ratio_level=level)
+        if self.loss_type == "sapo":
+            return objectives.SAPOTRL(tau_pos=args.sapo_temperature_pos,
+                                      tau_neg=args.sapo_temperature_neg, ratio_level=level)
+        if self.loss_type == "vespo":
+            return objectives.VESPO(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+                                    args.vespo_lambda_neg)
+        if self.loss_type == "luspo":
+            return objectives.LUSPO(clip=eps, ratio_cap=args.delta, ratio_level=level)
+        if level == "sequence":
+            return objectives.GSPOTRL(clip=eps, ratio_cap=args.delta)
+        return objectives.Clip(clip=eps, dual_clip=args.rlfuse_dual_clip, ratio_cap=args.delta)
+
+    def _terms(self, inputs, old, train: bool) -> dict:
+        """TRL's KL penalty (``beta``, ``use_bias_correction_kl``), entropy bonus
+        (``entropy_coef``), top-entropy mask and off-policy sequence mask as rlfuse's terms."""
+        args, out = self.args, {}
+        if self.beta != 0.0:
+            out.update(ref_logprobs=inputs["ref_per_token_logps"], kl=terms.KLPenalty(
+                self.beta, "k3", clamp=False,
+                importance_weighted=bool(args.use_bias_correction_kl)))
+        if args.entropy_coef:
+            # TRL's bonus: the mean entropy over the tokens it acts on, over the accumulation
+            # (the loss scale carries it for the loss types that divide by it)
+            accumulation = self.current_gradient_accumulation_steps if train else 1
+            scale = 1.0 / accumulation if self.loss_type in TOKEN_COUNT_LOSS_TYPES else 1.0
+            out["entropy"] = terms.EntropyBonus(args.entropy_coef * scale, agg="token-mean")
+        if self.top_entropy_quantile < 1.0:
+            group = torch.distributed.group.WORLD if self.accelerator.num_processes > 1 else None
+            out["entropy_mask"] = terms.TopEntropyMask(self.top_entropy_quantile, group)
+        if self.off_policy_mask_threshold is not None:
+            out["off_policy_mask"] = terms.OffPolicyMask(
+                self.off_policy_mask_threshold, inputs.get("sampling_per_token_logps", old))
+        return out
+
     def _log_rlfuse_metrics(self, mode: str, metrics) -> None:
         gather = self.accelerator.gather
         for name, value in metrics.items():
             self._metrics[mode][f"rlfuse/{name}"].append(gather(value.detach()).nanmean().item())
-        if "clip_frac_low" in metrics:
+        for ours, theirs in (("kl", "kl"), ("entropy", "entropy"), ("phi_mean", "vespo/phi_seq_mean")):
+            if ours in metrics:
+                self._metrics[mode][theirs].append(gather(metrics[ours].detach()).nanmean().item())
+        if self.args.rlfuse_loss == "ppo" and self.loss_type == "cispo":
+            self._metrics[mode]["cispo_clip_ratio"].append(
+                gather(metrics["clip_frac_high"].detach()).nanmean().item())
+        elif "clip_frac_low" in metrics:
             low, high = metrics["clip_frac_low"], metrics["clip_frac_high"]
             for name, value in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
                                 ("clip_ratio/region_mean", low + high)):
@@ -264,9 +317,13 @@ def _unsupported_options(args, teacher_model) -> List[str]:
     problems = []
     if loss not in LOSSES:
         problems.append(f"rlfuse_loss={loss!r} (expected one of {', '.join(LOSSES)})")
-    if args.loss_type not in LOSS_TYPES:
-        problems.append(f"loss_type={args.loss_type!r} (expected one of "
-                        f"{', '.join(LOSS_TYPES)})")
+    types = LOSS_TYPES if loss == "ppo" else CLIP_LOSS_TYPES
+    if args.loss_type not in types:
+        problems.append(f"loss_type={args.loss_type!r} with rlfuse_loss={loss!r} (expected one "
+                        f"of {', '.join(types)})")
+    if args.rlfuse_dual_clip is not None and (args.loss_type not in CLIP_LOSS_TYPES or
+                                              args.importance_sampling_level != "token"):
+        problems.append("rlfuse_dual_clip with a loss other than the token-level clip")
     generations = args.num_generations or 1
     if loss == "ggpo":
         if not args.beta > 0:
@@ -277,9 +334,9 @@ def _unsupported_options(args, teacher_model) -> List[str]:
         if args.per_device_train_batch_size % generations:
             problems.append("per_device_train_batch_size not a multiple of num_generations with "
                             "rlfuse_loss='ggpo' (GGPO's loss couples a group)")
-    elif args.beta != 0.0:
-        problems.append(f"beta={args.beta} (the KL term to a reference model; only "
-                        f"rlfuse_loss='ggpo' uses a reference)")
+    elif args.beta != 0.0 and loss != "ppo":
+        problems.append(f"beta={args.beta} with rlfuse_loss={loss!r} (the KL term: "
+                        f"rlfuse_loss='ppo'; GGPO's beta is its own)")
     if loss == "gr_opd":
         if teacher_model is None:
             problems.append("rlfuse_loss='gr_opd' without teacher_model")
@@ -287,8 +344,12 @@ def _unsupported_options(args, teacher_model) -> List[str]:
             problems.append("a per-process generation batch that splits a group, with "
                             "rlfuse_loss='gr_opd'")
     for name, default in (("delta", None), ("off_policy_mask_threshold", None),
-                          ("top_entropy_quantile", 1.0), ("cast_lm_head_to_fp32", False),
-                          ("entropy_coef", 0.0), ("use_adaptive_entropy", False)):
+                          ("top_entropy_quantile", 1.0), ("entropy_coef", 0.0)):
+        value = getattr(args, name, default)
+        if value != default and loss != "ppo":
+            problems.append(f"{name}={value!r} with rlfuse_loss={loss!r} (rlfuse_loss='ppo' "
+                            f"takes it)")
+    for name, default in (("cast_lm_head_to_fp32", False), ("use_adaptive_entropy", False)):
         value = getattr(args, name, default)
         if value != default:
             problems.append(f"{name}={value!r}")
