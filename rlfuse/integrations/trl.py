@@ -8,9 +8,12 @@ The trainer computes the loss as TRL does up to the per-token log-probs, which i
 the policy is ``rlfuse.LinearHead`` over the model's last hidden state and its output head, so
 no ``[B, T, V]`` logits exist, and the loss is
 
-- ``rlfuse_loss="ppo"``: ``rlfuse.ppo_loss``, TRL's own loss for ``loss_type`` grpo, bnpo,
-  dr_grpo and dapo, ``epsilon`` / ``epsilon_high``, ``importance_sampling_level`` token or
-  sequence, gradient accumulation and the vLLM importance-sampling correction;
+- ``rlfuse_loss="ppo"``: ``rlfuse.policy_loss``, TRL's own loss for every ``loss_type``
+  (grpo, bnpo, dr_grpo, dapo, cispo, sapo, vespo, luspo, with their settings),
+  ``epsilon`` / ``epsilon_high``, ``importance_sampling_level`` token or sequence, ``delta``,
+  the KL penalty (``beta``, ``use_bias_correction_kl``), the entropy bonus (``entropy_coef``),
+  ``top_entropy_quantile``, ``off_policy_mask_threshold``, gradient accumulation and the vLLM
+  importance-sampling correction;
 - ``"gppo"``: ``rlfuse.gppo_loss`` (``rlfuse_geometry``, ``rlfuse_topology``, ``rlfuse_delta``)
   with the aggregation of ``loss_type``;
 - ``"ggpo"``: ``rlfuse.ggpo_loss`` with TRL's ``beta`` as GGPO's β, the reference model as
@@ -22,7 +25,8 @@ no ``[B, T, V]`` logits exist, and the loss is
   generation batch (whole groups) before it is split.
 
 Options it cannot honour raise a ``ValueError`` at construction, listing each. Metrics keep
-TRL's names (``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``),
+TRL's names (``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
+``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``kl``, ``entropy`` with the entropy bonus),
 plus ``rlfuse/<name>`` for each of the loss's own metrics.
 """
 from __future__ import annotations
