@@ -227,6 +227,7 @@ def test_every_loss_option_reproduces_trl(case, accumulation, tmp_path):
              "sapo": []}.get(case["loss_type"], ["clip_ratio/low_mean", "clip_ratio/high_mean",
                                                   "clip_ratio/region_mean"])
     names += ["kl"] if case.get("beta") else []
+    names += ["entropy"]                 # TRL logs it with or without the bonus
     for name in names:
         assert ours._metrics["train"][name][-1] == pytest.approx(
             theirs._metrics["train"][name][-1], **APPROX["fp32_metric_abs"]), name
@@ -301,6 +302,13 @@ def test_unsupported_options_are_listed(tmp_path):
                           args=RLFuseGRPOConfig(**config(tmp_path, loss_type="sapo", beta=0.5,
                                                          delta=2.0, use_adaptive_entropy=True),
                                                 rlfuse_loss="gppo"))
+    with pytest.raises(ValueError, match="rlfuse_geometry='chi' .expected one of.*"
+                                         "rlfuse_delta=-0.1.*rlfuse_chunk_tokens=0"):
+        RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
+                          processing_class=tokenizer(),
+                          args=RLFuseGRPOConfig(**config(tmp_path), rlfuse_loss="gppo",
+                                                rlfuse_geometry="chi", rlfuse_delta=-0.1,
+                                                rlfuse_chunk_tokens=0))
     with pytest.raises(ValueError, match="gr_opd' without teacher_model"):
         RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
                           processing_class=tokenizer(),

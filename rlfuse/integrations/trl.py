@@ -26,13 +26,14 @@ no ``[B, T, V]`` logits exist, and the loss is
 
 Options it cannot honour raise a ``ValueError`` at construction, listing each. Metrics keep
 TRL's names (``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
-``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``kl``, ``entropy`` with the entropy bonus),
+``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``kl``, ``entropy``),
 plus ``rlfuse/<name>`` for each of the loss's own metrics.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import List, Optional
 
 import torch
@@ -42,6 +43,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
 
 import rlfuse
 from rlfuse import objectives, terms
+from rlfuse._names import GEOMETRIES, TOPOLOGIES
 
 __all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]
 
@@ -252,12 +254,12 @@ class RLFuseGRPOTrainer(GRPOTrainer):
             out.update(ref_logprobs=inputs["ref_per_token_logps"], kl=terms.KLPenalty(
                 self.beta, "k3", clamp=False,
                 importance_weighted=bool(args.use_bias_correction_kl)))
-        if args.entropy_coef:
-            # TRL's bonus: the mean entropy over the tokens it acts on, over the accumulation
-            # (the loss scale carries it for the loss types that divide by it)
-            accumulation = self.current_gradient_accumulation_steps if train else 1
-            scale = 1.0 / accumulation if self.loss_type in TOKEN_COUNT_LOSS_TYPES else 1.0
-            out["entropy"] = terms.EntropyBonus(args.entropy_coef * scale, agg="token-mean")
+        # TRL's bonus: the mean entropy over the tokens it acts on, over the accumulation (the
+        # loss scale carries it for the loss types that divide by it); a coefficient of 0 without
+        # one, for TRL's entropy metric (the entropy rides in the same pass)
+        accumulation = self.current_gradient_accumulation_steps if train else 1
+        scale = 1.0 / accumulation if self.loss_type in TOKEN_COUNT_LOSS_TYPES else 1.0
+        out["entropy"] = terms.EntropyBonus(args.entropy_coef * scale, agg="token-mean")
         if self.top_entropy_quantile < 1.0:
             group = torch.distributed.group.WORLD if self.accelerator.num_processes > 1 else None
             out["entropy_mask"] = terms.TopEntropyMask(self.top_entropy_quantile, group)
@@ -313,6 +315,31 @@ def _shuffle_groups(batch: dict, group_size: int) -> dict:
             v.shape[0] == n else v for k, v in batch.items()}
 
 
+def _bad_rlfuse_fields(args) -> List[str]:
+    """The ``rlfuse_*`` fields out of their range, named as the user wrote them."""
+    problems = []
+    if args.rlfuse_geometry not in GEOMETRIES:
+        problems.append(f"rlfuse_geometry={args.rlfuse_geometry!r} (expected one of "
+                        f"{', '.join(GEOMETRIES)})")
+    if args.rlfuse_topology not in TOPOLOGIES:
+        problems.append(f"rlfuse_topology={args.rlfuse_topology!r} (expected one of "
+                        f"{', '.join(TOPOLOGIES)})")
+    delta = args.rlfuse_delta if isinstance(args.rlfuse_delta, (tuple, list)) else \
+        (args.rlfuse_delta,)
+    if not all(isinstance(d, (int, float)) and math.isfinite(d) and d > 0 for d in delta):
+        problems.append(f"rlfuse_delta={args.rlfuse_delta!r} (expected a number > 0 or a pair)")
+    if args.rlfuse_dual_clip is not None and not args.rlfuse_dual_clip > 1:
+        problems.append(f"rlfuse_dual_clip={args.rlfuse_dual_clip!r} (expected a number > 1)")
+    if args.rlfuse_chunk_tokens is not None and not (
+            isinstance(args.rlfuse_chunk_tokens, int) and args.rlfuse_chunk_tokens > 0):
+        problems.append(f"rlfuse_chunk_tokens={args.rlfuse_chunk_tokens!r} (expected an int "
+                        f"> 0)")
+    for name in ("rlfuse_gr_opd_gamma", "rlfuse_gr_opd_feedback_clip", "rlfuse_gr_opd_adv_clip"):
+        if not getattr(args, name) > 0:
+            problems.append(f"{name}={getattr(args, name)!r} (expected a number > 0)")
+    return problems
+
+
 def _unsupported_options(args, teacher_model) -> List[str]:
     """Every option of ``args`` (an ``RLFuseGRPOConfig``) the rlfuse loss cannot honour."""
     if not isinstance(args, RLFuseGRPOConfig):
@@ -321,6 +348,7 @@ def _unsupported_options(args, teacher_model) -> List[str]:
     problems = []
     if loss not in LOSSES:
         problems.append(f"rlfuse_loss={loss!r} (expected one of {', '.join(LOSSES)})")
+    problems += _bad_rlfuse_fields(args)
     types = LOSS_TYPES if loss == "ppo" else CLIP_LOSS_TYPES
     if args.loss_type not in types:
         problems.append(f"loss_type={args.loss_type!r} with rlfuse_loss={loss!r} (expected one "
