@@ -156,10 +156,7 @@ def test_per_token_multipliers(loss_type, ratio_shape, tmp_path):
 def test_each_rlfuse_loss_trains(loss, extra, tmp_path):
     kw = config(tmp_path, **extra)
     teacher = model(seed=1) if loss == "gr_opd" else None
-    policy = model()
-    if loss == "ggpo":   # TRL loads the reference model from the policy's path
-        policy.save_pretrained(tmp_path / "policy")
-        policy = str(tmp_path / "policy")
+    policy = model()     # built in memory (GGPO's reference: a copy of it)
     trainer = RLFuseGRPOTrainer(model=policy, reward_funcs=reward, train_dataset=dataset(),
                                 processing_class=tokenizer(), teacher_model=teacher,
                                 args=RLFuseGRPOConfig(**kw, rlfuse_loss=loss))
@@ -266,6 +263,18 @@ def test_default_precision(tmp_path):
     ours.train()                                           # the real loop, under autocast
     losses = [h["loss"] for h in ours.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def test_reference_of_a_model_built_in_memory(tmp_path):
+    """beta > 0 with a policy built in memory (no checkpoint to reload): TRL's reference model is
+    a copy of the policy, equal in weights, sharing none."""
+    policy = model()
+    trainer = RLFuseGRPOTrainer(model=policy, reward_funcs=reward, train_dataset=dataset(),
+                                processing_class=tokenizer(),
+                                args=RLFuseGRPOConfig(**config(tmp_path, beta=0.1)))
+    reference = trainer.accelerator.unwrap_model(trainer.ref_model)
+    pairs = list(zip(trainer.model.parameters(), reference.parameters()))
+    assert pairs and all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in pairs)
 
 
 def test_lora_policy(tmp_path):

@@ -31,6 +31,8 @@ plus ``rlfuse/<name>`` for each of the loss's own metrics.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -81,7 +83,9 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         problems = _unsupported_options(config, teacher_model)   # before any model is loaded
         if problems:
             raise ValueError("RLFuseGRPOTrainer cannot honour: " + "; ".join(problems))
-        super().__init__(*args, **kwargs)
+        policy = kwargs.get("model", args[0] if args else None)
+        with _reference_from(policy):
+            super().__init__(*args, **kwargs)
         problems = self._unsupported_model()
         if problems:
             raise ValueError("RLFuseGRPOTrainer cannot honour: " + "; ".join(problems))
@@ -283,6 +287,30 @@ class RLFuseGRPOTrainer(GRPOTrainer):
             for name, value in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
                                 ("clip_ratio/region_mean", low + high)):
                 self._metrics[mode][name].append(gather(value.detach()).nanmean().item())
+
+
+@contextlib.contextmanager
+def _reference_from(policy):
+    """While TRL builds its reference model: from a policy given as a module, a copy of the
+    policy (TRL would reload it from ``config._name_or_path``, which a model built in memory
+    does not have, and which need not hold the policy's weights)."""
+    from trl.trainer import grpo_trainer
+
+    if not isinstance(policy, torch.nn.Module) or hasattr(policy, "peft_config"):
+        yield
+        return
+    original = grpo_trainer.create_model_from_path
+
+    def copy_of_policy(model_id, **kwargs):
+        reference = copy.deepcopy(policy)
+        dtype = kwargs.get("dtype")
+        return reference if dtype in (None, "auto") else reference.to(dtype)
+
+    grpo_trainer.create_model_from_path = copy_of_policy
+    try:
+        yield
+    finally:
+        grpo_trainer.create_model_from_path = original
 
 
 def _add_head_forward(model) -> None:
