@@ -265,6 +265,37 @@ def test_default_precision(tmp_path):
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
+def test_cast_lm_head_to_fp32(tmp_path):
+    """A bf16 model with TRL's ``cast_lm_head_to_fp32``: the head in fp32 from the bf16 hidden
+    states; the loss and gradients keep the three-way rule against TRL's run of the fp32 model,
+    with TRL's own bf16 run as the yardstick."""
+    runs = {}
+    for name, dtype, side in (("ours", torch.bfloat16, 1), ("theirs", torch.bfloat16, 0),
+                              ("theirs32", torch.float32, 0)):
+        net, data, tok = model().to(dtype), dataset(), tokenizer()
+        kw = config(tmp_path, loss_type="bnpo", cast_lm_head_to_fp32=True)
+        trainer = (trl.GRPOTrainer(model=net, reward_funcs=reward, train_dataset=data,
+                                   processing_class=tok, args=trl.GRPOConfig(**kw))
+                   if side == 0 else
+                   RLFuseGRPOTrainer(model=net, reward_funcs=reward, train_dataset=data,
+                                     processing_class=tok, args=RLFuseGRPOConfig(**kw)))
+        assert trainer.model.lm_head.weight.dtype == torch.float32
+        if "inputs" not in runs:
+            trainer.model.train()
+            inputs = trainer._generate_and_score_completions([data[i] for i in range(4)])
+            gen = torch.Generator().manual_seed(4)
+            inputs["advantages"] = torch.randn(inputs["completion_ids"].shape[0], generator=gen)
+            runs["inputs"] = inputs
+        runs[name] = loss_and_grads(trainer, runs["inputs"], 1)
+    (got, got_g), (ref, ref_g), (ref32, ref32_g) = (runs[k] for k in
+                                                    ("ours", "theirs", "theirs32"))
+    assert_three_way(got.float(), ref.float(), ref32, "loss", atol_dtype=torch.bfloat16)
+    for name in ref32_g:
+        assert got_g[name].dtype == ref_g[name].dtype
+        assert_three_way(got_g[name].float(), ref_g[name].float(), ref32_g[name], name,
+                         atol_dtype=torch.bfloat16)
+
+
 def test_reference_of_a_model_built_in_memory(tmp_path):
     """beta > 0 with a policy built in memory (no checkpoint to reload): TRL's reference model is
     a copy of the policy, equal in weights, sharing none."""

@@ -122,6 +122,9 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         offset = inputs["prompt_ids"].shape[1] - 1
 
         def loss_of(hidden, weight, bias):
+            if self.args.cast_lm_head_to_fp32:   # TRL's fp32 head (its weight is fp32 already)
+                hidden, weight = hidden.float(), weight.float()
+                bias = None if bias is None else bias.float()
             return fn(rlfuse.LinearHead(hidden, weight, inputs["completion_ids"], bias,
                                         self.temperature, offset=offset,
                                         chunk_tokens=self.args.rlfuse_chunk_tokens))
@@ -409,7 +412,7 @@ def _unsupported_options(args, teacher_model) -> List[str]:
         if value != default and loss != "ppo":
             problems.append(f"{name}={value!r} with rlfuse_loss={loss!r} (rlfuse_loss='ppo' "
                             f"takes it)")
-    for name, default in (("cast_lm_head_to_fp32", False), ("use_adaptive_entropy", False)):
+    for name, default in (("use_adaptive_entropy", False),):
         value = getattr(args, name, default)
         if value != default:
             problems.append(f"{name}={value!r}")
