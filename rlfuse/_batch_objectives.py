@@ -252,7 +252,8 @@ def apply_masks(args, lp: Tensor, entropy: Optional[Tensor], old: Optional[Tenso
                 weights: Optional[Tensor]):
     """``(weights, entropy mask, metrics)``: the objective's weights times the masks of
     ``args`` (``_args.PolicyLossArgs``) that read the current policy, the actor tokens the
-    entropy bonus covers, and the share of actor tokens each mask keeps."""
+    entropy bonus covers, and the share of actor tokens each mask keeps (and the entropy mask's
+    mean entropy, ``entropy_kept``)."""
     mask = args.mask
     dtype = lp.dtype
     tokens = mask.sum().clamp_min(1)
@@ -265,6 +266,8 @@ def apply_masks(args, lp: Tensor, entropy: Optional[Tensor], old: Optional[Tenso
                                         group)
         keep = keep & entropy_mask
         metrics["entropy_mask_frac"] = entropy_mask.sum().to(dtype) / tokens
+        kept = entropy_mask.sum().clamp_min(1)   # the mean entropy over the tokens it keeps
+        metrics["entropy_kept"] = torch.where(entropy_mask, entropy.detach(), 0.0).sum() / kept
     if args.off_policy_mask is not None:
         sampling = args.off_policy_mask.sampling_logprobs
         sampling = (lp.detach() if old is None else old) if sampling is None else sampling

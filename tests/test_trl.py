@@ -230,6 +230,36 @@ def test_every_loss_option_reproduces_trl(case, accumulation, tmp_path):
             theirs._metrics["train"][name][-1], **APPROX["fp32_metric_abs"]), name
 
 
+@pytest.mark.parametrize("case", [dict(entropy_target=5.0), dict(entropy_target=1.0),
+                                  dict(entropy_target=5.0, top_entropy_quantile=0.5,
+                                       loss_type="dapo")], ids=str)
+def test_adaptive_entropy_reproduces_trl(case, tmp_path):
+    """``use_adaptive_entropy``: over three optimizer steps on one batch, TRL's controller state
+    (``entropy_coef``, the last world entropy), its gating of the bonus, the loss, the gradients
+    and the logged ``policy_loss`` / ``entropy_coef`` equal TRL's."""
+    kw = dict(dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.05,
+                   entropy_coef_delta=0.02), **case)
+    theirs, ours, data = trainers(tmp_path, **kw)
+    theirs.model.train()
+    inputs = theirs._generate_and_score_completions([data[i] for i in range(4)])
+    gen = torch.Generator().manual_seed(5)
+    inputs["advantages"] = torch.randn(inputs["completion_ids"].shape[0], generator=gen)
+    for step in range(3):
+        want, want_grads = loss_and_grads(theirs, inputs, 1)
+        got, got_grads = loss_and_grads(ours, inputs, 1)
+        torch.testing.assert_close(got, want, **TOL["fp32_chain"])
+        for name in want_grads:
+            torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
+                                       msg=name)
+        assert ours.entropy_coef == pytest.approx(theirs.entropy_coef, abs=1e-12), step
+        assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy,
+                                                         **APPROX["fp32_metric"]), step
+        for name in ("policy_loss", "entropy_coef"):
+            assert ours._metrics["train"][name][-1] == pytest.approx(
+                theirs._metrics["train"][name][-1], **APPROX["fp32_metric"]), name
+    assert theirs.entropy_coef != 0.05                      # the controller moved
+
+
 def test_default_precision(tmp_path):
     """TRL's default precision, bf16 autocast (a GPU run's default; on the CPU ``bf16=True``
     with ``use_cpu``): the trainer trains, and its first-step loss and gradients keep the

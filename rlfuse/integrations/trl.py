@@ -233,6 +233,8 @@ class RLFuseGRPOTrainer(GRPOTrainer):
 
         out = self._through_head(model, inputs, loss)
         self._log_rlfuse_metrics(mode, out.metrics)
+        if args.rlfuse_loss == "ppo":
+            self._entropy_controller(mode, out.loss, out.metrics, mask, train)
         return out.loss
 
     def _objective(self):
@@ -266,7 +268,8 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         # one, for TRL's entropy metric (the entropy rides in the same pass)
         accumulation = self.current_gradient_accumulation_steps if train else 1
         scale = 1.0 / accumulation if self.loss_type in TOKEN_COUNT_LOSS_TYPES else 1.0
-        out["entropy"] = terms.EntropyBonus(args.entropy_coef * scale, agg="token-mean")
+        out["entropy"] = terms.EntropyBonus(self._entropy_coef_applied() * scale,
+                                            agg="token-mean")
         if self.top_entropy_quantile < 1.0:
             group = torch.distributed.group.WORLD if self.accelerator.num_processes > 1 else None
             out["entropy_mask"] = terms.TopEntropyMask(self.top_entropy_quantile, group)
@@ -274,6 +277,50 @@ class RLFuseGRPOTrainer(GRPOTrainer):
             out["off_policy_mask"] = terms.OffPolicyMask(
                 self.off_policy_mask_threshold, inputs.get("sampling_per_token_logps", old))
         return out
+
+    def _entropy_coef_applied(self) -> float:
+        """TRL's coefficient of this step: the static one, or the adaptive one while the last
+        step's entropy is at most ``entropy_target`` (0 otherwise)."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return self.entropy_coef
+
+    def _entropy_controller(self, mode: str, loss, metrics, mask, train: bool) -> None:
+        """TRL's bookkeeping of the entropy bonus: ``policy_loss`` (the loss without the bonus,
+        as TRL logs it), the adaptive controller's window and update, ``entropy_coef``."""
+        if not self._entropy_bonus_enabled:
+            return
+        accumulation = self.current_gradient_accumulation_steps if train else 1
+        count = mask.sum().to(torch.float32)
+        if "entropy_kept" in metrics:      # the tokens the bonus acts on: the entropy mask's
+            mean, count = metrics["entropy_kept"], metrics["entropy_mask_frac"] * count
+        else:
+            mean = metrics["entropy"]
+        policy = loss.detach() + self._entropy_coef_applied() * mean / accumulation
+        if self.loss_type not in TOKEN_COUNT_LOSS_TYPES:   # TRL logs it before the accumulation
+            policy = policy * accumulation
+        self._metrics[mode]["policy_loss"].append(
+            self.accelerator.gather(policy.detach()).nanmean().item())
+        if self.use_adaptive_entropy and train:
+            stats = torch.stack([mean * count, count]).detach()
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
+            if self.accelerator.sync_gradients:
+                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world = (total[0] / total[1].clamp(min=1.0)).item()
+                args = self.args
+                if world <= args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta,
+                                            args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta,
+                                            args.entropy_coef_min)
+                self._last_world_entropy = world
+                self._entropy_window_stats = None
+        if train and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
     def _log_rlfuse_metrics(self, mode: str, metrics) -> None:
         gather = self.accelerator.gather
@@ -412,8 +459,7 @@ def _unsupported_options(args, teacher_model) -> List[str]:
         if value != default and loss != "ppo":
             problems.append(f"{name}={value!r} with rlfuse_loss={loss!r} (rlfuse_loss='ppo' "
                             f"takes it)")
-    for name, default in (("use_adaptive_entropy", False),):
-        value = getattr(args, name, default)
-        if value != default:
-            problems.append(f"{name}={value!r}")
+    if args.use_adaptive_entropy and loss != "ppo":
+        problems.append(f"use_adaptive_entropy=True with rlfuse_loss={loss!r} (rlfuse_loss='ppo' "
+                        f"takes it)")
     return problems
