@@ -187,6 +187,7 @@ OPTION_CASES = [
     dict(loss_type="dapo", off_policy_mask_threshold=0.05),
     dict(loss_type="grpo", beta=0.125, delta=1.5, entropy_coef=0.0625, top_entropy_quantile=0.75,
          off_policy_mask_threshold=0.1),
+    dict(loss_type="dapo", mask_truncated_completions=True, num_iterations=2),
 ]
 
 
