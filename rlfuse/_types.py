@@ -30,8 +30,9 @@ class Logits(NamedTuple):
     log-probs itself and, in the fused path, writes the gradient w.r.t. the whole ``logits``
     (zero rows outside the window) without materialising a ``[B, T, V]`` fp32 temporary or a
     slice's gradient buffer; with ``inplace_backward=True`` it writes it into the logits' own
-    buffer (only safe when nothing else needs the logits after the backward; the reference
-    ignores it).
+    buffer (only safe when nothing else needs the logits afterwards; the reference ignores it):
+    a single-pass loss does so during the call, and bumps the logits' version so that autograd
+    refuses a consumer that saved them before.
 
     ``index`` (packed, padding-free rows): ``logits [N, V]`` and ``targets [N]`` hold the rows
     of many sequences back to back, ``index [N]`` (int64) each row's flat position ``b T + t`` in

@@ -158,3 +158,40 @@ def test_inplace_into_overlapping_logits_is_refused(impl, device):
     lib.token_logprobs(expanded, targets)                     # reading an expanded view is fine
     full = torch.randn(4, 5, 7, device=device)
     lib.token_logprobs(full[:, :3], targets, inplace_backward=True)   # a slice has its memory
+
+
+@pytest.mark.parametrize("call", ["ppo", "policy_loss"])
+def test_inplace_single_pass_declares_its_write(call, device):
+    """``inplace_backward=True`` with a single-pass loss overwrites the logits with their
+    gradient during the call: their version moves, so a consumer that saved them before raises
+    in its backward instead of differentiating through overwritten values; alone, the gradient
+    is the one of ``inplace_backward=False``."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 3, 11, generator=gen).to(device)
+    ids = torch.randint(0, 11, (2, 3), generator=gen).to(device)
+    mask = torch.ones(2, 3, dtype=torch.bool, device=device)
+    old = -torch.rand(2, 3, generator=gen).to(device)
+    adv = torch.randn(2, generator=gen).to(device)
+
+    def loss(logits, inplace):
+        policy = rlfuse.Logits(logits, ids, inplace_backward=inplace)
+        if call == "ppo":
+            return rlfuse.ppo_loss(policy, old, adv, mask).loss
+        return rlfuse.policy_loss(policy, old, adv, mask, "cispo",
+                                  entropy=rlfuse.terms.EntropyBonus(0.1)).loss
+
+    grads = []
+    for inplace in (False, True):
+        leaf = x.clone().requires_grad_(True)
+        logits = leaf * 1.0
+        version = logits._version
+        out = loss(logits, inplace)
+        assert (logits._version > version) == inplace    # declared by the call itself
+        out.backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], **TOL["exact"])
+    leaf = x.clone().requires_grad_(True)
+    logits = leaf * 1.0
+    other = (logits * logits).sum()                 # saves the logits before the call
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss(logits, True) + other).backward()

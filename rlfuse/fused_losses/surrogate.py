@@ -151,7 +151,10 @@ def _(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale, 
 
 def _surrogate_logits_setup(ctx, inputs, output):
     _, sums, dlogits = output
-    ctx.save_for_backward(inputs.logits if inputs.inplace else dlogits, inputs.mask)
+    # in place, the logits' buffer holds the gradient: kept unsaved (the caller bumps its
+    # version, which saving would turn against this very backward)
+    ctx.buffer = inputs.logits if inputs.inplace else None
+    ctx.save_for_backward(dlogits, inputs.mask)
     ctx.mark_non_differentiable(sums, dlogits)
     ctx.set_materialize_grads(False)   # no zero-filled [B, S, V] "gradient" of dlogits
     ctx.offset = inputs.offset
@@ -169,6 +172,8 @@ def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
             "backward.")
     ctx.backward_done = True
     dlogits, mask = ctx.saved_tensors
+    if ctx.buffer is not None:
+        dlogits, ctx.buffer = ctx.buffer, None
     scale_rows_op(dlogits, mask, grad_loss, ctx.offset)
     return {"logits": dlogits.view(dlogits.shape)}
 
@@ -268,12 +273,15 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
         terms = {}
     elif single:
         logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)
+        write = policy.logits.requires_grad and torch.is_grad_enabled()
+        inplace = bool(policy.inplace_backward) and logits is policy.logits
         loss, sums, _ = surrogate_logits_op(
             logits, targets, **tokens, **terms_in, temperature=float(policy.temperature),
-            **flat,
-            write_dlogits=policy.logits.requires_grad and torch.is_grad_enabled(),
-            inplace=bool(policy.inplace_backward) and logits is policy.logits,
-            offset=int(policy.offset))
+            **flat, write_dlogits=write, inplace=inplace, offset=int(policy.offset))
+        if inplace and write:
+            # the logits now hold their gradient: a consumer that saved them raises in its
+            # backward rather than differentiate through overwritten values
+            torch.autograd.graph.increment_version(logits)
         terms = {}
     else:
         if entropy_scale is not None:
