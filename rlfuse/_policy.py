@@ -179,7 +179,7 @@ def check_policy_targets(policy, mask: Optional[torch.Tensor], shape, validate: 
     if policy.index is not None:
         shape = tuple(policy.targets.shape)
         if validate:
-            check_index(policy.index, math.prod(mask.shape) if mask is not None else None)
+            check_index(policy.index, math.prod(mask.shape) if mask is not None else None, mask)
             mask = packed_rows_mask(policy.index, mask) if mask is not None \
                 else policy.index >= 0
     if validate:

@@ -29,6 +29,8 @@ def test_packed_index_from_cu_seqlens():
     (dict(cu_seqlens=torch.tensor([0, 3, 2]), prompt_lengths=torch.tensor([1, 1])),
      "non-decreasing"),
     (dict(prompt_lengths=torch.tensor([1, 1])), "prompt_lengths"),
+    (dict(prompt_lengths=torch.tensor([-1])), r"prompt_lengths: expected values in \[0"),
+    (dict(prompt_lengths=torch.tensor([5])), r"prompt_lengths: expected values in \[0"),
     (dict(response_length=-1), "response_length"),
 ])
 def test_packed_index_bad_input(bad, match):
@@ -144,6 +146,9 @@ def test_packed_policy_logprobs_are_per_row(impl):
     (dict(index=lambda i: torch.where(i >= 0, 0, i)), ValueError, "appears twice"),
     (dict(index=lambda i: i.int()), TypeError, "int64"),
     (dict(index=lambda i: i[:-1]), ValueError, "policy.index"),
+    # an actor position left without a row would count as log-prob 0 (probability 1)
+    (dict(index=lambda i: torch.where(i == i.max(), -1, i)), ValueError,
+     r"actor position \[3, 0\] \(mask=True\) has no row"),
     (dict(offset=1), ValueError, "take no offset"),
     (dict(targets=lambda y: torch.where(y == y, 99, y)), ValueError, r"\[0, 37\)"),
 ])

@@ -42,6 +42,10 @@ def packed_index(cu_seqlens: Tensor, prompt_lengths: Tensor, response_length: in
     lengths = cu[1:] - cu[:-1]
     if bool((lengths < 0).any()) or int(cu[0]) != 0:
         raise ValueError("cu_seqlens: expected non-decreasing row offsets starting at 0")
+    prompts = prompt_lengths.long().to(cu.device)
+    if bool(((prompts < 0) | (prompts > lengths)).any()):
+        raise ValueError(f"prompt_lengths: expected values in [0, the sequence's rows], got "
+                         f"{prompt_lengths.tolist()} for {lengths.tolist()} rows")
     seq = torch.repeat_interleave(torch.arange(B, device=cu.device), lengths)
     rows = torch.arange(int(cu[-1]), device=cu.device)
     t = rows - cu[:-1][seq] + 1 - prompt_lengths.long().to(cu.device)[seq]
@@ -50,9 +54,11 @@ def packed_index(cu_seqlens: Tensor, prompt_lengths: Tensor, response_length: in
     return torch.where(inside, seq * response_length + t, torch.full_like(t, -1))
 
 
-def check_index(index: Tensor, positions: Optional[int]) -> None:
-    """Values in ``[-1, positions)`` (``positions`` None: >= -1), no position twice (one host
-    sync)."""
+def check_index(index: Tensor, positions: Optional[int],
+                mask: Optional[Tensor] = None) -> None:
+    """Values in ``[-1, positions)`` (``positions`` None: >= -1), no position twice, and with
+    ``mask`` a row for every actor position (one without would count as log-prob 0, a
+    probability of 1, in the loss); one host sync."""
     bad = index < -1
     if positions is not None:
         bad |= index >= positions
@@ -64,6 +70,14 @@ def check_index(index: Tensor, positions: Optional[int]) -> None:
     used = index[index >= 0]
     if used.numel() != torch.unique(used).numel():
         raise ValueError("policy.index: a loss position appears twice")
+    if mask is not None:
+        covered = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+        covered[used.to(mask.device)] = True
+        missing = (mask.reshape(-1) != 0) & ~covered
+        if bool(missing.any()):
+            b, t = divmod(int(missing.nonzero()[0]), mask.shape[-1])
+            raise ValueError(f"policy.index: the actor position [{b}, {t}] (mask=True) has no "
+                             f"row; expected a row for every actor position")
 
 
 def packed_rows_mask(index: Tensor, mask: Optional[Tensor]) -> Tensor:
