@@ -169,3 +169,25 @@ def test_packed_needs_rows_and_a_loss_shape(impl):
     with pytest.raises(ValueError, match=r"\[N, H\]"):
         LOSSES["gppo"](impl, impl.LinearHead(d["hidden"], d["weight"], d["targets"],
                                            index=d["index"]), d)
+
+
+@pytest.mark.parametrize("form", ["logits", "head"])
+def test_an_empty_pack(impl, form):
+    """N = 0 packed rows (a micro-batch with no tokens): per-row log-probs of shape [0], and a
+    loss of 0 over an all-masked [B, T] whose gradient has the rows' shape."""
+    V, H = 7, 4
+    targets, index = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    leaf = torch.randn(0, V if form == "logits" else H, requires_grad=True)
+    weight = torch.randn(V, H)
+
+    def policy():
+        if form == "logits":
+            return impl.Logits(leaf, targets, index=index)
+        return impl.LinearHead(leaf, weight, targets, index=index)
+
+    assert tuple(impl.policy_logprobs(policy()).shape) == (0,)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    for loss in (impl.gppo_loss, impl.ppo_loss):
+        out = loss(policy(), torch.zeros(2, 5), torch.zeros(2), mask)
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        assert out.loss.item() == 0 and grad.shape == leaf.shape

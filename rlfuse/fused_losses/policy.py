@@ -51,7 +51,7 @@ def window_logprobs(policy, mask: Optional[Tensor], *, gather: bool, validate: b
     logprobs = _local_logprobs if group is None else vocab_op.split_logprobs
     logp, entropy = logprobs(rows, rows_mask, gather=gather, return_entropy=return_entropy)
     return (layout.to_loss_layout(policy, logp, mask),
-            layout.to_loss_layout(policy, entropy, mask))
+            layout.to_loss_layout(policy, entropy, mask) if return_entropy else entropy)
 
 
 def learner_logprobs(policy, mask: Tensor, *, validate: bool, return_entropy: bool = False):

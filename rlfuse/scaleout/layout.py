@@ -155,7 +155,7 @@ def row_mask(policy, mask: Optional[Tensor]) -> Optional[Tensor]:
 def to_loss_layout(policy, values: Optional[Tensor], mask: Optional[Tensor]) -> Optional[Tensor]:
     """Per-row ``values [1, N]`` of a packed policy at their loss positions ``[B, T]`` (the
     mask's shape; per row ``[N]`` without a mask); others unchanged."""
-    if policy.index is None or values is None or values.numel() == 0:
+    if policy.index is None or values is None:
         return values
     values = values.reshape(-1)
     if mask is None:
