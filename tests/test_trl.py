@@ -84,6 +84,31 @@ def loss_and_grads(trainer, inputs, accumulation):
                            if p.grad is not None}
 
 
+def off_policy_batch(theirs, ours, data, case):
+    """A generation batch of TRL's trainer with old log-probs off the policy (enough to clip:
+    more for a sequence's mean ratio) and random advantages."""
+    theirs.model.train()
+    inputs = theirs._generate_and_score_completions([data[i] for i in range(4)])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        lp = ours._completion_logprobs(ours.model, inputs)
+    noise = 1.0 if case.get("importance_sampling_level") == "sequence" else 0.3
+    inputs["old_per_token_logps"] = lp + noise * torch.randn(lp.shape, generator=gen)
+    inputs["advantages"] = torch.randn(lp.shape[0], generator=gen)
+    return inputs, gen
+
+
+def assert_same_step(theirs, ours, inputs, accumulation):
+    """TRL's loss and every parameter's gradient, from both trainers on ``inputs``."""
+    want, want_grads = loss_and_grads(theirs, inputs, accumulation)
+    got, got_grads = loss_and_grads(ours, inputs, accumulation)
+    torch.testing.assert_close(got, want, **TOL["fp32_chain"])
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
+                                   msg=name)
+
+
 CASES = [dict(loss_type=t) for t in ("grpo", "bnpo", "dr_grpo", "dapo")] + [
     dict(loss_type="dapo", epsilon_high=0.28),
     dict(loss_type="grpo", importance_sampling_level="sequence"),
@@ -97,22 +122,9 @@ def test_ppo_reproduces_trl(case, accumulation, tmp_path):
     """Same generation batch, same weights: rlfuse's loss (through LinearHead, no logits) and
     every parameter's gradient equal TRL's, with an old policy off enough to clip."""
     theirs, ours, data = trainers(tmp_path, gradient_accumulation_steps=accumulation, **case)
-    theirs.model.train()
-    inputs = theirs._generate_and_score_completions([data[i] for i in range(4)])
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        lp = ours._completion_logprobs(ours.model, inputs)
-    noise = 1.0 if case.get("importance_sampling_level") == "sequence" else 0.3
-    inputs["old_per_token_logps"] = lp + noise * torch.randn(lp.shape, generator=gen)
-    inputs["advantages"] = torch.randn(lp.shape[0], generator=gen)
-    want, want_grads = loss_and_grads(theirs, inputs, accumulation)
-    got, got_grads = loss_and_grads(ours, inputs, accumulation)
+    inputs, _ = off_policy_batch(theirs, ours, data, case)
+    assert_same_step(theirs, ours, inputs, accumulation)
     assert theirs._metrics["train"]["clip_ratio/region_mean"][-1] > 0    # the clip is active
-    torch.testing.assert_close(got, want, **TOL["fp32_chain"])
-    assert got_grads.keys() == want_grads.keys()
-    for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
-                                   msg=name)
     for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         assert ours._metrics["train"][name][-1] == pytest.approx(
             theirs._metrics["train"][name][-1], **APPROX["fp32_metric_abs"]), name
@@ -197,28 +209,15 @@ def test_every_loss_option_reproduces_trl(case, accumulation, tmp_path):
     """rlfuse_loss="ppo" with each TRL loss_type and loss option: TRL's loss, every parameter's
     gradient and the metrics TRL logs, on the same batch."""
     kw = dict(case, gradient_accumulation_steps=accumulation)
-    if case.get("beta"):                 # TRL loads the reference model from the policy's path
+    if case.get("beta"):      # TRL's own trainer reloads its reference from the policy's path
         model().save_pretrained(tmp_path / "policy")
     theirs, ours, data = trainers(tmp_path, path=tmp_path / "policy" if case.get("beta") else None,
                                   **kw)
-    theirs.model.train()
-    inputs = theirs._generate_and_score_completions([data[i] for i in range(4)])
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        lp = ours._completion_logprobs(ours.model, inputs)
-    noise = 1.0 if case.get("importance_sampling_level") == "sequence" else 0.3
-    inputs["old_per_token_logps"] = lp + noise * torch.randn(lp.shape, generator=gen)
-    inputs["advantages"] = torch.randn(lp.shape[0], generator=gen)
+    inputs, gen = off_policy_batch(theirs, ours, data, case)
     if case.get("beta"):   # the reference is the policy's copy: moved, so that the KL acts
-        inputs["ref_per_token_logps"] = inputs["ref_per_token_logps"] + 0.5 * torch.randn(
-            lp.shape, generator=gen)
-    want, want_grads = loss_and_grads(theirs, inputs, accumulation)
-    got, got_grads = loss_and_grads(ours, inputs, accumulation)
-    torch.testing.assert_close(got, want, **TOL["fp32_chain"])
-    assert got_grads.keys() == want_grads.keys()
-    for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
-                                   msg=name)
+        ref = inputs["ref_per_token_logps"]
+        inputs["ref_per_token_logps"] = ref + 0.5 * torch.randn(ref.shape, generator=gen)
+    assert_same_step(theirs, ours, inputs, accumulation)
     if case.get("beta"):
         assert theirs._metrics["train"]["kl"][-1] > 1e-2
     names = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"],
