@@ -150,12 +150,7 @@ def test_per_token_multipliers(loss_type, ratio_shape, tmp_path):
     inputs["tool_mask"] = (torch.rand(B, T, generator=gen) > 0.3).to(torch.long)
     for trainer in (theirs, ours):
         trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
-    want, want_grads = loss_and_grads(theirs, inputs, 1)
-    got, got_grads = loss_and_grads(ours, inputs, 1)
-    torch.testing.assert_close(got, want, **TOL["fp32_chain"])
-    for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
-                                   msg=name)
+    assert_same_step(theirs, ours, inputs, 1)
 
 
 @pytest.mark.parametrize("loss, extra", [
@@ -245,12 +240,7 @@ def test_adaptive_entropy_reproduces_trl(case, tmp_path):
     gen = torch.Generator().manual_seed(5)
     inputs["advantages"] = torch.randn(inputs["completion_ids"].shape[0], generator=gen)
     for step in range(3):
-        want, want_grads = loss_and_grads(theirs, inputs, 1)
-        got, got_grads = loss_and_grads(ours, inputs, 1)
-        torch.testing.assert_close(got, want, **TOL["fp32_chain"])
-        for name in want_grads:
-            torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
-                                       msg=name)
+        assert_same_step(theirs, ours, inputs, 1)
         assert ours.entropy_coef == pytest.approx(theirs.entropy_coef, abs=1e-12), step
         assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy,
                                                          **APPROX["fp32_metric"]), step
