@@ -107,7 +107,8 @@ def terms(name, case):
 
 
 LOGPROB_TERMS = ("none", "kl_k3", "kl_trl", "kl_abs_st", "weights", "off_policy")
-LOGITS_TERMS = LOGPROB_TERMS + ("entropy", "entropy_mask")
+# from logits: each kind of term (the plain k3 and the weights as from log-probs and a head)
+LOGITS_TERMS = ("none", "kl_trl", "kl_abs_st", "off_policy", "entropy", "entropy_mask")
 # a LinearHead's chunks run the logits' row kernels: each kind of term once
 HEAD_TERMS = ("none", "kl_trl", "weights", "entropy", "entropy_mask")
 FIXED_AGG = ("sapo", "luspo", "geo_mean")

@@ -189,8 +189,12 @@ def _drive():
 
     weight = torch.randn(V, 64, generator=g).to(torch.bfloat16)
     hidden = torch.randn(B, T, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    # the kernels' objectives (the sequence- and batch-level ones run the log-prob kernels,
+    # driven above, and their [B, T] math in torch), one of those, and GSPO's ratio modes
     needs = {"dro": objectives.DRO(dro_beta=0.1)}   # objectives with no default parameters
-    for name in objectives.OBJECTIVES:
+    names = ("clip", "gppo", "cispo", "cispo_trl", "sapo", "sapo_trl", "gpg", "dro", "dppo_tv",
+             "dppo_kl", "gspo", "gspo_trl", "vespo")
+    for name in names:
         objective = needs.get(name, name)
         for estimator in (KL_ESTIMATORS + ("k3+",) if name == "clip" else ("k3",)):
             kw = dict(ref_logprobs=teacher, validate=False,
