@@ -8,8 +8,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ._policy import policy_device
-from ._types import LinearHead
+from ._policy import matmul_head, policy_device
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # `@triton.jit` picks the interpreter when the kernels are decorated, at their import right
@@ -37,22 +36,6 @@ def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(kind)
 
 
-def autocast_head(policy, dtype: torch.dtype):
-    """A ``LinearHead`` whose fp32 / fp16 / bf16 hidden states, weight and bias are cast to
-    ``dtype`` (differentiably: their gradients come back in their own dtypes), as autocast
-    casts a linear layer's inputs; fp64 and every other policy unchanged."""
-    if not isinstance(policy, LinearHead):
-        return policy
-
-    def cast(x):
-        if x is None or x.dtype == torch.float64 or not x.is_floating_point():
-            return x
-        return x.to(dtype)
-
-    return policy._replace(hidden=cast(policy.hidden), weight=cast(policy.weight),
-                           bias=cast(policy.bias))
-
-
 def falls_back_to(reference_fn: Callable) -> Callable:
     """Declares a public fused function's reference twin.
 
@@ -75,13 +58,13 @@ def falls_back_to(reference_fn: Callable) -> Callable:
             if device is None or not use_kernels(device):
                 return reference_fn(*args, **kwargs)
             dtype = autocast_dtype(device)
-            if dtype is None:
-                return kernel_fn(*args, **kwargs)
-            # autocast: a head's matmuls in its dtype (as autocast runs a linear layer), the
-            # kernels' own precision (fp32 accumulation) for the rest
-            policy = autocast_head(policy, dtype)
+            # a head's matmuls in its head_dtype, else in autocast's dtype (as autocast runs a
+            # linear layer); the kernels' own precision (fp32 accumulation) for the rest
+            policy = matmul_head(policy, dtype)
             args, kwargs = ((policy,) + args[1:], kwargs) if args else \
                 ((), dict(kwargs, **{first: policy}))
+            if dtype is None:
+                return kernel_fn(*args, **kwargs)
             with torch.autocast(device.type, enabled=False):
                 return kernel_fn(*args, **kwargs)
 

@@ -1,6 +1,7 @@
-"""The small ``[B, T]`` math both implementations share: broadcasts, the aggregation weights
-(written once, used by the reference's sums and the kernels' row weights alike), masked means,
-GR-OPD's clamped feedback, and GRPO's group advantages (one implementation for both paths).
+"""The small math both implementations share: broadcasts, the aggregation weights (written
+once, used by the reference's sums and the kernels' row weights alike), masked means, GR-OPD's
+clamped feedback, GRPO's group advantages (one implementation for both paths), and a head's
+logit scale and softcap.
 """
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ import torch
 from ._docs import documented
 from ._types import compute_dtype
 from ._validation import check_finite, check_group_size, check_positive, check_tensor
+
+
+def head_logits(x: torch.Tensor, logit_scale: float, softcap: Optional[float]) -> torch.Tensor:
+    """``softcap(logit_scale x)`` with ``softcap(y) = cap tanh(y / cap)`` (None: none) in the
+    compute dtype: what a ``LinearHead`` puts after its matmul, before the temperature."""
+    x = x.to(compute_dtype(x.dtype))
+    if logit_scale != 1.0:
+        x = x * logit_scale
+    if softcap is not None:
+        x = torch.tanh(x / softcap) * softcap
+    return x
 
 
 def per_token(x: torch.Tensor, shape) -> torch.Tensor:

@@ -14,8 +14,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from ._types import LinearHead, Logits, compute_dtype
-from ._validation import (as_bool_mask, check_logits, check_mask, check_no_overlap,
-                          check_positive, check_targets, check_tensor)
+from ._validation import (as_bool_mask, check_chunk_tokens, check_logits, check_mask,
+                          check_no_overlap, check_positive, check_targets, check_tensor)
 from .scaleout.layout import check_index, packed_rows_mask
 
 
@@ -68,19 +68,50 @@ def _check_linear_head(head: LinearHead, dims: int) -> None:
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
         raise ValueError(f"policy.weight: expected shape [V, H] with H = {hidden.shape[-1]} "
                          f"(the hidden size) and V >= 1, got {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"policy.weight: expected the hidden states' dtype {hidden.dtype}, got "
-                        f"{weight.dtype}")
+    if weight.dtype != hidden.dtype and head.head_dtype is None:
+        raise TypeError(f"policy.weight: expected the hidden states' dtype {hidden.dtype} (or "
+                        f"a head_dtype for both), got {weight.dtype}")
     if bias is not None:
         check_tensor("policy.bias", bias, shape=(weight.shape[0],), device=hidden.device,
                      floating=True)
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"policy.bias: expected the hidden states' dtype {hidden.dtype}, "
-                            f"got {bias.dtype}")
-    if head.chunk_tokens is not None and (isinstance(head.chunk_tokens, bool) or not isinstance(
-            head.chunk_tokens, int) or head.chunk_tokens <= 0):
-        raise ValueError(f"policy.chunk_tokens: expected None or an int > 0, got "
-                         f"{head.chunk_tokens!r}")
+        if bias.dtype != hidden.dtype and head.head_dtype is None:
+            raise TypeError(f"policy.bias: expected the hidden states' dtype {hidden.dtype} "
+                            f"(or a head_dtype for both), got {bias.dtype}")
+    check_chunk_tokens("policy.chunk_tokens", head.chunk_tokens)
+    check_positive("policy.logit_scale", head.logit_scale)
+    if head.softcap is not None:
+        check_positive("policy.softcap", head.softcap)
+    _check_head_dtype(head.head_dtype)
+
+
+def _check_head_dtype(dtype) -> None:
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                           torch.float64):
+        raise TypeError(f"policy.head_dtype: expected None or a floating dtype "
+                        f"(bf16/fp16/fp32/fp64), got {dtype!r}")
+
+
+def matmul_head(policy, autocast: Optional[torch.dtype] = None):
+    """A ``LinearHead`` whose hidden states, weight and bias are cast (differentiably: their
+    gradients come back in their own dtypes) to the dtype of its matmuls: its ``head_dtype``,
+    else ``autocast`` (what autocast casts a linear layer's inputs to; fp64 stays fp64), else
+    none; every other policy unchanged."""
+    if not isinstance(policy, LinearHead):
+        return policy
+    _check_head_dtype(policy.head_dtype)
+    dtype = policy.head_dtype
+
+    def cast(x):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        if dtype is not None:
+            return x.to(dtype)
+        return x if autocast is None or x.dtype == torch.float64 else x.to(autocast)
+
+    if dtype is None and autocast is None:
+        return policy
+    return policy._replace(hidden=cast(policy.hidden), weight=cast(policy.weight),
+                           bias=cast(policy.bias))
 
 
 def _group_size(group) -> int:

@@ -66,7 +66,18 @@ class LinearHead(NamedTuple):
     in the environment variable ``RLFUSE_CHUNK_BYTES``). ``index`` and ``vocab_parallel_group``
     as for :class:`Logits`: packed ``hidden [N, H]`` and ``targets [N]``; a ``weight [V_local,
     H]`` (and ``bias``) shard per rank, whose hidden-state gradient is summed over the group.
-    Pass ``offset``, ``chunk_tokens``, ``index`` and ``vocab_parallel_group`` by keyword.
+    What models put after the output projection, in this order, then the temperature:
+    ``logit_scale`` (a positive factor: Cohere's ``logit_scale``, Granite's ``1 /
+    logits_scaling``) and ``softcap`` (``cap tanh(logits / cap)``, Gemma 2/3's
+    ``final_logit_softcapping``; None: none), so that log-probs are ``log_softmax(softcap(
+    logit_scale (hidden @ weight.T + bias)) / temperature)``; the fused path applies both, and
+    the softcap's derivative, in its row kernels (fp32 or fp64, on the logits as the matmul
+    stored them). ``head_dtype``: the dtype of the chunk matmuls, ``hidden``, ``weight`` and
+    ``bias`` cast to it (differentiably: each gradient in its tensor's dtype); e.g.
+    ``torch.float32`` for an fp32 head over bf16 hidden states (TRL's
+    ``cast_lm_head_to_fp32``). Without it the three share one dtype (under autocast: the
+    autocast dtype). Pass ``offset``, ``chunk_tokens``, ``index``, ``vocab_parallel_group``,
+    ``logit_scale``, ``softcap`` and ``head_dtype`` by keyword.
     """
 
     hidden: torch.Tensor
@@ -78,3 +89,6 @@ class LinearHead(NamedTuple):
     chunk_tokens: Optional[int] = None
     index: Optional[torch.Tensor] = None
     vocab_parallel_group: Optional[Any] = None
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    head_dtype: Optional[torch.dtype] = None

@@ -219,6 +219,12 @@ def check_count(name: str, value, device: torch.device, validate: bool):
     return check_positive(name, value)
 
 
+def check_chunk_tokens(name: str, value) -> None:
+    """None (the default chunking) or an int > 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name}: expected None or an int > 0, got {value!r}")
+
+
 def check_loss_scale(loss_scale) -> float:
     """A finite number that multiplies the loss and every gradient."""
     value = check_number("loss_scale", loss_scale)
@@ -259,13 +265,13 @@ def check_clip(name: str, clip) -> Tuple[float, float]:
     return check_sides(name, clip, _check_clip_low)
 
 
-def check_dual_clip(dual_clip) -> float:
+def check_dual_clip(dual_clip, name: str = "dual_clip") -> float:
     """None (no dual clip: inf) or a finite ``c > 1``."""
     if dual_clip is None:
         return math.inf
-    value = check_number("dual_clip", dual_clip)
+    value = check_number(name, dual_clip)
     if not 1.0 < value < math.inf:
-        raise ValueError(f"dual_clip: expected None or a finite value > 1, got {value}")
+        raise ValueError(f"{name}: expected None or a finite value > 1, got {value}")
     return value
 
 

@@ -229,7 +229,7 @@ def _op_cases(device):
     hidden = x.hidden.clone().requires_grad_(True)
     weight = x.weight.clone().requires_grad_(True)
     _, head_entropy, head_stats = linear_head.linear_logprobs_op(
-        hidden.detach(), x.weight, x.bias, x.targets, x.mask, 0.9, 1, 7, False, True)
+        hidden.detach(), x.weight, x.bias, x.targets, x.mask, 0.9, 0.5, 3.0, 1, 7, False, True)
     stats = logprobs.token_logprobs_op(logits.detach(), x.targets, x.mask, 0.9, False, False,
                                        0)[2]
     return {
@@ -283,21 +283,24 @@ def _op_cases(device):
                            torch.tensor(1.5, device=device), torch.tensor(9.0, device=device),
                            torch.float64)],
         "gppo_bounds": [(x.old, "kl", "binary", 0.1, 0.3)],
-        "linear_logprobs": [(hidden, x.weight, x.bias, x.targets, x.mask, 0.9, 1, 7, False, True),
-                            (hidden, weight, None, x.targets, None, 1.0, 0, 3, False, False)],
+        # (the head's logit scale and softcap, 0: none, after the temperature)
+        "linear_logprobs": [(hidden, x.weight, x.bias, x.targets, x.mask, 0.9, 0.5, 3.0, 1, 7,
+                             False, True),
+                            (hidden, weight, None, x.targets, None, 1.0, 1.0, 0.0, 0, 3, False,
+                             False)],
         "linear_logprobs_backward": [(hidden.detach(), x.weight, x.bias, x.targets, x.mask,
                                       head_stats, head_entropy, torch.randn(B, T, device=device),
-                                      torch.randn(B, T, device=device), 0.9, 1, 7, False,
-                                      [True, True, True])],
+                                      torch.randn(B, T, device=device), 0.9, 0.5, 3.0, 1, 7,
+                                      False, [True, True, True])],
         "linear_surrogate": [
             (hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, None, weights, None, None,
-             None, 0.9, "clip", "chi2", "atomic", 0.04, 0.04, [inf], 20.0, "", False, False,
-             False, 1, 7, False, [True, True, False]),
+             None, 0.9, 1.0, 0.0, "clip", "chi2", "atomic", 0.04, 0.04, [inf], 20.0, "", False,
+             False, False, 1, 7, False, [True, True, False]),
             (hidden, weight, None, x.targets, x.mask, None, x.adv, token_w, weights, None, None,
-             None, 1.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 20.0, "", False, False,
-             False, 0, 3, True, [True, True, False]),
+             None, 1.0, 2.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 20.0, "", False,
+             False, False, 0, 3, True, [True, True, False]),
             (hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, None, weights, x.ref,
-             0.5 * weights, 0.25 * weights, 0.9, "sapo", "ppo_clip", "mc", 1.0, 1.0, [1.0, 1.05],
+             0.5 * weights, 0.25 * weights, 0.9, 0.5, 3.0, "sapo", "ppo_clip", "mc", 1.0, 1.0, [1.0, 1.05],
              20.0, "k1", True, False, False, 1, 7, False, [True, True, True])],
         "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6,
                                torch.float64)],

@@ -17,7 +17,9 @@ transformers = integration("transformers")
 datasets = integration("datasets")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
-from rlfuse.integrations.trl import RLFuseGRPOConfig, RLFuseGRPOTrainer  # noqa: E402
+import rlfuse  # noqa: E402
+from rlfuse.integrations.trl import (RLFuseGRPOConfig, RLFuseGRPOTrainer,  # noqa: E402
+                                     _add_head_forward, _model_head)
 
 WORDS = [f"w{i}" for i in range(40)]
 
@@ -37,6 +39,32 @@ def model(seed=0):
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
         pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(config)
+
+
+def head_model(name, seed=0):
+    """A tiny model of a family whose forward scales or softcaps the logits after the output
+    head, the head's weight large enough for the softcap to bend them."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=len(WORDS) + 2, hidden_size=16, intermediate_size=32,
+                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                  max_position_embeddings=32, pad_token_id=0, eos_token_id=1,
+                  bos_token_id=None, tie_word_embeddings=False)
+    net = {
+        "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, head_dim=8, final_logit_softcapping=2.0, attn_implementation="eager")),
+        "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **common, head_dim=8, final_logit_softcapping=2.0, attn_implementation="eager")),
+        "cohere": lambda: transformers.CohereForCausalLM(transformers.CohereConfig(
+            **common, logit_scale=0.25)),
+        "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
+            **common, logits_scaling=4.0)),
+    }[name]()
+    with torch.no_grad():
+        net.lm_head.weight.mul_(100.0)
+    return net
+
+
+HEAD_MODELS = ("gemma2", "gemma3", "cohere", "granite")
 
 
 def dataset(n=8):
@@ -60,11 +88,11 @@ def config(tmp_path, **kw):
     return base
 
 
-def trainers(tmp_path, path=None, **kw):
-    """TRL's trainer and rlfuse's, on copies of one model (loaded from ``path``: a reference
-    model is), with one config."""
+def trainers(tmp_path, path=None, net=None, **kw):
+    """TRL's trainer and rlfuse's, on copies of one model (``net``, else a Llama; loaded from
+    ``path``: a reference model is), with one config."""
     data, tok = dataset(), tokenizer()
-    net = model() if path is None else str(path)
+    net = (net or model()) if path is None else str(path)
     copy_of = copy.deepcopy if path is None else (lambda x: x)
     theirs = trl.GRPOTrainer(model=copy_of(net), reward_funcs=reward, train_dataset=data,
                              processing_class=tok, args=trl.GRPOConfig(**config(tmp_path, **kw)))
@@ -316,6 +344,59 @@ def test_cast_lm_head_to_fp32(tmp_path):
                          atol_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("name", HEAD_MODELS)
+def test_model_heads_equal_their_own_logits(name):
+    """In float64, the head the trainer reads from a model's config (Gemma's softcap, Cohere's
+    logit scale, Granite's logits scaling) gives the log-probs of the model's own logits, and
+    their gradient to every parameter."""
+    net = head_model(name).double()
+    _add_head_forward(net)
+    fields = _model_head(net)
+    assert fields != dict(logit_scale=1.0, softcap=None)
+    ids = torch.randint(2, len(WORDS) + 2, (2, 7), generator=torch.Generator().manual_seed(0))
+    targets = ids[:, 1:]
+    ours = net(input_ids=ids, rlfuse_head=lambda h, w, b: rlfuse.policy_logprobs(
+        rlfuse.LinearHead(h, w, targets, b, **fields)))
+    own = torch.log_softmax(net(input_ids=ids).logits[:, :-1], -1).gather(
+        -1, targets[..., None])[..., 0]
+    assert (own - torch.log_softmax(
+        torch.nn.functional.linear(net.model(input_ids=ids).last_hidden_state,
+                                   net.lm_head.weight)[:, :-1], -1).gather(
+        -1, targets[..., None])[..., 0]).abs().max() > 1e-2      # the head's transform matters
+    torch.testing.assert_close(ours, own, **TOL["fp64_head"])
+    params = [p for p in net.parameters() if p.requires_grad]
+    for got, want in zip(torch.autograd.grad(ours.sum(), params, allow_unused=True),
+                         torch.autograd.grad(own.sum(), params, allow_unused=True)):
+        if want is None:
+            assert got is None or (got == 0).all()
+        else:
+            torch.testing.assert_close(got, want, **TOL["fp64_head"])
+
+
+@pytest.mark.parametrize("name", ["gemma2", "cohere"])
+def test_model_heads_reproduce_trl(name, tmp_path):
+    theirs, ours, data = trainers(tmp_path, net=head_model(name), loss_type="dapo")
+    inputs, _ = off_policy_batch(theirs, ours, data, {})
+    assert_same_step(theirs, ours, inputs, 1)
+
+
+def test_a_head_rlfuse_does_not_know_is_refused(tmp_path):
+    """A model whose forward does something after the backbone that its config does not say
+    (MiniCPM divides the hidden states before its head) is refused at construction."""
+    net = model()
+    original = net.forward
+
+    def forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    net.forward = forward
+    with pytest.raises(ValueError, match="does something after the backbone"):
+        RLFuseGRPOTrainer(model=net, reward_funcs=reward, train_dataset=dataset(),
+                          processing_class=tokenizer(), args=RLFuseGRPOConfig(**config(tmp_path)))
+
+
 def test_reference_of_a_model_built_in_memory(tmp_path):
     """beta > 0 with a policy built in memory (no checkpoint to reload): TRL's reference model is
     a copy of the policy, equal in weights, sharing none."""
@@ -362,8 +443,10 @@ def test_unsupported_options_are_listed(tmp_path):
                           args=RLFuseGRPOConfig(**config(tmp_path, loss_type="sapo", beta=0.5,
                                                          delta=2.0, use_adaptive_entropy=True),
                                                 rlfuse_loss="gppo"))
-    with pytest.raises(ValueError, match="rlfuse_geometry='chi' .expected one of.*"
-                                         "rlfuse_delta=-0.1.*rlfuse_chunk_tokens=0"):
+    with pytest.raises(ValueError, match="rlfuse_geometry: expected one of .*got 'chi'.*"
+                                         "rlfuse_delta: expected a value finite and > 0, got "
+                                         "-0.1.*rlfuse_chunk_tokens: expected None or an int > 0, "
+                                         "got 0"):
         RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
                           processing_class=tokenizer(),
                           args=RLFuseGRPOConfig(**config(tmp_path), rlfuse_loss="gppo",

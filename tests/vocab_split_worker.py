@@ -1,6 +1,7 @@
 """One rank of the vocabulary-split tests (``tests/test_vocab_split.py`` starts W of them with
 ``torch.distributed.run`` over ``gloo``): every loss and ``policy_logprobs``, in every policy
-form (``Logits`` with a whole output and ``offset``, ``LinearHead``, both packed), with the
+form (``Logits`` with a whole output and ``offset``, ``LinearHead``, both packed, a
+``LinearHead`` with a logit scale and softcap), with the
 vocabulary split over the group, against the same call on the whole vocabulary in this process
 — values, metrics, the shard's gradient, a ``LinearHead``'s full hidden-state gradient — for the
 fused path and the reference; the split under ``torch.compile(fullgraph=True)`` equal to eager
@@ -8,7 +9,8 @@ and its custom ops opchecked (they need a process group); the collectives per ca
 data-parallel counts; bad input raised on every rank.
 
     python -m torch.distributed.run --standalone --nproc_per_node W tests/vocab_split_worker.py
-        [--dtype float64] [--impls fused,reference] [--forms logits,head,packed,packed_head]
+        [--dtype float64] [--impls fused,reference]
+        [--forms logits,head,packed,packed_head,capped_head]
 """
 import argparse
 import datetime
@@ -71,6 +73,8 @@ def policy(lib, form, d, leaves, group):
         return lib.Logits(leaves[0], d["packed_targets"], index=d["index"], **kw)
     targets = d["packed_targets"] if form == "packed_head" else d["targets"]
     extra = dict(index=d["index"]) if form == "packed_head" else dict(offset=P)
+    if form == "capped_head":   # a model's logit scale and softcap after the matmul
+        extra.update(logit_scale=1.5, softcap=1.25)
     return lib.LinearHead(leaves[0], leaves[1], targets, leaves[2], chunk_tokens=3, **kw,
                           **extra)
 
@@ -91,6 +95,11 @@ CALLS = {
         ref_logprobs=d["teacher"], kl=rlfuse.terms.KLPenalty(0.25, importance_weighted=True),
         entropy=rlfuse.terms.EntropyBonus(0.125)),
 }
+
+
+# the head's scale and softcap ride in the row kernels that every split LinearHead call shares:
+# the log-probs (their backward) and one loss suffice
+CALLS_OF = {"capped_head": ("policy_logprobs", "policy_terms")}
 
 
 def scalar(out, d):
@@ -231,8 +240,9 @@ def check_opcheck(d, group, rank, world):
         "vocab_split_logprobs": [(logits, d["targets"], d["mask"], 0.9, True, False, P, name),
                                  (logits, d["targets"], None, 1.0, False, False, P, name)],
         "vocab_split_linear_logprobs": [
-            (hidden, weight, bias, d["targets"], d["mask"], 0.9, P, 3, False, True, name),
-            (hidden, weight, None, d["targets"], None, 1.0, P, 4, False, False, name)],
+            (hidden, weight, bias, d["targets"], d["mask"], 0.9, 0.5, 3.0, P, 3, False, True,
+             name),
+            (hidden, weight, None, d["targets"], None, 1.0, 1.0, 0.0, P, 4, False, False, name)],
         "group_sum_": [(torch.randn(3, 2, dtype=hidden.dtype), name)],
     }
     assert set(cases) == set(SPLIT_OPS)
@@ -256,7 +266,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="float64")
     p.add_argument("--impls", default="fused,reference")
-    p.add_argument("--forms", default="logits,head,packed,packed_head")
+    p.add_argument("--forms", default="logits,head,packed,packed_head,capped_head")
     p.add_argument("--calls", default=",".join(CALLS))
     p.add_argument("--compile", action="store_true",
                    help="also torch.compile the split and opcheck its ops")
@@ -270,7 +280,8 @@ def main():
     for impl in args.impls.split(","):
         for form in args.forms.split(","):
             for name in args.calls.split(","):
-                check_case(libs[impl], form, name, d, group, rank, world, dtype)
+                if name in CALLS_OF.get(form, (name,)):
+                    check_case(libs[impl], form, name, d, group, rank, world, dtype)
     check_collectives(d, group, rank, world)
     if args.compile:
         check_compiled(d, group, rank, world)

@@ -23,6 +23,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._math import head_logits
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.objectives import SUM_COLUMNS
@@ -30,6 +31,12 @@ from ..kernels.surrogate import surrogate_logits_fwd
 from ._op import custom_op, kl_of, register_autograd
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # one chunk of logits: 1 GiB unless RLFUSE_CHUNK_BYTES says
+
+
+def head_fields(head) -> dict:
+    """The fields of a ``LinearHead`` that its ops take as floats (``softcap`` 0: none)."""
+    return dict(temperature=float(head.temperature), logit_scale=float(head.logit_scale),
+                softcap=float(head.softcap or 0.0))
 
 
 def chunk_tokens_for(vocab_size: int, element_size: int, chunk_tokens: Optional[int]) -> int:
@@ -115,12 +122,14 @@ def _gradients_fake(hidden, weight, bias, needs):
 
 @custom_op("linear_logprobs")
 def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
-                       mask: Optional[Tensor], temperature: float, offset: int,
-                       chunk_tokens: int, gather: bool, with_entropy: bool,
+                       mask: Optional[Tensor], temperature: float, logit_scale: float,
+                       softcap: float, offset: int, chunk_tokens: int, gather: bool,
+                       with_entropy: bool,
                        target_logit: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window; with
-    ``target_logit`` the first output is the target's logit over the temperature instead (what
-    a shard of a split vocabulary contributes, ``scaleout.vocab``)."""
+    """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window
+    (``logit_scale`` and ``softcap``, 0: none, as in ``LinearHead``); with ``target_logit`` the
+    first output is the target's logit, through the head, over the temperature instead (what a
+    shard of a split vocabulary contributes, ``scaleout.vocab``)."""
     acc = compute_dtype(hidden.dtype)
     B, T = targets.shape
     # rows left out of the chunks (masked, when gathering) have log-prob 0, entropy 0
@@ -132,10 +141,10 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
         logits = chunk_logits(h_flat[rows], weight, bias)
         lp_c, stats_c, ent_c = token_logprobs_fwd(
             logits, y_flat[tokens, None], None if m_flat is None else m_flat[tokens, None],
-            temperature, with_entropy)
-        if target_logit:   # as the kernel forms it: the logit in fp32, times 1 / temperature
-            lp_c = logits.gather(-1, y_flat[tokens].view(-1, 1, 1)).view(-1, 1).to(acc) \
-                * (1.0 / temperature)
+            temperature, with_entropy, logit_scale=logit_scale, softcap=softcap)
+        if target_logit:   # as the kernel forms it: in fp32, times 1 / temperature
+            x_y = logits.gather(-1, y_flat[tokens].view(-1, 1, 1)).view(-1, 1)
+            lp_c = head_logits(x_y, logit_scale, softcap or None).to(acc) * (1.0 / temperature)
         logp[tokens] = lp_c[:, 0]
         stats[tokens] = stats_c
         if with_entropy:
@@ -144,8 +153,8 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
 
 
 @linear_logprobs_op.register_fake
-def _(hidden, weight, bias, targets, mask, temperature, offset, chunk_tokens, gather,
-      with_entropy, target_logit=False):
+def _(hidden, weight, bias, targets, mask, temperature, logit_scale, softcap, offset,
+      chunk_tokens, gather, with_entropy, target_logit=False):
     acc = compute_dtype(hidden.dtype)
     return (hidden.new_empty(targets.shape, dtype=acc),
             hidden.new_empty(targets.shape if with_entropy else (0,), dtype=acc),
@@ -156,7 +165,8 @@ def _(hidden, weight, bias, targets, mask, temperature, offset, chunk_tokens, ga
 def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                                 targets: Tensor, mask: Optional[Tensor], stats: Tensor,
                                 entropy: Optional[Tensor], dlogp: Tensor,
-                                dentropy: Optional[Tensor], temperature: float, offset: int,
+                                dentropy: Optional[Tensor], temperature: float,
+                                logit_scale: float, softcap: float, offset: int,
                                 chunk_tokens: int, gather: bool,
                                 needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)`` (empty where not needed) for the upstream ``dlogp`` /
@@ -172,14 +182,15 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
                            None if m_flat is None else m_flat[tokens, None], temperature,
                            stats[tokens], None if dentropy is None else entropy[tokens, None],
                            dlogp[tokens, None],
-                           None if dentropy is None else dentropy[tokens, None], logits)
+                           None if dentropy is None else dentropy[tokens, None], logits,
+                           logit_scale=logit_scale, softcap=softcap)
         grads.add(logits, h_rows, rows)
     return grads.results(hidden, weight)
 
 
 @linear_logprobs_backward_op.register_fake
-def _(hidden, weight, bias, targets, mask, stats, entropy, dlogp, dentropy, temperature, offset,
-      chunk_tokens, gather, needs):
+def _(hidden, weight, bias, targets, mask, stats, entropy, dlogp, dentropy, temperature,
+      logit_scale, softcap, offset, chunk_tokens, gather, needs):
     return _gradients_fake(hidden, weight, bias, needs)
 
 
@@ -187,7 +198,8 @@ def _logprobs_setup(ctx, inputs, output):
     _, entropy, stats = output
     ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.bias, inputs.targets, inputs.mask,
                           stats, entropy if inputs.with_entropy else None)
-    ctx.chunking = (inputs.temperature, inputs.offset, inputs.chunk_tokens, inputs.gather)
+    ctx.chunking = (inputs.temperature, inputs.logit_scale, inputs.softcap, inputs.offset,
+                    inputs.chunk_tokens, inputs.gather)
     ctx.mark_non_differentiable(stats)
     if not inputs.with_entropy:
         ctx.mark_non_differentiable(entropy)
@@ -227,7 +239,8 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                         mask: Tensor, old_lp: Optional[Tensor], adv: Tensor,
                         weights: Optional[Tensor], row_scale: Tensor, ref_lp: Optional[Tensor],
                         kl_scale: Optional[Tensor], entropy_scale: Optional[Tensor],
-                        temperature: float, objective: str, geometry: str, topology: str,
+                        temperature: float, logit_scale: float, softcap: float,
+                        objective: str, geometry: str, topology: str,
                         delta_low: float, delta_high: float, params: List[float], clamp: float,
                         kl_estimator: str, kl_straight: bool, kl_weighted: bool, kl_clamp: bool,
                         offset: int,
@@ -259,7 +272,8 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
             temperature=temperature, write_dlogits=write, dlogits=logits if write else None,
             ref_lp=None if ref_flat is None else ref_flat[tokens, None], kl=kl,
             kl_scale=None if kl_flat is None else kl_flat[tokens],
-            entropy_scale=None if entropy_flat is None else entropy_flat[tokens])
+            entropy_scale=None if entropy_flat is None else entropy_flat[tokens],
+            logit_scale=logit_scale, softcap=softcap)
         totals += sums.sum(0)
         if write:
             grads.add(logits, h_rows, rows)
@@ -269,8 +283,8 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 
 @linear_surrogate_op.register_fake
 def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
-      entropy_scale, temperature, objective, geometry, topology, delta_low, delta_high, params,
-      clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp, offset, chunk_tokens, gather,
+      entropy_scale, temperature, logit_scale, softcap, objective, geometry, topology,
+      delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp, offset, chunk_tokens, gather,
       needs):
     return ((row_scale.new_empty(()), row_scale.new_empty((len(SUM_COLUMNS),)))
             + _gradients_fake(hidden, weight, bias, needs))

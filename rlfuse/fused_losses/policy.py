@@ -16,7 +16,7 @@ from .._dispatch import falls_back_to
 from .._policy import check_policy, check_policy_targets, vocab_size
 from .._types import LinearHead, Logits
 from ..scaleout import layout, vocab, vocab_op
-from .linear_head import chunk_tokens_for, linear_logprobs_op
+from .linear_head import chunk_tokens_for, head_fields, linear_logprobs_op
 from .logprobs import token_logprobs_op
 
 
@@ -28,8 +28,9 @@ def _local_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
         chunk = chunk_tokens_for(rows.weight.shape[0], rows.weight.element_size(),
                                  rows.chunk_tokens)
         logp, entropy, _ = linear_logprobs_op(rows.hidden, rows.weight, rows.bias, rows.targets,
-                                              mask, float(rows.temperature), int(rows.offset),
-                                              chunk, gather, bool(return_entropy))
+                                              mask, **head_fields(rows), offset=int(rows.offset),
+                                              chunk_tokens=chunk, gather=gather,
+                                              with_entropy=bool(return_entropy))
     else:
         logp, entropy, _ = token_logprobs_op(rows.logits, rows.targets, mask,
                                              float(rows.temperature), bool(return_entropy),

@@ -35,7 +35,7 @@ from ..kernels.surrogate import (surrogate_bwd, surrogate_fwd, surrogate_logits_
 from ..scaleout.layout import as_one_token_rows
 from ._op import custom_op, kl_fields, kl_of, objective_fields, objective_of, register_autograd
 from .kl import kl_penalty_op
-from .linear_head import chunk_tokens_for, linear_surrogate_op
+from .linear_head import chunk_tokens_for, head_fields, linear_surrogate_op
 from .logprobs import batched_rows
 from .policy import learner_logprobs
 
@@ -268,7 +268,7 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                                  policy.chunk_tokens)
         loss, sums, *_ = linear_surrogate_op(
             policy.hidden, policy.weight, policy.bias, policy.targets, **tokens, **terms_in,
-            temperature=float(policy.temperature), **flat, offset=int(policy.offset),
+            **head_fields(policy), **flat, offset=int(policy.offset),
             chunk_tokens=chunk, gather=validate, needs=needs)
         terms = {}
     elif single:

@@ -35,7 +35,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import math
 from typing import List, Optional
 
 import torch
@@ -46,6 +45,9 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
 import rlfuse
 from rlfuse import objectives, terms
 from rlfuse._names import GEOMETRIES, TOPOLOGIES
+from rlfuse.integrations._heads import check_head, head_fields
+from rlfuse._validation import check_choice, check_chunk_tokens, check_dual_clip, \
+    check_positive, check_sides
 
 __all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]
 
@@ -102,11 +104,6 @@ class RLFuseGRPOTrainer(GRPOTrainer):
                             "are supported)")
         if self.aux_loss_enabled:
             problems.append("a router aux loss (MoE)")
-        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
-        for name in ("final_logit_softcapping", "logit_scale", "output_multiplier",
-                     "lm_head_multiplier", "logits_scaling"):
-            if getattr(config, name, None) not in (None, 1.0):
-                problems.append(f"a model with {name} (the head is applied as is)")
         return problems
 
     # ----------------------------------------------------------------------------------------
@@ -121,13 +118,14 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         offset = inputs["prompt_ids"].shape[1] - 1
 
+        head = _model_head(self.accelerator.unwrap_model(model))
+
         def loss_of(hidden, weight, bias):
-            if self.args.cast_lm_head_to_fp32:   # TRL's fp32 head (its weight is fp32 already)
-                hidden, weight = hidden.float(), weight.float()
-                bias = None if bias is None else bias.float()
-            return fn(rlfuse.LinearHead(hidden, weight, inputs["completion_ids"], bias,
-                                        self.temperature, offset=offset,
-                                        chunk_tokens=self.args.rlfuse_chunk_tokens))
+            # TRL's cast_lm_head_to_fp32: the head's matmuls in fp32 (its weight is fp32)
+            return fn(rlfuse.LinearHead(
+                hidden, weight, inputs["completion_ids"], bias, self.temperature, offset=offset,
+                chunk_tokens=self.args.rlfuse_chunk_tokens, **head,
+                head_dtype=torch.float32 if self.args.cast_lm_head_to_fp32 else None))
 
         return model(input_ids=input_ids, attention_mask=attention, rlfuse_head=loss_of)
 
@@ -367,7 +365,8 @@ def _add_head_forward(model) -> None:
     """``model(..., rlfuse_head=fn)`` runs the backbone and returns ``fn(hidden, weight, bias)``
     of its last hidden state and output head, inside the model's forward: a data-parallel
     wrapper around the model sees the call (DDP synchronises gradients only after its own
-    forward). Without ``rlfuse_head`` the forward is the model's."""
+    forward). Without ``rlfuse_head`` the forward is the model's. The head's scale and softcap
+    are read from the model's config and checked against its own logits here, once."""
     if hasattr(model, "get_base_model"):   # PEFT: the transformers model under the adapters
         model = model.get_base_model()
     original = model.forward
@@ -382,6 +381,20 @@ def _add_head_forward(model) -> None:
         return rlfuse_head(hidden, head.weight, head.bias)
 
     model.forward = forward
+    _model_head(model)
+
+
+def _model_head(model) -> dict:
+    """The ``LinearHead`` fields of ``model``'s output head (``_heads.head_fields``), checked
+    against the model's own logits the first time."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    fields = getattr(model, "_rlfuse_head", None)
+    if fields is None:
+        fields = head_fields(model.config)
+        check_head(model, fields, lambda ids: model(input_ids=ids, rlfuse_head=lambda *h: h))
+        model._rlfuse_head = fields
+    return fields
 
 
 def _shuffle_groups(batch: dict, group_size: int) -> dict:
@@ -394,27 +407,24 @@ def _shuffle_groups(batch: dict, group_size: int) -> dict:
 
 
 def _bad_rlfuse_fields(args) -> List[str]:
-    """The ``rlfuse_*`` fields out of their range, named as the user wrote them."""
+    """The ``rlfuse_*`` fields out of their range, named as the user wrote them (the checks of
+    the functional API)."""
+    checks = {
+        "rlfuse_geometry": lambda name, v: check_choice(name, v, GEOMETRIES),
+        "rlfuse_topology": lambda name, v: check_choice(name, v, TOPOLOGIES),
+        "rlfuse_delta": lambda name, v: check_sides(name, v, check_positive),
+        "rlfuse_dual_clip": lambda name, v: check_dual_clip(v, name),
+        "rlfuse_chunk_tokens": check_chunk_tokens,
+        "rlfuse_gr_opd_gamma": check_positive,
+        "rlfuse_gr_opd_feedback_clip": check_positive,
+        "rlfuse_gr_opd_adv_clip": check_positive,
+    }
     problems = []
-    if args.rlfuse_geometry not in GEOMETRIES:
-        problems.append(f"rlfuse_geometry={args.rlfuse_geometry!r} (expected one of "
-                        f"{', '.join(GEOMETRIES)})")
-    if args.rlfuse_topology not in TOPOLOGIES:
-        problems.append(f"rlfuse_topology={args.rlfuse_topology!r} (expected one of "
-                        f"{', '.join(TOPOLOGIES)})")
-    delta = args.rlfuse_delta if isinstance(args.rlfuse_delta, (tuple, list)) else \
-        (args.rlfuse_delta,)
-    if not all(isinstance(d, (int, float)) and math.isfinite(d) and d > 0 for d in delta):
-        problems.append(f"rlfuse_delta={args.rlfuse_delta!r} (expected a number > 0 or a pair)")
-    if args.rlfuse_dual_clip is not None and not args.rlfuse_dual_clip > 1:
-        problems.append(f"rlfuse_dual_clip={args.rlfuse_dual_clip!r} (expected a number > 1)")
-    if args.rlfuse_chunk_tokens is not None and not (
-            isinstance(args.rlfuse_chunk_tokens, int) and args.rlfuse_chunk_tokens > 0):
-        problems.append(f"rlfuse_chunk_tokens={args.rlfuse_chunk_tokens!r} (expected an int "
-                        f"> 0)")
-    for name in ("rlfuse_gr_opd_gamma", "rlfuse_gr_opd_feedback_clip", "rlfuse_gr_opd_adv_clip"):
-        if not getattr(args, name) > 0:
-            problems.append(f"{name}={getattr(args, name)!r} (expected a number > 0)")
+    for name, check in checks.items():
+        try:
+            check(name, getattr(args, name))
+        except (TypeError, ValueError) as error:
+            problems.append(str(error))
     return problems
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .utils import constexpr_codes
+from .utils import constexpr_codes, fp64_parts
 
 # Below this (in the base-2 exponents of the row helpers), 2^x is 0 in fp32 and fp64 alike.
 _LOG_TINY = tl.constexpr(-1.0e4)
@@ -44,6 +44,75 @@ COMPILER_STAGES = tl.constexpr(0)
 _KEEP = tl.constexpr("evict_last")
 _STREAM = tl.constexpr("evict_first")
 _NO_HINT = tl.constexpr("")
+
+# tanh(u) = u + u^3 P(u^2) for |u| < _TANH_SMALL (least-squares fits of (tanh(u) / u - 1) / u^2
+# in u^2 on [0, 0.390625], weighted to tanh's relative error: within 1 ulp in fp32 and fp64),
+# 1 - 2 / (e^(2|u|) + 1) above it, where the subtraction loses no more than one bit.
+_TANH_SMALL = tl.constexpr(0.625)
+
+
+def head_args(temperature: float, logit_scale: float = 1.0, softcap: float = 0.0):
+    """``(scalars, SOFTCAP)`` of a head that turns a logit x into ``z = softcap(logit_scale x)
+    / temperature``, ``softcap(y) = cap tanh(y / cap)`` (``softcap`` 0: none, and the scale
+    folds into ``inv_temp``): the six float arguments of the row kernels, ``inv_temp``,
+    ``cap`` and ``cap_in`` each as an fp64 ``hi + lo`` (``utils.fp64_parts``; ``head_scalars``
+    sums them in the kernel)."""
+    if softcap:
+        values, softcapped = (1.0 / temperature, softcap, logit_scale / softcap), True
+    else:
+        values, softcapped = (logit_scale / temperature, 1.0, 1.0), False
+    return tuple(part for value in values for part in fp64_parts(float(value))), softcapped
+
+
+@triton.jit
+def head_scalars(inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo,
+                 ACC: tl.constexpr):
+    """``(inv_temp, cap, cap_in)`` in the compute dtype from the arguments of ``head_args``
+    (in fp32 each is its ``hi``: ``hi + lo`` rounds to it)."""
+    if ACC == tl.float64:
+        zero = tl.zeros((), ACC)
+        return ((zero + inv_temp_hi) + inv_temp_lo, (zero + cap_hi) + cap_lo,
+                (zero + cap_in_hi) + cap_in_lo)
+    return inv_temp_hi, cap_hi, cap_in_hi
+
+
+@triton.jit
+def _tanh(u, ACC: tl.constexpr):
+    """(tanh u, 1 - tanh^2 u), each within a few ulp (the second: relative, also where tanh u
+    rounds to +-1: 1 - t^2 = r (2 - r) with r = 1 - |t| formed without cancelling)."""
+    a = tl.abs(u)
+    r = 2.0 / (tl.math.exp2(a * (2.0 * LOG2E)) + 1.0)      # 1 - tanh |u|, 0 past overflow
+    v = u * u
+    # Horner's steps as p * v + c (a Python float takes the tensor's dtype there, where an fma's
+    # argument would be an fp32 constant; the compiler fuses each step into one fma)
+    if ACC == tl.float64:
+        p = v * -1.6076230392177118e-05 + 7.715145163688556e-05
+        p = p * v - 0.00022856992745814506
+        p = p * v + 0.0005863189975412841
+        p = p * v - 0.001454959463096882
+        p = p * v + 0.003591989240119084
+        p = p * v - 0.008863221001908643
+        p = p * v + 0.021869487574973215
+        p = p * v - 0.05396825393114249
+        p = p * v + 0.13333333333261532
+        p = p * v - 0.3333333333333285
+    else:
+        p = v * -0.005704042501747608 + 0.020637862384319305
+        p = p * v - 0.05373915657401085
+        p = p * v + 0.133314311504364
+        p = p * v - 0.3333328068256378
+    t_small = tl.fma(u * v, p, u)
+    small = a < _TANH_SMALL
+    t = tl.where(small, t_small, tl.where(u < 0, r - 1.0, 1.0 - r))
+    return t, tl.where(small, 1.0 - t_small * t_small, r * (2.0 - r))
+
+
+@triton.jit
+def _softcap(x, cap, cap_in, ACC: tl.constexpr):
+    """(cap tanh(x cap_in), its derivative over cap cap_in): a logit through the head's softcap
+    (``head_args``)."""
+    t, dt = _tanh(x * tl.cast(cap_in, ACC), ACC)
+    return tl.cast(cap, ACC) * t, dt
 
 
 @triton.jit
@@ -88,15 +157,29 @@ def _line_dot(x0, y0, x1, y1, LANES: tl.constexpr):
 
 
 @triton.jit
-def _logsumexp_block(block_ptr, n, c, m, s, w, BLOCK_V: tl.constexpr, LANES: tl.constexpr,
-                     MASKED: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
-                     EVICT: tl.constexpr):
+def _capped_logits(block_ptr, cols, n, cap, cap_in, MASKED: tl.constexpr,
+                   SOFTCAP: tl.constexpr, ACC: tl.constexpr, HINT: tl.constexpr):
+    """``_load_logits`` through the head's softcap when ``SOFTCAP`` (-inf past the row's end
+    still: the padding of a partial block counts for nothing)."""
+    x = _load_logits(block_ptr, cols, n, MASKED, ACC, HINT)
+    if SOFTCAP:
+        x, _ = _softcap(x, cap, cap_in, ACC)
+        if MASKED:
+            x = tl.where(cols < n, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _logsumexp_block(block_ptr, n, c, cap, cap_in, m, s, w, BLOCK_V: tl.constexpr,
+                     LANES: tl.constexpr, MASKED: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                     SOFTCAP: tl.constexpr, ACC: tl.constexpr, EVICT: tl.constexpr):
     """(m, s, w) of each line after the block of logits at ``block_ptr`` (``row_logsumexp``;
     ``n``: the logits left in the row, read only when ``MASKED``)."""
     cols = _half_columns(BLOCK_V, LANES)
-    x0 = _load_logits(block_ptr, cols, n, MASKED, ACC, _KEEP if EVICT else _NO_HINT)
-    x1 = _load_logits(block_ptr + BLOCK_V // 2, cols, n - BLOCK_V // 2, MASKED, ACC,
-                      _KEEP if EVICT else _NO_HINT)
+    x0 = _capped_logits(block_ptr, cols, n, cap, cap_in, MASKED, SOFTCAP, ACC,
+                        _KEEP if EVICT else _NO_HINT)
+    x1 = _capped_logits(block_ptr + BLOCK_V // 2, cols, n - BLOCK_V // 2, cap, cap_in, MASKED,
+                        SOFTCAP, ACC, _KEEP if EVICT else _NO_HINT)
     m_new = tl.maximum(m, tl.maximum(tl.max(x0, axis=1), tl.max(x1, axis=1)))
     moved = (m - m_new) * c              # <= 0; -inf only where m - m_new overflows
     u0 = (x0 - m_new[:, None]) * c       # -inf at a -inf logit or a padding lane
@@ -116,9 +199,10 @@ def _logsumexp_block(block_ptr, n, c, m, s, w, BLOCK_V: tl.constexpr, LANES: tl.
 
 
 @triton.jit
-def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-                  ACC: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """(m, log s, entropy) of ``z = row * inv_temp``, ``lse = m + log s``, all in natural units
+def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
+                  WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+                  EVICT: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """(m, log s, entropy) of ``z = x * inv_temp``, ``lse = m + log s``, all in natural units
     (what the forward saves and the vocabulary-parallel combination reads); entropy is 0 unless
     ``WITH_ENTROPY``. ``EVICT``: the loads ask L2 to keep the row (it is read again);
     ``NUM_STAGES``: ``COMPILER_STAGES`` or the pipelining depth of the loop.
@@ -136,6 +220,9 @@ def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.
     the lse of the exact z = x / tau, from which ``target_logprob`` and ``row_write_dlogits``
     subtract the exact x / tau (one fma), so that a log-prob is ``(z - m) - log s`` with no large
     number rounded into it, as in torch's log_softmax (and exactly 0 for a row of one logit).
+
+    x is the row's logit, or with ``SOFTCAP`` its softcap ``cap tanh(logit cap_in)``
+    (``head_args``), formed as each block is read.
 
     Full blocks are read without a mask, the partial last block after them. A line's ``m``
     starts at the lowest finite value, so logits of any size count and a line that has seen only
@@ -165,17 +252,18 @@ def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.
     block_ptr = row_ptr
     if NUM_STAGES == COMPILER_STAGES:
         for _ in range(0, n_full):
-            m, s, w = _logsumexp_block(block_ptr, V, c, m, s, w, BLOCK_V, LANES, False,
-                                       WITH_ENTROPY, ACC, EVICT)
+            m, s, w = _logsumexp_block(block_ptr, V, c, cap, cap_in, m, s, w, BLOCK_V, LANES,
+                                       False, WITH_ENTROPY, SOFTCAP, ACC, EVICT)
             block_ptr += BLOCK_V
     else:
         for _ in tl.range(0, n_full, num_stages=NUM_STAGES):
-            m, s, w = _logsumexp_block(block_ptr, V, c, m, s, w, BLOCK_V, LANES, False,
-                                       WITH_ENTROPY, ACC, EVICT)
+            m, s, w = _logsumexp_block(block_ptr, V, c, cap, cap_in, m, s, w, BLOCK_V, LANES,
+                                       False, WITH_ENTROPY, SOFTCAP, ACC, EVICT)
             block_ptr += BLOCK_V
     if n_full * BLOCK_V < V:
-        m, s, w = _logsumexp_block(row_ptr + n_full * BLOCK_V, V - n_full * BLOCK_V, c, m, s, w,
-                                   BLOCK_V, LANES, True, WITH_ENTROPY, ACC, EVICT)
+        m, s, w = _logsumexp_block(row_ptr + n_full * BLOCK_V, V - n_full * BLOCK_V, c, cap,
+                                   cap_in, m, s, w, BLOCK_V, LANES, True, WITH_ENTROPY,
+                                   SOFTCAP, ACC, EVICT)
     # the lines combined: the row's max, each line rescaled to it
     row_max = tl.max(m, axis=0)
     moved = tl.maximum((m - row_max) * c, _LOG_TINY)
@@ -194,12 +282,14 @@ def row_logsumexp(row_ptr, V, inv_temp, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.
 
 
 @triton.jit
-def _dlogits_half(x_ptr, d_ptr, cols, n, y, inv_temp, m, log_s2, a, b, g_y,
+def _dlogits_half(x_ptr, d_ptr, cols, n, y, inv_temp, cap, cap_in, m, log_s2, a, b, g_y,
                   MASKED: tl.constexpr, TARGET: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-                  ACC: tl.constexpr, EVICT: tl.constexpr):
+                  SOFTCAP: tl.constexpr, ACC: tl.constexpr, EVICT: tl.constexpr):
     """dL/dlogits at ``x_ptr + cols`` into ``d_ptr + cols`` (``_dlogits_block``): ``y`` and
     ``n`` (the logits left in the row) counted from ``x_ptr``."""
     x = _load_logits(x_ptr, cols, n, MASKED, ACC, _STREAM if EVICT else _NO_HINT)
+    if SOFTCAP:
+        x, dcap = _softcap(x, cap, cap_in, ACC)
     q = tl.fma(tl.fma(x, inv_temp, -m), LOG2E, -log_s2)     # log2 p
     if WITH_ENTROPY:
         q = tl.maximum(q, _LOG_TINY)     # 2^q == 0 below: keeps 0 * -inf out of p (a + b q)
@@ -208,6 +298,8 @@ def _dlogits_half(x_ptr, d_ptr, cols, n, y, inv_temp, m, log_s2, a, b, g_y,
         d = tl.math.exp2(q) * a
     if TARGET:
         d = tl.where(cols == y, d + g_y, d)
+    if SOFTCAP:
+        d = d * dcap
     if MASKED:
         tl.store(d_ptr + cols, d.to(d_ptr.dtype.element_ty), mask=cols < n,
                  eviction_policy=_STREAM if EVICT else _NO_HINT)
@@ -217,10 +309,10 @@ def _dlogits_half(x_ptr, d_ptr, cols, n, y, inv_temp, m, log_s2, a, b, g_y,
 
 
 @triton.jit
-def _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, m, log_s2, a, b, g_y,
-                   BLOCK_V: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr,
-                   TARGET: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
-                   EVICT: tl.constexpr):
+def _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, cap, cap_in, m, log_s2, a, b,
+                   g_y, BLOCK_V: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr,
+                   TARGET: tl.constexpr, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
+                   ACC: tl.constexpr, EVICT: tl.constexpr):
     """dL/dlogits of the logits of ``block`` (``row_write_dlogits``), a half at a time
     (``_half_columns``); ``TARGET``: the block may hold the target column ``y``; ``MASKED``: the
     partial last block."""
@@ -229,13 +321,15 @@ def _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, m, log_s2, a, b, g_
     for half in tl.static_range(2):
         offset = start + half * (BLOCK_V // 2)
         _dlogits_half(row_ptr + offset, drow_ptr + offset, cols, V - offset, y - offset,
-                      inv_temp, m, log_s2, a, b, g_y, MASKED, TARGET, WITH_ENTROPY, ACC, EVICT)
+                      inv_temp, cap, cap_in, m, log_s2, a, b, g_y, MASKED, TARGET, WITH_ENTROPY,
+                      SOFTCAP, ACC, EVICT)
 
 
 @triton.jit
-def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, m, log_s, entropy, g, h,
-                      BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr,
-                      EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr):
+def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, cap, cap_in, m, log_s, entropy, g,
+                      h, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                      SOFTCAP: tl.constexpr, ACC: tl.constexpr, EVICT: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, ORDER: tl.constexpr):
     """Writes dL/dlogits of one row, given g = dL/dlogp and h = dL/dentropy.
 
     With z = x / tau, p = softmax(z), lse = m + log s, logp = z[y] - lse, H = lse - sum_u p_u z_u:
@@ -246,7 +340,8 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, m, log_s, entropy,
                  = 1[v = y] g / tau + p_v (a + b log2 p_v),
                    a = -(g + h H) / tau,  b = -h ln 2 / tau
     with log2 p_v = ((z_v - m) - log s) log2(e), each difference taken before it is scaled, so
-    that a large m or lse is never rounded into it.
+    that a large m or lse is never rounded into it. With ``SOFTCAP`` x_v is the softcap of the
+    logit l_v and dL/dl_v = dL/dx_v cap cap_in (1 - tanh^2(l_v cap_in)) (``_tanh``).
 
     The loop writes the full blocks without a mask and without the target: the block that holds
     column y (when it is a full one) and the partial last block are written apart, the only
@@ -267,6 +362,11 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, m, log_s, entropy,
     a = -(g + h * entropy) * inv_temp
     b = -(h * LN2) * inv_temp
     g_y = g * inv_temp
+    if SOFTCAP:   # the scale of the softcap's derivative, once per row
+        scale = tl.cast(cap, ACC) * tl.cast(cap_in, ACC)
+        a *= scale
+        b *= scale
+        g_y *= scale
     in_vocab = (target >= 0) & (target < V)
     y = tl.where(in_vocab, target, -1).to(tl.int32)
     n_full = V // BLOCK_V
@@ -277,11 +377,13 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, m, log_s, entropy,
     n_loop = n_full - apart.to(tl.int32)
     if ORDER == ORDER_BACKWARD:
         if has_tail:
-            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, inv_temp, m, log_s2, a, b, g_y,
-                           BLOCK_V, LANES, True, True, WITH_ENTROPY, ACC, EVICT)
+            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+                           b, g_y, BLOCK_V, LANES, True, True, WITH_ENTROPY, SOFTCAP, ACC,
+                           EVICT)
         if apart:
-            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, inv_temp, m, log_s2, a, b, g_y,
-                           BLOCK_V, LANES, False, True, WITH_ENTROPY, ACC, EVICT)
+            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+                           b, g_y, BLOCK_V, LANES, False, True, WITH_ENTROPY, SOFTCAP, ACC,
+                           EVICT)
     # the i-th full block other than the target's, in ORDER
     if NUM_STAGES == COMPILER_STAGES:
         for i in range(0, n_loop):
@@ -289,23 +391,27 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, m, log_s, entropy,
             if ORDER == ORDER_BACKWARD:
                 k = n_loop - 1 - i
             block = k + (k >= y_block).to(tl.int32)
-            _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, m, log_s2, a, b, g_y,
-                           BLOCK_V, LANES, False, False, WITH_ENTROPY, ACC, EVICT)
+            _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+                           b, g_y, BLOCK_V, LANES, False, False, WITH_ENTROPY, SOFTCAP, ACC,
+                           EVICT)
     else:
         for i in tl.range(0, n_loop, num_stages=NUM_STAGES):
             k = i
             if ORDER == ORDER_BACKWARD:
                 k = n_loop - 1 - i
             block = k + (k >= y_block).to(tl.int32)
-            _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, m, log_s2, a, b, g_y,
-                           BLOCK_V, LANES, False, False, WITH_ENTROPY, ACC, EVICT)
+            _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+                           b, g_y, BLOCK_V, LANES, False, False, WITH_ENTROPY, SOFTCAP, ACC,
+                           EVICT)
     if ORDER == ORDER_FORWARD:
         if apart:
-            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, inv_temp, m, log_s2, a, b, g_y,
-                           BLOCK_V, LANES, False, True, WITH_ENTROPY, ACC, EVICT)
+            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+                           b, g_y, BLOCK_V, LANES, False, True, WITH_ENTROPY, SOFTCAP, ACC,
+                           EVICT)
         if has_tail:
-            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, inv_temp, m, log_s2, a, b, g_y,
-                           BLOCK_V, LANES, True, True, WITH_ENTROPY, ACC, EVICT)
+            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+                           b, g_y, BLOCK_V, LANES, True, True, WITH_ENTROPY, SOFTCAP, ACC,
+                           EVICT)
 
 
 @triton.jit
@@ -365,10 +471,12 @@ def target_column(y, V):
 
 
 @triton.jit
-def load_target_logit(row_ptr, column, ACC: tl.constexpr):
-    """x[y] of a row (the logit, before the temperature) at the ``target_column``; NaN for a
-    target outside the row, which is never read."""
+def load_target_logit(row_ptr, column, cap, cap_in, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """x[y] of a row (the logit, or its softcap with ``SOFTCAP``, before the temperature) at
+    the ``target_column``; NaN for a target outside the row, which is never read."""
     x_y = tl.load(row_ptr + tl.maximum(column, 0)).to(ACC)
+    if SOFTCAP:
+        x_y, _ = _softcap(x_y, cap, cap_in, ACC)
     return tl.where(column >= 0, x_y, float("nan"))
 
 

@@ -34,8 +34,9 @@ from .objectives import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FL
                          SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW, SUM_RATIO,
                          objective_args, token_objective)
 from .regions import region_bounds
-from .rows import (at, load_target_logit, program_token, row_logsumexp, row_write_dlogits,
-                   row_write_zeros, target_column, target_logprob)
+from .rows import (at, head_args, head_scalars, load_target_logit, program_token,
+                   row_logsumexp, row_write_dlogits, row_write_zeros, target_column,
+                   target_logprob)
 from .utils import (constexpr_codes, empty, mask_args, ones_if_none, time_block,
                     tl_compute_dtype, token_strides, vocab_launch_config)
 
@@ -207,12 +208,12 @@ def _surrogate_logits_row(
     stride_ob, stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
     stride_db, stride_dt,
     T, S, offset, V,
-    inv_temp, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+    inv_temp, cap, cap_in, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
     HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
     KL_WEIGHTED: tl.constexpr, KL_CLAMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
+    SOFTCAP: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
     # Row s of the [B, S] logits (rows outside the window [offset, offset + T) only get zeros):
     # lse = m + log s by the online pass (and the entropy H), lp = (z_y - m) - log s, the
@@ -227,11 +228,11 @@ def _surrogate_logits_row(
                                                         stride_mt, True)
     if is_actor:
         row_ptr = logits_ptr + at(b, stride_lb, s, stride_lt)
-        m, log_s, entropy = row_logsumexp(row_ptr, V, inv_temp, BLOCK_V, WITH_ENTROPY, ACC,
-                                          EVICT, NUM_STAGES)
+        m, log_s, entropy = row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V,
+                                          WITH_ENTROPY, SOFTCAP, ACC, EVICT, NUM_STAGES)
         # In place the write pass overwrites x[y]: it waits at a barrier for every thread's read
         column = target_column(tl.load(targets_ptr + at(b, stride_yb, t, stride_yt)), V)
-        x_y = load_target_logit(row_ptr, column, ACC)
+        x_y = load_target_logit(row_ptr, column, cap, cap_in, SOFTCAP, ACC)
         lp = target_logprob(x_y, inv_temp, m, log_s)
         old = lp
         if HAS_OLD:
@@ -272,8 +273,9 @@ def _surrogate_logits_row(
         tl.store(out + SUM_ENTROPY, entropy)
         if WRITE_DLOGITS:
             tl.debug_barrier()
-            row_write_dlogits(row_ptr, drow_ptr, V, column, inv_temp, m, log_s, entropy, g, h,
-                              BLOCK_V, WITH_ENTROPY, ACC, EVICT, NUM_STAGES, ORDER)
+            row_write_dlogits(row_ptr, drow_ptr, V, column, inv_temp, cap, cap_in, m, log_s,
+                              entropy, g, h, BLOCK_V, WITH_ENTROPY, SOFTCAP, ACC, EVICT,
+                              NUM_STAGES, ORDER)
     else:
         if WRITE_DLOGITS:
             row_write_zeros(dlogits_ptr + at(b, stride_db, s, stride_dt), V, BLOCK_V, EVICT)
@@ -299,18 +301,21 @@ def _surrogate_logits_kernel(
     stride_db, stride_dt,
     # sizes
     T, S, offset, V, n_rows,            # n_rows = B S
-    # scalars
-    inv_temp, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+    # scalars (rows.head_args, then the objective's)
+    inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
     HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
     KL_WEIGHTED: tl.constexpr, KL_CLAMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     # launch configuration (single_pass.SinglePassConfig)
     PERSISTENT: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
     # One program per row; PERSISTENT: a grid capped near the SM count, each program taking the
     # rows pid, pid + programs, ... in turn, so that fewer rows are in flight between the two
     # reads of a row.
+    inv_temp, cap, cap_in = head_scalars(inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi,
+                                         cap_in_lo, ACC)
     if PERSISTENT:
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             _surrogate_logits_row(
@@ -320,9 +325,10 @@ def _surrogate_logits_kernel(
                 stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
                 stride_db, stride_dt,
                 T, S, offset, V,
-                inv_temp, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+                inv_temp, cap, cap_in, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
                 BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, KL,
-                KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, EVICT, NUM_STAGES, ORDER)
+                KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, EVICT, NUM_STAGES,
+                ORDER)
     else:
         _surrogate_logits_row(
             tl.program_id(0), logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr,
@@ -331,9 +337,10 @@ def _surrogate_logits_kernel(
             stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
             stride_db, stride_dt,
             T, S, offset, V,
-            inv_temp, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+            inv_temp, cap, cap_in, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
             BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, KL,
-            KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, EVICT, NUM_STAGES, ORDER)
+            KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, EVICT, NUM_STAGES,
+            ORDER)
 
 
 @triton.jit
@@ -416,7 +423,8 @@ def surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq, grad, objectiv
 
 def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale, objective, *,
                          temperature, write_dlogits=True, dlogits=None, offset=0, ref_lp=None,
-                         kl=None, kl_scale=None, entropy_scale=None):
+                         kl=None, kl_scale=None, entropy_scale=None, logit_scale=1.0,
+                         softcap=0.0):
     """The single pass from ``logits [B, S, V]``, whose rows ``[offset, offset + T)`` predict
     ``targets [B, T]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])`` with ``dlogits`` of the
     whole ``[B, S, V]`` (zero rows outside the window) for an upstream gradient of 1, written
@@ -424,7 +432,8 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
     the window). ``old_lp`` None: on policy (old = lp, formed in the kernel). ``kl`` (an
     ``rlfuse._specs.KLTerm``) with ``ref_lp [B, T]`` and its row weights ``kl_scale [B]``: the
     KL penalty; ``entropy_scale [B]``: the entropy bonus's row weights (coefficients included
-    in both). Launched in the configuration
+    in both). ``logit_scale`` and ``softcap`` (0: none): the head's, as in ``rows.head_args``.
+    Launched in the configuration
     ``single_pass.current()`` (``RLFUSE_SINGLE_PASS``)."""
     B, T = targets.shape
     if not write_dlogits:
@@ -441,6 +450,7 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
     config = single_pass.current()
     block_v, num_warps = config.block_and_warps(V, logits.element_size())
     mask_u8, stride_mb, stride_mt = mask_args(mask)
+    head, softcapped = head_args(temperature, logit_scale, softcap)
     _surrogate_logits_kernel[(config.programs(B * S, logits.device),)](
         logits, targets, mask_u8,
         old_lp, adv, ones_if_none(weights, row_scale),
@@ -453,12 +463,12 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
         *token_strides(weights), *token_strides(ref_lp),
         *((dlogits.stride(0), dlogits.stride(1)) if write_dlogits else (0, 0)),
         T, S, offset, V, B * S,
-        1.0 / temperature, *scalars,
+        *head, *scalars,
         BLOCK_V=block_v, OBJECTIVE=objective_code, GEOMETRY=geometry_code,
         TOPOLOGY=topology_code, ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits,
         HAS_OLD=old_lp is not None, KL=kl_code, KL_STRAIGHT=kl_straight,
         KL_WEIGHTED=kl_weighted, KL_CLAMP=kl_clamp, WITH_ENTROPY=entropy_scale is not None,
-        PERSISTENT=config.persistent, EVICT=config.evict, NUM_STAGES=config.stages_code,
+        SOFTCAP=softcapped, PERSISTENT=config.persistent, EVICT=config.evict, NUM_STAGES=config.stages_code,
         ORDER=config.order_code, num_warps=num_warps, maxnreg=config.maxnreg(num_warps),
     )
     return dlogits, sums

@@ -1,12 +1,15 @@
 """Reference per-token log-probs and entropy (plain torch, autograd)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
 from .._docs import documented
-from .._policy import check_logprob_args, check_policy, check_policy_targets, vocab_size
+from .._math import head_logits
+from .._policy import (check_logprob_args, check_policy, check_policy_targets, matmul_head,
+                       vocab_size)
 from .._types import LinearHead, Logits, compute_dtype
 from ..scaleout import layout, vocab
 
@@ -39,15 +42,21 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
 
 
 def as_logits(policy) -> Logits:
-    """A ``LinearHead`` as the ``Logits`` it defines: ``hidden @ weight.T + bias``, all of it
-    (the definition). Under a
-    ``vocab_parallel_group`` that is this rank's shard, and the hidden states' gradient is
-    summed over the group."""
+    """A ``LinearHead`` as the ``Logits`` it defines: ``softcap(logit_scale (hidden @ weight.T
+    + bias))``, all of it (the definition), the matmul in its ``head_dtype`` when it has one.
+    Under a ``vocab_parallel_group`` that is this rank's shard, and the hidden states' gradient
+    is summed over the group."""
     if isinstance(policy, LinearHead):
-        hidden, group = policy.hidden, policy.vocab_parallel_group
+        head = matmul_head(policy)
+        hidden, group = head.hidden, head.vocab_parallel_group
         if group is not None:
             hidden = vocab.SumGradOverGroup.apply(hidden, group)
-        logits = torch.nn.functional.linear(hidden, policy.weight, policy.bias)
+        # the matmul in head_dtype, whatever autocast says
+        with contextlib.nullcontext() if policy.head_dtype is None else \
+                torch.autocast(hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden, head.weight, head.bias)
+        if policy.logit_scale != 1.0 or policy.softcap is not None:
+            logits = head_logits(logits, policy.logit_scale, policy.softcap)
         return Logits(logits, policy.targets, policy.temperature, offset=policy.offset,
                       index=policy.index, vocab_parallel_group=group)
     return policy

@@ -127,14 +127,15 @@ def as_one_token_rows(policy, mask: Tensor, per_token: dict, per_row: dict):
     local losses are the same per token in either layout; only ``[B, T]``-sized data moves."""
     T = mask.shape[1]
     pos = policy.index.clamp_min(0)
+    sequence = pos // T
     new_mask = packed_rows_mask(policy.index, mask).unsqueeze(1)
 
     def at_token(x):
         if x is None:
             return None
-        return (x.reshape(-1)[pos] if x.dim() == 2 else x[pos // T]).unsqueeze(1)
+        return (x.reshape(-1)[pos] if x.dim() == 2 else x[sequence]).unsqueeze(1)
 
-    rows = {k: None if v is None else v[pos // T] for k, v in per_row.items()}
+    rows = {k: None if v is None else v[sequence] for k, v in per_row.items()}
     if hasattr(policy, "logits"):
         policy = policy._replace(logits=policy.logits.unsqueeze(1),
                                  targets=policy.targets.unsqueeze(1), index=None)

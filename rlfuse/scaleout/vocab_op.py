@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._types import LinearHead, compute_dtype
 from ..fused_losses._op import custom_op, register_autograd
-from ..fused_losses.linear_head import (chunk_tokens_for, head_gradients,
+from ..fused_losses.linear_head import (chunk_tokens_for, head_fields, head_gradients,
                                         linear_logprobs_backward_op, linear_logprobs_op)
 from ..fused_losses.logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
@@ -137,22 +137,22 @@ register_autograd(vocab_split_logprobs_op, _logits_backward, _logits_setup)
 @custom_op("vocab_split_linear_logprobs")
 def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                                    targets: Tensor, mask: Optional[Tensor], temperature: float,
-                                   offset: int, chunk_tokens: int, gather: bool,
-                                   with_entropy: bool,
+                                   logit_scale: float, softcap: float, offset: int,
+                                   chunk_tokens: int, gather: bool, with_entropy: bool,
                                    group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of a head whose
     ``weight [V_l, H]`` (and ``bias``) is this rank's shard."""
     local, _ = _local_targets(targets, weight.shape[0], group_name)
     z_y, entropy, stats = linear_logprobs_op(hidden, weight, bias, local.clamp_min(0), mask,
-                                             temperature, offset, chunk_tokens, gather,
-                                             with_entropy, True)
+                                             temperature, logit_scale, softcap, offset,
+                                             chunk_tokens, gather, with_entropy, True)
     return _whole_rows(z_y, stats, entropy, targets, weight.shape[0], mask, with_entropy,
                        group_name)
 
 
 @vocab_split_linear_logprobs_op.register_fake
-def _(hidden, weight, bias, targets, mask, temperature, offset, chunk_tokens, gather,
-      with_entropy, group_name):
+def _(hidden, weight, bias, targets, mask, temperature, logit_scale, softcap, offset,
+      chunk_tokens, gather, with_entropy, group_name):
     return _fake_outputs(hidden, targets, with_entropy)
 
 
@@ -171,7 +171,8 @@ def _(x, group_name):
 
 def _head_setup(ctx, inputs, output):
     _save(ctx, inputs, output, (inputs.hidden, inputs.weight, inputs.bias))
-    ctx.chunking = (inputs.temperature, inputs.offset, inputs.chunk_tokens, inputs.gather)
+    ctx.chunking = (inputs.temperature, inputs.logit_scale, inputs.softcap, inputs.offset,
+                    inputs.chunk_tokens, inputs.gather)
     ctx.group_name = inputs.group_name
 
 
@@ -202,8 +203,9 @@ def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
         chunk = chunk_tokens_for(rows.weight.shape[0], rows.weight.element_size(),
                                  rows.chunk_tokens)
         logp, entropy, _ = vocab_split_linear_logprobs_op(
-            rows.hidden, rows.weight, rows.bias, rows.targets, mask, float(rows.temperature),
-            int(rows.offset), chunk, gather, bool(return_entropy), group_name)
+            rows.hidden, rows.weight, rows.bias, rows.targets, mask, **head_fields(rows),
+            offset=int(rows.offset), chunk_tokens=chunk, gather=gather,
+            with_entropy=bool(return_entropy), group_name=group_name)
     else:
         logp, entropy, _ = vocab_split_logprobs_op(
             rows.logits, rows.targets, mask, float(rows.temperature), bool(return_entropy),
