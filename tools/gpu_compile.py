@@ -84,7 +84,7 @@ def _compile_only(run):
         try:
             kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as e:  # noqa: BLE001  (recorded, the drive goes on)
-            FAILED.append((self.fn.__name__, f"{type(e).__name__}: {e}"))
+            FAILED.append((self.fn.__name__, f"{type(e).__name__}: {e} <- {e.__cause__!r}"))
             traceback.print_exc()
             return None
         constexprs = {k: str(v) for k, v in kwargs.items() if k.isupper()}
@@ -207,6 +207,17 @@ def _drive():
                 backward(rlfuse.policy_loss(policy, old, adv_seq, mask, objective,
                                             entropy=terms.EntropyBonus(0.01), **kw).loss)
         rlfuse.kl_penalty(old, teacher, "low_var_kl")
+
+    # A head's logit scale and softcap (SOFTCAP): the log-prob kernels (with entropy) and the
+    # single pass with its terms, in bf16 and fp64 (the fp64 tanh's longer polynomial).
+    for dtype in (torch.bfloat16, torch.float64):
+        capped = rlfuse.LinearHead(hidden.detach().to(dtype).requires_grad_(), weight.to(dtype),
+                                   targets, logit_scale=0.5, softcap=30.0, temperature=0.7)
+        lp, ent = rlfuse.policy_logprobs(capped, return_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+        backward(rlfuse.policy_loss(capped, old, adv_seq, mask, "clip", ref_logprobs=teacher,
+                                    kl=terms.KLPenalty(0.01), entropy=terms.EntropyBonus(0.01),
+                                    validate=False).loss)
 
     # The group kernels hold a whole group: large groups must not spill either.
     for group in (256, 1024):

@@ -69,11 +69,13 @@ def head_scalars(inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo,
                  ACC: tl.constexpr):
     """``(inv_temp, cap, cap_in)`` in the compute dtype from the arguments of ``head_args``
     (in fp32 each is its ``hi``: ``hi + lo`` rounds to it)."""
+    inv_temp, cap, cap_in = inv_temp_hi, cap_hi, cap_in_hi
     if ACC == tl.float64:
         zero = tl.zeros((), ACC)
-        return ((zero + inv_temp_hi) + inv_temp_lo, (zero + cap_hi) + cap_lo,
-                (zero + cap_in_hi) + cap_in_lo)
-    return inv_temp_hi, cap_hi, cap_in_hi
+        inv_temp = (zero + inv_temp_hi) + inv_temp_lo
+        cap = (zero + cap_hi) + cap_lo
+        cap_in = (zero + cap_in_hi) + cap_in_lo
+    return inv_temp, cap, cap_in
 
 
 @triton.jit
