@@ -458,29 +458,75 @@ def test_unsupported_options_are_listed(tmp_path):
                           args=RLFuseGRPOConfig(**config(tmp_path), rlfuse_loss="gr_opd"))
 
 
-def _ddp_worker(out_dir: str) -> None:
-    """One process of ``torchrun --nproc_per_node 2 tests/test_trl.py DIR``: two training steps
-    under DDP (gloo), each rank on its own prompts; rank 0 writes every rank's parameters."""
+ENGINES = {"ddp": {}, "fsdp2": dict(fsdp=True, fsdp_config={"version": 2})}
+
+
+def _fsdp_on_the_cpu() -> None:
+    """accelerate 1.15 turns its FSDP plugin on only for accelerators (a CPU run falls back to
+    DDP). The test lifts that gate, nothing else: what then runs is accelerate's FSDP
+    preparation and torch's FSDP (fully_shard's all-gathers in the forward and reduce-scatters
+    of the gradients) over gloo."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    AcceleratorState.__init__ = __init__
+
+
+def _distributed_worker(out_dir: str, engine: str, kind: str) -> None:
+    """One process of ``torchrun --nproc_per_node 2 tests/test_trl.py DIR ENGINE KIND``: two
+    training steps (SGD: the parameters move by the gradients themselves) of TRL's trainer or
+    rlfuse's (``kind``) under ``engine`` (DDP or FSDP2 through accelerate, gloo), each
+    rank on its own prompts; rank 0 writes the whole parameters, the logs and what it saw."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    trainer = RLFuseGRPOTrainer(
-        model=model(), reward_funcs=reward, train_dataset=dataset(16),
-        processing_class=tokenizer(),
-        args=RLFuseGRPOConfig(**config(out_dir, loss_type="dapo", epsilon_high=0.28),
-                              rlfuse_loss="ppo"))
-    before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    if engine.startswith("fsdp"):
+        _fsdp_on_the_cpu()
+    kw = config(out_dir, loss_type="dapo", epsilon_high=0.28, optim="sgd", **ENGINES[engine])
+    trainer = (trl.GRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(16),
+                               processing_class=tokenizer(), args=trl.GRPOConfig(**kw))
+               if kind == "trl" else
+               RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(16),
+                                 processing_class=tokenizer(),
+                                 args=RLFuseGRPOConfig(**kw, rlfuse_loss="ppo")))
     trainer.train()
-    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-    ranks = trainer.accelerator.gather(after[None])
+    wrapped = trainer.model_wrapped
+    state = trainer.accelerator.get_state_dict(trainer.model)   # gathered whole on rank 0
+    local = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    ranks = trainer.accelerator.gather(local[None]) if engine == "ddp" else local[None]
     if trainer.accelerator.is_main_process:
-        with open(os.path.join(out_dir, "ddp.json"), "w") as f:
+        torch.save({k: v.detach().cpu() for k, v in state.items()},
+                   os.path.join(out_dir, f"{engine}-{kind}.pt"))
+        with open(os.path.join(out_dir, f"{engine}-{kind}.json"), "w") as f:
             json.dump({"processes": trainer.accelerator.num_processes,
-                       "ddp": isinstance(trainer.model_wrapped, DistributedDataParallel),
-                       "moved": (after - before).abs().max().item(),
-                       "rank_spread": (ranks - ranks[0]).abs().max().item()}, f)
+                       "wrapper": "ddp" if isinstance(wrapped, DistributedDataParallel) else
+                       "fsdp2" if isinstance(trainer.model, FSDPModule) else
+                       type(wrapped).__name__,
+                       "rank_spread": (ranks - ranks[0]).abs().max().item(),
+                       "logs": trainer.state.log_history}, f)
     # an orderly teardown: a process that exits with gloo's threads alive may abort
     trainer.accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()
+
+
+def _run_distributed(tmp_path, engine: str, kind: str):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--standalone", __file__, str(tmp_path), engine, kind],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / f"{engine}-{kind}.json").read_text())
+    assert result["processes"] == 2 and result["wrapper"] == engine, result
+    return result, torch.load(tmp_path / f"{engine}-{kind}.pt")
 
 
 def test_ddp_ranks_stay_in_sync(tmp_path):
@@ -488,17 +534,29 @@ def test_ddp_ranks_stay_in_sync(tmp_path):
     the DDP-wrapped model's forward, so DDP averages the gradients and every rank holds the same
     parameters after each step (a loss computed outside that forward would not be synchronised
     and the ranks would drift apart)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--standalone", __file__, str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "ddp.json").read_text())
-    assert result["processes"] == 2 and result["ddp"], result
-    assert result["moved"] > 0, result
+    result, state = _run_distributed(tmp_path, "ddp", "rlfuse")
+    start = model().state_dict()
+    assert max((state[k] - start[k]).abs().max().item() for k in start) > 0, result
     assert result["rank_spread"] == 0, result
 
 
+def test_fsdp2_trains_as_trl(tmp_path):
+    """FSDP2 (fully_shard: the head's weight sharded, gathered by FSDP inside the model's
+    forward, where the loss runs) over two gloo processes: rlfuse's trainer ends with TRL's
+    own parameters, after the same logged losses, gradient norms and metrics."""
+    theirs, want = _run_distributed(tmp_path, "fsdp2", "trl")
+    ours, got = _run_distributed(tmp_path, "fsdp2", "rlfuse")
+    start = model().state_dict()
+    assert got.keys() == want.keys() == start.keys()
+    assert max((want[k] - start[k]).abs().max().item() for k in start) > 1e-4
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL["fp32_matmul"], msg=name)
+    steps = [(a, b) for a, b in zip(theirs["logs"], ours["logs"]) if "grad_norm" in a]
+    assert len(steps) == 2
+    for a, b in steps:
+        for key in ("loss", "grad_norm", "entropy", "clip_ratio/region_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
 if __name__ == "__main__":
-    _ddp_worker(sys.argv[1])
+    _distributed_worker(*sys.argv[1:])

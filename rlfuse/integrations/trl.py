@@ -99,9 +99,12 @@ class RLFuseGRPOTrainer(GRPOTrainer):
 
     def _unsupported_model(self) -> List[str]:
         problems = []
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            problems.append("DeepSpeed or FSDP (a sharded output head; one process and DDP "
-                            "are supported)")
+        if self.is_deepspeed_enabled:
+            problems.append("DeepSpeed (not installed where the trainer is tested; one process, "
+                            "DDP and FSDP2 are supported)")
+        if self.is_fsdp_enabled and self.accelerator.state.fsdp_plugin.fsdp_version != 2:
+            problems.append("FSDP1 (fsdp_config version 1, deprecated by transformers; it needs an "
+                            "accelerator where the trainer is tested: FSDP2 is supported)")
         if self.aux_loss_enabled:
             problems.append("a router aux loss (MoE)")
         return problems
