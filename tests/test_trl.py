@@ -67,6 +67,16 @@ def head_model(name, seed=0):
 HEAD_MODELS = ("gemma2", "gemma3", "cohere", "granite")
 
 
+def moe_model(seed=0):
+    """A tiny Mixtral: four experts, two per token, a router loss weighted to matter."""
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=len(WORDS) + 2, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False,
+        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5))
+
+
 def dataset(n=8):
     gen = torch.Generator().manual_seed(0)
     prompts = [" ".join(WORDS[int(i)] for i in torch.randint(0, 40, (3,), generator=gen))
@@ -378,6 +388,21 @@ def test_model_heads_reproduce_trl(name, tmp_path):
     theirs, ours, data = trainers(tmp_path, net=head_model(name), loss_type="dapo")
     inputs, _ = off_policy_batch(theirs, ours, data, {})
     assert_same_step(theirs, ours, inputs, 1)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_router_aux_loss_reproduces_trl(accumulation, tmp_path):
+    """An MoE policy: TRL adds the router's load-balancing loss (its coefficient over the
+    accumulation) to the policy loss; rlfuse's trainer computes it from the same backbone
+    pass that gives the hidden states, with the model's own function: the same loss, every
+    gradient (the router's included) and TRL's aux_loss metric."""
+    theirs, ours, data = trainers(tmp_path, net=moe_model(), loss_type="dapo")
+    assert theirs.aux_loss_enabled and ours.aux_loss_enabled
+    inputs, _ = off_policy_batch(theirs, ours, data, {})
+    assert_same_step(theirs, ours, inputs, accumulation)
+    want, got = theirs._metrics["train"]["aux_loss"], ours._metrics["train"]["aux_loss"]
+    assert len(got) == len(want) >= 1 and got[-1] == pytest.approx(want[-1], rel=1e-6)
+    assert want[-1] > 0.1
 
 
 def test_a_head_rlfuse_does_not_know_is_refused(tmp_path):

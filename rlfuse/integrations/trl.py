@@ -35,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import sys
 from typing import List, Optional
 
 import torch
@@ -99,24 +100,25 @@ class RLFuseGRPOTrainer(GRPOTrainer):
 
     def _unsupported_model(self) -> List[str]:
         problems = []
+        if self.aux_loss_enabled:
+            problems += _router_loss_problems(self.accelerator.unwrap_model(self.model))
         if self.is_deepspeed_enabled:
             problems.append("DeepSpeed (not installed where the trainer is tested; one process, "
                             "DDP and FSDP2 are supported)")
         if self.is_fsdp_enabled and self.accelerator.state.fsdp_plugin.fsdp_version != 2:
             problems.append("FSDP1 (fsdp_config version 1, deprecated by transformers; it needs an "
                             "accelerator where the trainer is tested: FSDP2 is supported)")
-        if self.aux_loss_enabled:
-            problems.append("a router aux loss (MoE)")
         return problems
 
     # ----------------------------------------------------------------------------------------
     # The policy
     # ----------------------------------------------------------------------------------------
 
-    def _through_head(self, model, inputs, fn):
+    def _through_head(self, model, inputs, fn, router: bool = False):
         """``fn(head)`` inside ``model``'s forward (so that the wrappers of data parallelism see
         a forward), ``head`` the ``LinearHead`` of the last hidden state and the output head
-        whose rows ``P - 1 ...`` predict the completion."""
+        whose rows ``P - 1 ...`` predict the completion; with ``router``, ``(fn(head), the
+        MoE router's load-balancing loss)``."""
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         offset = inputs["prompt_ids"].shape[1] - 1
@@ -130,7 +132,8 @@ class RLFuseGRPOTrainer(GRPOTrainer):
                 chunk_tokens=self.args.rlfuse_chunk_tokens, **head,
                 head_dtype=torch.float32 if self.args.cast_lm_head_to_fp32 else None))
 
-        return model(input_ids=input_ids, attention_mask=attention, rlfuse_head=loss_of)
+        return model(input_ids=input_ids, attention_mask=attention, rlfuse_head=loss_of,
+                     rlfuse_router=router)
 
     def _completion_logprobs(self, model, inputs) -> torch.Tensor:
         with torch.no_grad():
@@ -232,11 +235,20 @@ class RLFuseGRPOTrainer(GRPOTrainer):
                 loss_scale=agg.get("loss_scale", 1.0), num_tokens=agg.get("num_tokens"),
                 validate=False)
 
-        out = self._through_head(model, inputs, loss)
+        if self.aux_loss_enabled:
+            out, aux = self._through_head(model, inputs, loss, router=True)
+        else:
+            out = self._through_head(model, inputs, loss)
         self._log_rlfuse_metrics(mode, out.metrics)
         if args.rlfuse_loss == "ppo":
             self._entropy_controller(mode, out.loss, out.metrics, mask, train)
-        return out.loss
+        if not self.aux_loss_enabled:
+            return out.loss
+        # TRL's router loss: its coefficient over the accumulation, added after the policy's
+        normalizer = self.current_gradient_accumulation_steps if train else 1.0
+        self._metrics[mode]["aux_loss"].append(
+            self.accelerator.gather_for_metrics(aux.detach()).mean().item())
+        return out.loss + self.router_aux_loss_coef * aux / normalizer
 
     def _objective(self):
         """The rlfuse objective of TRL's ``loss_type`` and its settings."""
@@ -375,16 +387,59 @@ def _add_head_forward(model) -> None:
     original = model.forward
 
     @functools.wraps(original)
-    def forward(*args, rlfuse_head=None, **kwargs):
+    def forward(*args, rlfuse_head=None, rlfuse_router=False, **kwargs):
         if rlfuse_head is None:
             return original(*args, **kwargs)
         backbone = getattr(model, model.base_model_prefix)
-        hidden = backbone(*args, use_cache=False, **kwargs).last_hidden_state
+        if rlfuse_router:
+            kwargs["output_router_logits"] = True
+        out = backbone(*args, use_cache=False, **kwargs)
         head = model.get_output_embeddings()
-        return rlfuse_head(hidden, head.weight, head.bias)
+        result = rlfuse_head(out.last_hidden_state, head.weight, head.bias)
+        if not rlfuse_router:
+            return result
+        return result, _router_loss(model, out.router_logits, kwargs.get("attention_mask"))
 
     model.forward = forward
     _model_head(model)
+
+
+def _router_loss(model, router_logits, attention_mask):
+    """The MoE load-balancing loss the model's own forward adds (its module's
+    ``load_balancing_loss_func`` over the backbone's router logits)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    return balance(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+
+
+def _router_loss_problems(model) -> List[str]:
+    """Why the router loss of ``model`` cannot be reproduced, if it cannot: the model's
+    forward must give, on a short input, the loss ``_router_loss`` computes."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    module = sys.modules[type(model).__module__]
+    if not (hasattr(module, "load_balancing_loss_func") and hasattr(model, "num_experts") and
+            hasattr(model, "num_experts_per_tok")):
+        return [f"the router aux loss of {type(model).__name__} (no load_balancing_loss_func "
+                f"with num_experts / num_experts_per_tok, as the MoE models of transformers "
+                f"have)"]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(6, device=model.device) * 7919 % vocab).unsqueeze(0)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            own = model(input_ids=ids, output_router_logits=True, use_cache=False).aux_loss
+            backbone = getattr(model, model.base_model_prefix)
+            ours = _router_loss(model, backbone(input_ids=ids, output_router_logits=True,
+                                                use_cache=False).router_logits, None)
+    finally:
+        model.train(training)
+    if not torch.allclose(ours.float(), own.float(), rtol=1e-5, atol=1e-7):
+        return [f"the router aux loss of {type(model).__name__} (its forward gives {own.item()}, "
+                f"its load_balancing_loss_func {ours.item()})"]
+    return []
 
 
 def _model_head(model) -> dict:
