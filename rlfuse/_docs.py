@@ -102,7 +102,8 @@ DOCSTRINGS["ggpo_loss"] = """GGPO: the stable Gibbs (log-mean-exp) gap of KL-adj
     Metrics (detached): ``gap`` mean over groups of J_g/β (unclipped J, both branches);
     ``q_max`` max over the batch of the weights of the update (q, or q̃ in the clipped branch);
     ``clip_frac`` share of actor tokens with |lp − ref_lp| > ρ (0 without ``clip_radius``);
-    ``seq_logratio_mean`` mean over sequences of s_i − s_i^ref.
+    ``seq_logratio_mean`` mean over sequences of s_i − s_i^ref; ``kl`` mean over actor tokens
+    of the k3 estimate e^(ref_lp − lp) − (ref_lp − lp) − 1 (TRL's ``kl``).
 
     Fused (``rlfuse.ggpo_loss``): from log-probs one group kernel (one program per group) and one
     token-gradient kernel; from ``Logits`` the log-prob pass over the logits, the group kernel
@@ -293,7 +294,8 @@ GR-OPD: PPO on the student's tokens with the group-relative teacher credit ``A_i
     ``ValueError`` rather than returning inf/NaN (``validate=False``: the ``overflow`` metric).
 
     Metrics (detached): ``clip_frac`` share of actor tokens where the clipped branch is
-    selected; ``adv_mean`` / ``adv_abs_mean`` mean of A_i / |A_i| over the responses;
+    selected, ``clip_frac_low`` / ``clip_frac_high`` the shares clipped from below (A < 0)
+    and above (A > 0); ``adv_mean`` / ``adv_abs_mean`` mean of A_i / |A_i| over the responses;
     ``feedback_mean`` mean of the clamped feedback r_it over actor tokens (computed from
     ``teacher_logprobs`` also when ``advantages`` are given); ``overflow`` as in GPPO.
 

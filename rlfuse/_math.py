@@ -67,6 +67,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
 
 
+def k3_kl_mean(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean over actor tokens of the k3 estimate of KL(pi || pi_ref), ``e^(ref - lp) -
+    (ref - lp) - 1`` (TRL's ``kl`` metric), detached; garbage off the mask never enters."""
+    with torch.no_grad():
+        d = torch.where(mask, ref.to(lp.dtype) - lp, torch.zeros_like(lp))
+        return masked_mean(torch.expm1(d) - d, mask)
+
+
 def clamped_feedback(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
                      feedback_clip: float) -> torch.Tensor:
     """GR-OPD's ``r_it = clamp(teacher_lp - old_lp, +-feedback_clip)`` at actor tokens, 0

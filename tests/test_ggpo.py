@@ -49,7 +49,7 @@ def test_logprobs_matches_float64(group_size, clip_radius, dtype, device):
     check_three_way(rlfuse.ggpo_loss, reference.ggpo_loss, lp, dtype=dtype, device=device,
                     args=args_of(ref, rewards, mask, dtype),
                     args64=args_of(ref, rewards, mask, torch.float64),
-                    metric_names=["gap", "q_max", "clip_frac", "seq_logratio_mean"],
+                    metric_names=["gap", "q_max", "clip_frac", "seq_logratio_mean", "kl"],
                     group_size=group_size, beta=0.5, clip_radius=clip_radius)
 
 
@@ -124,9 +124,16 @@ def test_linear_head_matches_float64(dtype, chunk, clip_radius, device):
         assert f.dtype == r.dtype, label
         assert_three_way(f, r, r64, label)
     assert set(fused_metrics) == set(ref64_metrics)
+    # kl is a mean of e^d - d - 1 (d = ref - lp): a log-prob's error moves a term by e^d times
+    # it, and a log-prob is held to its own scale, up to max |d|
+    lp64 = reference.policy_logprobs(rlfuse.LinearHead(
+        case["hidden"], case["weight"], case["targets"], case["bias"], 0.8, offset=HEAD_OFFSET))
+    d_max = (case["ref"] - lp64)[case["mask"]].abs().max().item()
+    scales = {"kl": ref64_metrics["kl"].item() * max(1.0, d_max)}
     for name, value in fused_metrics.items():
         assert value.dim() == 0 and value.dtype == torch.float32, name
-        assert_three_way(value, ref_metrics[name], ref64_metrics[name], name)
+        assert_three_way(value, ref_metrics[name], ref64_metrics[name], name,
+                         scale=scales.get(name))
 
 
 @pytest.mark.parametrize("beta", [0.01, 0.1, 1.0, 10.0])
@@ -327,6 +334,10 @@ def test_loss_and_gradient_match_definition(impl, m, beta, device):
     assert out.metrics["clip_frac"].item() == 0.0
     assert out.metrics["seq_logratio_mean"].item() == pytest.approx(
         sum(a - b for a, b in zip(s, s_ref)) / len(s), **APPROX["fp64"])
+    d = [r - p for p, r, on in zip(lp.detach().flatten().tolist(), ref.flatten().tolist(),
+                                   mask.flatten().tolist()) if on]
+    assert out.metrics["kl"].item() == pytest.approx(
+        sum(math.exp(x) - x - 1 for x in d) / len(d), **APPROX["fp64"])
 
 
 def test_coefficients_from_gradient_sum_to_zero_per_group(impl, device):

@@ -271,8 +271,8 @@ def test_loss_against_loop_and_not_a_global_token_mean(eps, impl, device):
 
 
 def test_metrics(impl, device):
-    """clip_frac, adv_mean, adv_abs_mean and feedback_mean against their definitions: detached
-    scalars."""
+    """clip_frac (low, high and both), adv_mean, adv_abs_mean and feedback_mean against their
+    definitions: detached scalars."""
     lp, old, teacher, mask = _batch(seed=6, scale=0.4, device=device)
     hp = hyper(feedback_clip=0.7)
     m = impl.gr_opd_loss(lp, old, teacher, mask, group_size=3, eps=0.1, **hp).metrics
@@ -282,6 +282,11 @@ def test_metrics(impl, device):
     rho = torch.exp(lp - old)
     clipped = ((adv_t > 0) & (rho > 1.1)) | ((adv_t < 0) & (rho < 0.9))
     assert m["clip_frac"].item() == pytest.approx((clipped & mask).sum().item() / mask.sum().item())
+    low, high = (adv_t < 0) & (rho < 0.9), (adv_t > 0) & (rho > 1.1)
+    assert m["clip_frac_low"].item() == pytest.approx((low & mask).sum().item() / mask.sum().item())
+    assert m["clip_frac_high"].item() == pytest.approx(
+        (high & mask).sum().item() / mask.sum().item())
+    assert m["clip_frac_low"] > 0 and m["clip_frac_high"] > 0
     assert m["adv_mean"].item() == pytest.approx(sum(adv) / len(adv), **APPROX["fp64_metric"])
     assert m["adv_abs_mean"].item() == pytest.approx(sum(map(abs, adv)) / len(adv),
                                                      **APPROX["fp64"])
@@ -297,7 +302,8 @@ def test_logprobs_matches_float64(dtype, lam, device):
     check_three_way(rlfuse.gr_opd_loss, reference.gr_opd_loss, lp, dtype=dtype, device=device,
                     args=(old.to(dtype), teacher.to(dtype), mask),
                     args64=(old, teacher, mask),
-                    metric_names=["clip_frac", "adv_mean", "adv_abs_mean", "feedback_mean"],
+                    metric_names=["clip_frac", "clip_frac_low", "clip_frac_high", "adv_mean",
+                                  "adv_abs_mean", "feedback_mean"],
                     group_size=3, lam=lam, eps=0.125, feedback_clip=0.75, **EXACT)
 
 

@@ -9,6 +9,7 @@ from torch import Tensor
 from .. import reference
 from .._args import check_ggpo_args
 from .._dispatch import falls_back_to
+from .._math import k3_kl_mean
 from .._types import LossOutput, compute_dtype
 from ..kernels.ggpo import GROUP_COLUMNS, ggpo_bwd, ggpo_fwd
 from ._op import custom_op, register_autograd
@@ -88,8 +89,10 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
     args = check_ggpo_args(
         policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
         clip_radius=clip_radius, loss_scale=loss_scale, num_tokens=num_tokens, validate=validate)
-    loss, group_sums, _, _ = ggpo_op(learner_logprobs(policy, args.mask, validate=validate),
-                                     ref_logprobs.detach(), rewards.detach(), args.mask,
+    lp = learner_logprobs(policy, args.mask, validate=validate)
+    loss, group_sums, _, _ = ggpo_op(lp, ref_logprobs.detach(), rewards.detach(), args.mask,
                                      args.group_size, args.beta, args.clip_radius,
                                      args.loss_scale, args.num_tokens)
-    return LossOutput(loss, _metrics(group_sums, args.info.shape[0]))
+    metrics = _metrics(group_sums, args.info.shape[0])
+    metrics["kl"] = k3_kl_mean(lp.detach().to(args.info.compute_dtype), ref_logprobs, args.mask)
+    return LossOutput(loss, metrics)

@@ -82,6 +82,8 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     tokens = mask.sum().to(cdt).clamp_min(1)
     metrics = {
         "clip_frac": (totals["flag0"] + totals["flag1"]) / tokens,
+        "clip_frac_low": totals["flag0"] / tokens,
+        "clip_frac_high": totals["flag1"] / tokens,
         "adv_mean": adv_c.mean() if adv_c.numel() else adv_c.new_zeros(()),
         "adv_abs_mean": adv_c.abs().mean() if adv_c.numel() else adv_c.new_zeros(()),
         "feedback_mean": feedback_mean,

@@ -8,7 +8,7 @@ import torch
 
 from .._args import check_ggpo_args
 from .._docs import documented
-from .._math import masked_mean
+from .._math import k3_kl_mean, masked_mean
 from .._types import LossOutput
 from .logprobs import learner_logprobs
 
@@ -57,5 +57,6 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
             "q_max": q.max() if q.numel() else q.new_zeros(()),
             "clip_frac": clip_frac,
             "seq_logratio_mean": (s - s_ref).mean() if batch else s.new_zeros(()),
+            "kl": k3_kl_mean(lp.detach(), ref, mask),
         }
     return LossOutput(loss, metrics)

@@ -70,6 +70,8 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     with torch.no_grad():
         metrics = {
             "clip_frac": masked_mean((terms.flags[0] | terms.flags[1]).to(cdt), mask),
+            "clip_frac_low": masked_mean(terms.flags[0].to(cdt), mask),
+            "clip_frac_high": masked_mean(terms.flags[1].to(cdt), mask),
             "adv_mean": adv.mean() if adv.numel() else adv.new_zeros(()),
             "adv_abs_mean": adv.abs().mean() if adv.numel() else adv.new_zeros(()),
             "feedback_mean": masked_mean(feedback, mask),
