@@ -103,7 +103,7 @@ DOCSTRINGS["ggpo_loss"] = """GGPO: the stable Gibbs (log-mean-exp) gap of KL-adj
     ``q_max`` max over the batch of the weights of the update (q, or q̃ in the clipped branch);
     ``clip_frac`` share of actor tokens with |lp − ref_lp| > ρ (0 without ``clip_radius``);
     ``seq_logratio_mean`` mean over sequences of s_i − s_i^ref; ``kl`` mean over actor tokens
-    of the k3 estimate e^(ref_lp − lp) − (ref_lp − lp) − 1 (TRL's ``kl``).
+    of the k3 estimate e^d − d − 1, d = ref_lp − lp clamped to ±20 (TRL's ``kl``).
 
     Fused (``rlfuse.ggpo_loss``): from log-probs one group kernel (one program per group) and one
     token-gradient kernel; from ``Logits`` the log-prob pass over the logits, the group kernel
@@ -199,8 +199,10 @@ GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust r
 
     Metrics (detached, over the local actor tokens, 0 when there are none):
     ``clip_frac_low`` share of tokens with A < 0 and r < l (clipped from below);
-    ``clip_frac_high`` share with A > 0 and r > u; ``dual_clip_frac`` share with A < 0 and
-    r > c; ``ratio_mean`` mean of r; ``approx_kl`` mean of ``old_lp − lp``, each clamped to ±20
+    ``clip_frac_high`` share with A > 0 and r > u; ``clip_frac_low_seq_min`` /
+    ``clip_frac_high_seq_max`` the least / greatest of those shares over the sequences with
+    tokens (TRL's ``clip_ratio/low_min`` / ``high_max``); ``dual_clip_frac`` share with A < 0
+    and r > c; ``ratio_mean`` mean of r; ``approx_kl`` mean of ``old_lp − lp``, each clamped to ±20
     (verl's ``ppo_kl``);
     ``overflow`` 1 if some selected ``r A`` overflowed.
 
@@ -346,7 +348,8 @@ The PPO clipped surrogate, as GRPO / DAPO / Dr. GRPO / GSPO trainers run it.
 
     decided in log space as in ``gppo_loss`` (only the selected branch is exponentiated; an
     overflowing unclipped ``r A`` raises, or is the ``overflow`` metric without validation).
-    Metrics: ``clip_frac_low``, ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``,
+    Metrics: ``clip_frac_low``, ``clip_frac_high``, their per-sequence extremes
+    ``clip_frac_low_seq_min`` / ``clip_frac_high_seq_max``, ``dual_clip_frac``, ``ratio_mean``,
     ``approx_kl``, ``overflow`` (as GPPO's).
 
     Fused (``rlfuse.ppo_loss``): GPPO's kernels with PPO's region — from ``Logits`` /
@@ -397,7 +400,8 @@ Any policy objective TRL or verl runs, with a KL penalty, an entropy bonus and T
     Metrics (detached, over the local actor tokens): a token-local or sequence objective's
     flags (``clip_frac_low`` / ``clip_frac_high`` / ``dual_clip_frac`` of ``Clip``, GSPO and
     LUSPO; ``clip_frac`` / ``clip_frac_high`` of CISPO; ``dropped_frac`` / ``truncated_frac`` of
-    DPPO), ``ratio_mean``, ``approx_kl`` (the mean of ``old − lp``, each clamped to ±20 where
+    DPPO; with ``clip_frac_low`` / ``clip_frac_high`` their per-sequence extremes
+    ``clip_frac_low_seq_min`` / ``clip_frac_high_seq_max``), ``ratio_mean``, ``approx_kl`` (the mean of ``old − lp``, each clamped to ±20 where
     verl's own loss clamps it) and ``overflow``; a batch-level objective's own (``GeoMean``:
     ``clip_frac_high``, ``clip_frac_low``, ``approx_kl``; ``VESPO``: ``phi_mean``,
     ``approx_kl``; ``ClipCov``: ``cut_frac``, ``approx_kl``; ``KLCov``: ``approx_kl`` of

@@ -5,7 +5,8 @@ logit scale and softcap.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Dict, Optional
 
 import torch
 
@@ -67,11 +68,38 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
 
 
+# The flags whose per-sequence extremes are metrics too (TRL's clip_ratio/low_min, /high_max)
+SEQUENCE_EXTREMES = {"clip_frac_low": ("clip_frac_low_seq_min", torch.amin),
+                     "clip_frac_high": ("clip_frac_high_seq_max", torch.amax)}
+
+
+def sequence_extremes(flag_sums: Dict[str, torch.Tensor],
+                      tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """For each flag of ``SEQUENCE_EXTREMES`` in ``flag_sums`` (``[B]``: a flag's count per
+    sequence, ``tokens [B]`` its actor tokens), the least / greatest share over the sequences
+    with tokens (0 when there are none); no host sync."""
+    out = {}
+    has = tokens > 0
+    for flag, (name, pick) in SEQUENCE_EXTREMES.items():
+        if flag not in flag_sums:
+            continue
+        share = flag_sums[flag] / tokens.clamp_min(1)
+        if share.numel() == 0:
+            out[name] = share.new_zeros(())
+            continue
+        empty = math.inf if pick is torch.amin else -math.inf
+        value = pick(torch.where(has, share, empty))
+        out[name] = torch.where(has.any(), value, 0.0)
+    return out
+
+
 def k3_kl_mean(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mean over actor tokens of the k3 estimate of KL(pi || pi_ref), ``e^(ref - lp) -
-    (ref - lp) - 1`` (TRL's ``kl`` metric), detached; garbage off the mask never enters."""
+    """The mean over actor tokens of the k3 estimate of KL(pi || pi_ref), ``e^d - d - 1`` with
+    ``d = ref - lp`` (TRL's ``kl`` metric) clamped to +-20 (as ``approx_kl``: finite in fp32),
+    detached; garbage off the mask never enters, and the sum's order is the layout's own."""
     with torch.no_grad():
-        d = torch.where(mask, ref.to(lp.dtype) - lp, torch.zeros_like(lp))
+        lp, ref, mask = lp.contiguous(), ref.contiguous(), mask.contiguous()
+        d = torch.where(mask, ref.to(lp.dtype) - lp, torch.zeros_like(lp)).clamp(-20.0, 20.0)
         return masked_mean(torch.expm1(d) - d, mask)
 
 

@@ -467,7 +467,8 @@ def test_gradcheck_logits(impl, device):
     targets, mask, ref, rewards = (x.to(device) for x in (targets, mask, ref, rewards))
     f = lambda x: impl.ggpo_loss(impl.Logits(x, targets, 1.3), ref, rewards, mask,
                                  group_size=2, beta=0.5).loss
-    assert torch.autograd.gradcheck(f, (logits,))
+    # fast mode (a random projection of the Jacobian: two evaluations, not one per element)
+    assert torch.autograd.gradcheck(f, (logits,), fast_mode=True)
 
 
 @pytest.mark.parametrize("beta", [0.01, 0.1, 1.0, 10.0])

@@ -336,6 +336,35 @@ def test_fp64_loss_with_gpu_float_passing(floats_as_on_a_gpu, device):
     torch.testing.assert_close(fused[2].cpu(), ref[2], **TOL["fp64_pairs"])
 
 
+def test_head_scalars_in_fp64_on_a_gpu(floats_as_on_a_gpu, device, monkeypatch):
+    """1 / temperature, a softcap and a logit scale that fp32 does not represent reach the row
+    kernels as fp64 pairs: fp64 log-probs and gradients of logits and of a capped head match
+    the fp64 reference to its own accuracy. The negative control passes each as one float,
+    rounded to fp32 on the way."""
+    from rlfuse.kernels import rows
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 3, 17, generator=gen, dtype=torch.float64) * 6
+    targets = torch.randint(0, 17, (2, 3), generator=gen)
+    weight = torch.randn(17, 17, generator=gen, dtype=torch.float64)
+
+    def calls(lib):
+        logits = x.clone().to(device).requires_grad_(True)
+        head = lib.LinearHead(logits, weight.to(device), targets.to(device), temperature=0.7,
+                              logit_scale=0.3, softcap=2.5)
+        lp = lib.token_logprobs(logits, targets.to(device), temperature=0.7)
+        (grad,) = torch.autograd.grad(lp.sum() + lib.policy_logprobs(head).sum(), logits)
+        return lp.detach().cpu(), lib.policy_logprobs(head).detach().cpu(), grad.cpu()
+
+    want = calls(reference)
+    for got, ref in zip(calls(rlfuse), want):
+        torch.testing.assert_close(got, ref, **TOL["fp64_head"])
+    if device.type == "cuda":
+        return
+    monkeypatch.setattr(rows, "fp64_parts", lambda v: (v, 0.0))
+    assert max((g - w).abs().max().item() for g, w in zip(calls(rlfuse), want)) > 1e-10
+
+
 @pytest.mark.parametrize("group_size", [256, 1024])
 def test_large_groups(group_size, device):
     """Groups of 256 and 1024 rows (the group kernels hold a whole group; their tile shrinks in

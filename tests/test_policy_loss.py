@@ -99,6 +99,12 @@ def terms(name, case):
         "kl_abs_st": dict(ref_logprobs=case["ref"], kl=K.KLPenalty(X(0.25), "abs+")),
         "weights": dict(weights=case["weights"], agg="seq-mean-token-sum"),
         "entropy": dict(entropy=K.EntropyBonus(X(0.125))),
+        # the single pass's KL and entropy together (as TRL runs them), with weights
+        "kl_entropy": dict(ref_logprobs=case["ref"], kl=K.KLPenalty(X(0.25), clamp=False,
+                                                                   importance_weighted=True),
+                           entropy=K.EntropyBonus(X(0.125))),
+        "kl_abs_st_weights": dict(ref_logprobs=case["ref"], kl=K.KLPenalty(X(0.25), "abs+"),
+                                  weights=case["weights"], agg="seq-mean-token-sum"),
         "entropy_mask": dict(entropy=K.EntropyBonus(X(0.125), agg="token-mean"),
                              entropy_mask=K.TopEntropyMask(0.5)),
         "off_policy": dict(off_policy_mask=K.OffPolicyMask(X(0.125), case["sampling"]),
@@ -107,10 +113,12 @@ def terms(name, case):
 
 
 LOGPROB_TERMS = ("none", "kl_k3", "kl_trl", "kl_abs_st", "weights", "off_policy")
-# from logits: each kind of term (the plain k3 and the weights as from log-probs and a head)
-LOGITS_TERMS = ("none", "kl_trl", "kl_abs_st", "off_policy", "entropy", "entropy_mask")
-# a LinearHead's chunks run the logits' row kernels: each kind of term once
-HEAD_TERMS = ("none", "kl_trl", "weights", "entropy", "entropy_mask")
+# from logits: each kind of term once, the single pass's KL and entropy in one call (the plain
+# objective and k3 as from log-probs)
+LOGITS_TERMS = ("kl_entropy", "kl_abs_st_weights", "off_policy", "entropy_mask")
+# a LinearHead's chunks run the logits' row kernels: its single pass with every term, and its
+# two passes
+HEAD_TERMS = ("kl_entropy", "entropy_mask")
 FIXED_AGG = ("sapo", "luspo", "geo_mean")
 
 
@@ -191,6 +199,33 @@ def test_terms_metrics(device):
     mask = case["mask"]
     lp, h = reference.token_logprobs(case["logits"], case["targets"], return_entropy=True)
     torch.testing.assert_close(out["entropy"], h[mask].mean().float(), **TOL["fp32_sum"])
+
+
+def test_sequence_extremes_of_the_clip(impl, device):
+    """clip_frac_low_seq_min / clip_frac_high_seq_max: the least share of tokens clipped from
+    below and the greatest from above over the sequences with tokens (a row without any is
+    left out), against a loop over the sequences, with the advantages and their negation."""
+    case = make_case(4)
+    mask = case["mask"].clone()
+    mask[2] = False
+    old = torch.where(mask, case["old"], 0.0)
+    r = torch.exp(case["lp"] - old)
+    seen = []
+    for adv in (case["adv_tok"], -case["adv_tok"]):
+        out = impl.policy_loss(case["lp"].to(device), old.to(device), adv.to(device),
+                               mask.to(device), O.Clip(0.0625))
+        low, high = (adv < 0) & (r < 0.9375), (adv > 0) & (r > 1.0625)
+        shares = [((low[b] & mask[b]).sum() / mask[b].sum(), (high[b] & mask[b]).sum() /
+                   mask[b].sum()) for b in range(B) if mask[b].any()]
+        want_low, want_high = min(x[0] for x in shares), max(x[1] for x in shares)
+        assert out.metrics["clip_frac_low_seq_min"].item() == pytest.approx(want_low.item())
+        assert out.metrics["clip_frac_high_seq_max"].item() == pytest.approx(want_high.item())
+        seen += [want_low.item(), want_high.item()]
+    assert min(seen) >= 0 and sorted(seen)[-2] > 0    # some extremes are not 0
+    empty = impl.policy_loss(case["lp"][:, :0].to(device), old[:, :0].to(device),
+                             case["adv_tok"][:, :0].to(device), mask[:, :0].to(device),
+                             O.Clip(0.0625))
+    assert empty.metrics["clip_frac_low_seq_min"] == 0 == empty.metrics["clip_frac_high_seq_max"]
 
 
 def test_clip_cov_replays_its_draw(impl, device):

@@ -18,8 +18,8 @@ datasets = integration("datasets")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 import rlfuse  # noqa: E402
-from rlfuse.integrations.trl import (RLFuseGRPOConfig, RLFuseGRPOTrainer,  # noqa: E402
-                                     _add_head_forward, _model_head)
+from rlfuse.integrations._models import add_head_forward, model_head  # noqa: E402
+from rlfuse.integrations.trl import RLFuseGRPOConfig, RLFuseGRPOTrainer  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)]
 
@@ -163,7 +163,8 @@ def test_ppo_reproduces_trl(case, accumulation, tmp_path):
     inputs, _ = off_policy_batch(theirs, ours, data, case)
     assert_same_step(theirs, ours, inputs, accumulation)
     assert theirs._metrics["train"]["clip_ratio/region_mean"][-1] > 0    # the clip is active
-    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                 "clip_ratio/low_min", "clip_ratio/high_max"):
         assert ours._metrics["train"][name][-1] == pytest.approx(
             theirs._metrics["train"][name][-1], **APPROX["fp32_metric_abs"]), name
 
@@ -255,7 +256,8 @@ def test_every_loss_option_reproduces_trl(case, accumulation, tmp_path):
         assert theirs._metrics["train"]["kl"][-1] > 1e-2
     names = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"],
              "sapo": []}.get(case["loss_type"], ["clip_ratio/low_mean", "clip_ratio/high_mean",
-                                                  "clip_ratio/region_mean"])
+                                                  "clip_ratio/region_mean", "clip_ratio/low_min",
+                                                  "clip_ratio/high_max"])
     names += ["kl"] if case.get("beta") else []
     names += ["entropy"]                 # TRL logs it with or without the bonus
     for name in names:
@@ -360,8 +362,8 @@ def test_model_heads_equal_their_own_logits(name):
     logit scale, Granite's logits scaling) gives the log-probs of the model's own logits, and
     their gradient to every parameter."""
     net = head_model(name).double()
-    _add_head_forward(net)
-    fields = _model_head(net)
+    add_head_forward(net)
+    fields = model_head(net)
     assert fields != dict(logit_scale=1.0, softcap=None)
     ids = torch.randint(2, len(WORDS) + 2, (2, 7), generator=torch.Generator().manual_seed(0))
     targets = ids[:, 1:]

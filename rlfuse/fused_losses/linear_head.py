@@ -246,7 +246,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                         offset: int,
                         chunk_tokens: int, gather: bool,
                         needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, totals [SUM_COLUMNS], dhidden, dweight, dbias)``: the surrogate ``objective``
+    """``(loss, sums [B, SUM_COLUMNS], dhidden, dweight, dbias)``: the surrogate ``objective``
     over the head's window (``old_lp`` None: on policy) with its terms (those of
     ``surrogate.surrogate_logits_op``) and its gradients for an upstream gradient of 1 (empty
     where not needed), each chunk's logits formed once."""
@@ -255,7 +255,8 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     grads = HeadGradients(hidden, weight, bias, tuple(needs))
     write = any(needs)
     B, T = targets.shape
-    totals = torch.zeros(len(SUM_COLUMNS), dtype=row_scale.dtype, device=hidden.device)
+    sums_of_rows = torch.zeros((B, len(SUM_COLUMNS)), dtype=row_scale.dtype,
+                               device=hidden.device)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
     old_flat, w_flat, ref_flat = _flat(old_lp), _flat(weights), _flat(ref_lp)
     adv_flat = _flat(adv.unsqueeze(-1).expand(B, T) if adv.dim() == 1 else adv)
@@ -274,11 +275,11 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
             kl_scale=None if kl_flat is None else kl_flat[tokens],
             entropy_scale=None if entropy_flat is None else entropy_flat[tokens],
             logit_scale=logit_scale, softcap=softcap)
-        totals += sums.sum(0)
+        sums_of_rows.index_add_(0, tokens // T, sums)
         if write:
             grads.add(logits, h_rows, rows)
-    loss = -totals[SUM_COLUMNS.index("loss")]
-    return (loss, totals) + grads.results(hidden, weight)
+    loss = -sums_of_rows[:, SUM_COLUMNS.index("loss")].sum()
+    return (loss, sums_of_rows) + grads.results(hidden, weight)
 
 
 @linear_surrogate_op.register_fake
@@ -286,15 +287,15 @@ def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_
       entropy_scale, temperature, logit_scale, softcap, objective, geometry, topology,
       delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp, offset, chunk_tokens, gather,
       needs):
-    return ((row_scale.new_empty(()), row_scale.new_empty((len(SUM_COLUMNS),)))
+    return ((row_scale.new_empty(()), row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS))))
             + _gradients_fake(hidden, weight, bias, needs))
 
 
 def _surrogate_setup(ctx, inputs, output):
-    _, totals, dh, dw, db = output
+    _, sums, dh, dw, db = output
     ctx.save_for_backward(dh, dw, db)
     ctx.needs, ctx.has_bias = inputs.needs, inputs.bias is not None
-    ctx.mark_non_differentiable(totals, dh, dw, db)
+    ctx.mark_non_differentiable(sums, dh, dw, db)
     ctx.set_materialize_grads(False)
 
 

@@ -53,11 +53,11 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
     two_pass = spec.ratio == "batch" or args.entropy_mask is not None or \
         args.off_policy_mask is not None
     if not two_pass:
-        loss, totals = surrogate_loss(
+        loss, totals, sums = surrogate_loss(
             policy, old, adv, mask, row_scale, spec.token, weights=weights, ratio=spec.ratio,
             ref_lp=ref, kl=args.kl, entropy_scale=entropy_weights(args, mask, cdt),
             validate=validate)
-        metrics = surrogate_metrics(totals, tokens, spec.flags)
+        metrics = surrogate_metrics(totals, sums, mask, spec.flags)
     else:
         with_entropy = args.entropy is not None or args.entropy_mask is not None
         if with_entropy:
@@ -77,10 +77,10 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
             extra, totals = terms_apart(lp, old_c, mask, row_scale, spec.level, ref, args.kl,
                                         None, None)
         else:
-            loss, totals = surrogate_loss(lp, old, adv, mask, row_scale, spec.token,
-                                          weights=weights, ratio=spec.ratio, ref_lp=ref,
-                                          kl=args.kl, validate=validate)
-            metrics.update(surrogate_metrics(totals, tokens, spec.flags))
+            loss, totals, sums = surrogate_loss(lp, old, adv, mask, row_scale, spec.token,
+                                                weights=weights, ratio=spec.ratio, ref_lp=ref,
+                                                kl=args.kl, validate=validate)
+            metrics.update(surrogate_metrics(totals, sums, mask, spec.flags))
             extra = 0.0
         scale = entropy_weights(args, entropy_mask, cdt)
         bonus, found = terms_apart(lp, old_c, entropy_mask, row_scale, spec.ratio, None, None,

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .._specs import Objective
 from .._batch_objectives import term_ratio
-from .._math import aggregation_weights
+from .._math import aggregation_weights, sequence_extremes
 from .._names import OBJECTIVE_FLAGS
 from .._types import LinearHead, LossOutput, Logits
 from .._validation import raise_on_overflow
@@ -241,8 +241,9 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                    row_scale: Tensor, objective: Objective, *, weights: Optional[Tensor] = None,
                    ratio: str = "token", ref_lp: Optional[Tensor] = None, kl=None,
                    entropy_scale: Optional[Tensor] = None,
-                   validate: bool) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """``(loss, {column: total})`` of the surrogate ``objective`` for any policy form
+                   validate: bool) -> Tuple[Tensor, Dict[str, Tensor], Tensor]:
+    """``(loss, {column: total}, sums [B, SUM_COLUMNS])`` (each sequence's column sums) of the
+    surrogate ``objective`` for any policy form
     (``old_lp`` None: on policy), with the KL term ``kl`` (an ``rlfuse._specs.KLTerm``) to
     ``ref_lp`` and the entropy bonus of weights ``entropy_scale`` (``[B]``, or ``[B, T]``
     apart from the single pass; its coefficient included). The single pass carries the terms
@@ -250,7 +251,9 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     overflowing objective raises (one host sync)."""
     flat = objective_fields(objective)
     single = _single_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
-    if single and policy.index is not None:
+    packed = policy.index if single and policy.index is not None else None
+    batch, T = mask.shape
+    if packed is not None:
         policy, mask, found, rows = as_one_token_rows(
             policy, mask, dict(old_lp=old_lp, adv=adv, weights=weights, ref_lp=ref_lp),
             dict(row_scale=row_scale, entropy_scale=entropy_scale))
@@ -292,22 +295,32 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
         extra, terms = terms_apart(lp, old_lp, mask, row_scale, ratio, ref_lp, kl, entropy,
                                     entropy_scale)
         loss = loss + extra
-    totals = dict(zip(SUM_COLUMNS, (sums if sums.dim() == 1 else sums.sum(0)).unbind()))
+    if sums.shape[0] != mask.shape[0]:          # the single pass from logits: per token
+        sums = sums.view(mask.shape[0], -1, len(SUM_COLUMNS)).sum(1)
+    if packed is not None:                       # packed rows back to their sequences
+        sums = sums.new_zeros((batch, len(SUM_COLUMNS))).index_add_(
+            0, packed.clamp_min(0) // T, sums)
+    totals = dict(zip(SUM_COLUMNS, sums.sum(0).unbind()))
     for name, value in terms.items():
         totals[name] = totals[name] + value
     if validate:
         raise_on_overflow(totals["overflow"], row_scale.dtype)
-    return loss, totals
+    return loss, totals, sums
 
 
-def surrogate_metrics(totals: Dict[str, Tensor], tokens: Tensor,
+def surrogate_metrics(totals: Dict[str, Tensor], sums: Tensor, mask: Tensor,
                       flags: Tuple[str, ...]) -> Dict[str, Tensor]:
-    """The metrics of a surrogate objective from its column totals: the shares of its
-    ``flags`` (the metric names of the columns flag0, ...), ratio_mean, approx_kl, overflow."""
-    tokens = tokens.clamp_min(1)
+    """The metrics of a surrogate objective from its column totals and per-sequence sums: the
+    shares of its ``flags`` (the metric names of the columns flag0, ...), the per-sequence
+    extremes of some (``_math.sequence_extremes``), ratio_mean, approx_kl, overflow."""
+    row_tokens = mask.sum(-1).to(sums.dtype)
+    tokens = row_tokens.sum().clamp_min(1)
     metrics = {name: totals[f"flag{i}"] / tokens for i, name in enumerate(flags)}
     metrics.update(ratio_mean=totals["ratio"] / tokens, approx_kl=totals["neg_log_ratio"] / tokens,
                    overflow=(totals["overflow"] > 0).to(tokens.dtype))
+    metrics.update(sequence_extremes(
+        {name: sums[:, SUM_COLUMNS.index(f"flag{i}")] for i, name in enumerate(flags)},
+        row_tokens))
     return metrics
 
 
@@ -320,8 +333,8 @@ def surrogate_family_loss(policy, old_logprobs: Optional[Tensor], args, agg: str
                                                       num_sequences=args.num_sequences)
     old = None if old_logprobs is None else old_logprobs.detach()
     weights = None if args.weights is None else args.weights.detach()
-    loss, totals = surrogate_loss(policy, old, args.advantages.detach(), args.mask, row_scale,
-                                  args.objective, weights=weights, ratio=ratio,
-                                  validate=validate)
+    loss, totals, sums = surrogate_loss(policy, old, args.advantages.detach(), args.mask,
+                                        row_scale, args.objective, weights=weights, ratio=ratio,
+                                        validate=validate)
     flags = OBJECTIVE_FLAGS[args.objective.name]
-    return LossOutput(loss, surrogate_metrics(totals, args.mask.sum().to(cdt), flags))
+    return LossOutput(loss, surrogate_metrics(totals, sums, args.mask, flags))

@@ -34,8 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
-import sys
 from typing import List, Optional
 
 import torch
@@ -46,7 +44,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
 import rlfuse
 from rlfuse import objectives, terms
 from rlfuse._names import GEOMETRIES, TOPOLOGIES
-from rlfuse.integrations._heads import check_head, head_fields
+from rlfuse.integrations._models import add_head_forward, model_head, router_loss_problems
 from rlfuse._validation import check_choice, check_chunk_tokens, check_dual_clip, \
     check_positive, check_sides
 
@@ -92,16 +90,16 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         problems = self._unsupported_model()
         if problems:
             raise ValueError("RLFuseGRPOTrainer cannot honour: " + "; ".join(problems))
-        _add_head_forward(self.accelerator.unwrap_model(self.model))
+        add_head_forward(self.accelerator.unwrap_model(self.model))
         self.teacher_model = teacher_model
         if teacher_model is not None:
             teacher_model.to(self.accelerator.device).eval().requires_grad_(False)
-            _add_head_forward(teacher_model)
+            add_head_forward(teacher_model)
 
     def _unsupported_model(self) -> List[str]:
         problems = []
         if self.aux_loss_enabled:
-            problems += _router_loss_problems(self.accelerator.unwrap_model(self.model))
+            problems += router_loss_problems(self.accelerator.unwrap_model(self.model))
         if self.is_deepspeed_enabled:
             problems.append("DeepSpeed (not installed where the trainer is tested; one process, "
                             "DDP and FSDP2 are supported)")
@@ -123,7 +121,7 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         offset = inputs["prompt_ids"].shape[1] - 1
 
-        head = _model_head(self.accelerator.unwrap_model(model))
+        head = model_head(self.accelerator.unwrap_model(model))
 
         def loss_of(hidden, weight, bias):
             # TRL's cast_lm_head_to_fp32: the head's matmuls in fp32 (its weight is fp32)
@@ -350,6 +348,12 @@ class RLFuseGRPOTrainer(GRPOTrainer):
             for name, value in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
                                 ("clip_ratio/region_mean", low + high)):
                 self._metrics[mode][name].append(gather(value.detach()).nanmean().item())
+            # TRL's extremes over every process's sequences: the extremes of each process's
+            if "clip_frac_low_seq_min" in metrics:
+                self._metrics[mode]["clip_ratio/low_min"].append(
+                    gather(metrics["clip_frac_low_seq_min"].detach()).min().item())
+                self._metrics[mode]["clip_ratio/high_max"].append(
+                    gather(metrics["clip_frac_high_seq_max"].detach()).max().item())
 
 
 @contextlib.contextmanager
@@ -374,85 +378,6 @@ def _reference_from(policy):
         yield
     finally:
         grpo_trainer.create_model_from_path = original
-
-
-def _add_head_forward(model) -> None:
-    """``model(..., rlfuse_head=fn)`` runs the backbone and returns ``fn(hidden, weight, bias)``
-    of its last hidden state and output head, inside the model's forward: a data-parallel
-    wrapper around the model sees the call (DDP synchronises gradients only after its own
-    forward). Without ``rlfuse_head`` the forward is the model's. The head's scale and softcap
-    are read from the model's config and checked against its own logits here, once."""
-    if hasattr(model, "get_base_model"):   # PEFT: the transformers model under the adapters
-        model = model.get_base_model()
-    original = model.forward
-
-    @functools.wraps(original)
-    def forward(*args, rlfuse_head=None, rlfuse_router=False, **kwargs):
-        if rlfuse_head is None:
-            return original(*args, **kwargs)
-        backbone = getattr(model, model.base_model_prefix)
-        if rlfuse_router:
-            kwargs["output_router_logits"] = True
-        out = backbone(*args, use_cache=False, **kwargs)
-        head = model.get_output_embeddings()
-        result = rlfuse_head(out.last_hidden_state, head.weight, head.bias)
-        if not rlfuse_router:
-            return result
-        return result, _router_loss(model, out.router_logits, kwargs.get("attention_mask"))
-
-    model.forward = forward
-    _model_head(model)
-
-
-def _router_loss(model, router_logits, attention_mask):
-    """The MoE load-balancing loss the model's own forward adds (its module's
-    ``load_balancing_loss_func`` over the backbone's router logits)."""
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    balance = sys.modules[type(model).__module__].load_balancing_loss_func
-    return balance(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
-
-
-def _router_loss_problems(model) -> List[str]:
-    """Why the router loss of ``model`` cannot be reproduced, if it cannot: the model's
-    forward must give, on a short input, the loss ``_router_loss`` computes."""
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    module = sys.modules[type(model).__module__]
-    if not (hasattr(module, "load_balancing_loss_func") and hasattr(model, "num_experts") and
-            hasattr(model, "num_experts_per_tok")):
-        return [f"the router aux loss of {type(model).__name__} (no load_balancing_loss_func "
-                f"with num_experts / num_experts_per_tok, as the MoE models of transformers "
-                f"have)"]
-    vocab = model.get_output_embeddings().weight.shape[0]
-    ids = (torch.arange(6, device=model.device) * 7919 % vocab).unsqueeze(0)
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            own = model(input_ids=ids, output_router_logits=True, use_cache=False).aux_loss
-            backbone = getattr(model, model.base_model_prefix)
-            ours = _router_loss(model, backbone(input_ids=ids, output_router_logits=True,
-                                                use_cache=False).router_logits, None)
-    finally:
-        model.train(training)
-    if not torch.allclose(ours.float(), own.float(), rtol=1e-5, atol=1e-7):
-        return [f"the router aux loss of {type(model).__name__} (its forward gives {own.item()}, "
-                f"its load_balancing_loss_func {ours.item()})"]
-    return []
-
-
-def _model_head(model) -> dict:
-    """The ``LinearHead`` fields of ``model``'s output head (``_heads.head_fields``), checked
-    against the model's own logits the first time."""
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    fields = getattr(model, "_rlfuse_head", None)
-    if fields is None:
-        fields = head_fields(model.config)
-        check_head(model, fields, lambda ids: model(input_ids=ids, rlfuse_head=lambda *h: h))
-        model._rlfuse_head = fields
-    return fields
 
 
 def _shuffle_groups(batch: dict, group_size: int) -> dict:
