@@ -89,7 +89,7 @@ STEPS = {
         clip_radius=0.1, num_tokens=11.0, validate=False))),
     "gppo": (("logprobs", "logits", "head", "packed_head"), lambda leaf, x, form: _loss(
         rlfuse.gppo_loss(
-            policy_of(leaf, x, form), x.old, x.adv, x.mask, geometry="kl", topology="binary",
+            policy_of(leaf, x, form), x.old, x.adv, x.mask, geometry="tv", topology="binary",
             delta=0.1, agg="seq-mean-token-mean", validate=False))),
     "gppo_inplace": (("logits",), lambda leaf, x, form: _loss(rlfuse.gppo_loss(
         policy_of(leaf, x, form, inplace_backward=True), x.old, x.adv, x.mask,

@@ -31,7 +31,7 @@ LOSSES = {
     "ggpo": lambda lib, pol, c, **kw: lib.ggpo_loss(pol, c["ref"], c["rewards"], c["mask"],
                                                      group_size=M, beta=0.5, **kw),
     "gppo": lambda lib, pol, c, **kw: lib.gppo_loss(pol, c["old"], c["adv"], c["mask"],
-                                                     geometry="kl", topology="binary", **kw),
+                                                     geometry="tv", topology="binary", **kw),
     "gr_opd": lambda lib, pol, c, **kw: lib.gr_opd_loss(pol, c["old"], c["teacher"], c["mask"],
                                                          group_size=M, **kw),
 }

@@ -63,7 +63,7 @@ def logits_case(seed, dtype, *, empty_row=True):
 # name -> (fused, reference, args from the case, keyword arguments)
 LOSSES = {
     "gppo": (rlfuse.gppo_loss, reference.gppo_loss, ("old", "adv"),
-             dict(geometry="kl", topology="binary", delta=0.05)),
+             dict(geometry="tv", topology="binary", delta=0.05)),
     "gr_opd": (rlfuse.gr_opd_loss, reference.gr_opd_loss, ("old", "teacher"),
                dict(group_size=M)),
     "ppo": (rlfuse.ppo_loss, reference.ppo_loss, ("old", "adv"),
