@@ -11,6 +11,7 @@ scale or a softcap: Cohere multiplies by ``logit_scale``, Granite divides by
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from typing import Callable, Dict, List, Optional
@@ -40,25 +41,31 @@ def head_fields(config) -> Dict[str, Optional[float]]:
     return dict(logit_scale=float(scale), softcap=None if softcap is None else float(softcap))
 
 
-def check_head(model, fields: Dict[str, Optional[float]], backbone_and_head: Callable) -> None:
-    """Raises unless the model's own logits on a short input equal its last hidden state
-    through the output head and ``fields`` (a model doing something else after its backbone,
-    which rlfuse would silently miss). ``backbone_and_head(input_ids)``: ``(hidden, weight,
-    bias)`` as the trainer forms them. Runs the model in eval mode (no dropout), without
-    gradients."""
-    vocab = model.get_output_embeddings().weight.shape[0]
-    device = model.get_output_embeddings().weight.device
-    ids = (torch.arange(6, device=device) * 7919 % vocab).unsqueeze(0)
+@contextlib.contextmanager
+def _probing(model):
+    """A short input ``[1, 6]`` of ids for ``model``, which meanwhile runs in eval mode (no
+    dropout) and without gradients."""
+    head = model.get_output_embeddings().weight
+    ids = (torch.arange(6, device=head.device) * 7919 % head.shape[0]).unsqueeze(0)
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            own = model(input_ids=ids, use_cache=False).logits.float()
-            hidden, weight, bias = backbone_and_head(ids)
-            ours = head_logits(torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias),
-                               fields["logit_scale"], fields["softcap"]).float()
+            yield ids
     finally:
         model.train(training)
+
+
+def check_head(model, fields: Dict[str, Optional[float]], backbone_and_head: Callable) -> None:
+    """Raises unless the model's own logits on a short input equal its last hidden state
+    through the output head and ``fields`` (a model doing something else after its backbone,
+    which rlfuse would silently miss). ``backbone_and_head(input_ids)``: ``(hidden, weight,
+    bias)`` as the trainer forms them."""
+    with _probing(model) as ids:
+        own = model(input_ids=ids, use_cache=False).logits.float()
+        hidden, weight, bias = backbone_and_head(ids)
+        ours = head_logits(torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias),
+                           fields["logit_scale"], fields["softcap"]).float()
     # the same matmul on both sides: what may differ is the transform's rounding in the
     # logits' dtype (one unit of it at the logits' scale)
     tol = 4 * torch.finfo(weight.dtype).eps * max(1.0, own.abs().max().item())
@@ -119,18 +126,11 @@ def router_loss_problems(model) -> List[str]:
         return [f"the router aux loss of {type(model).__name__} (no load_balancing_loss_func "
                 f"with num_experts / num_experts_per_tok, as the MoE models of transformers "
                 f"have)"]
-    vocab = model.get_output_embeddings().weight.shape[0]
-    ids = (torch.arange(6, device=model.device) * 7919 % vocab).unsqueeze(0)
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            own = model(input_ids=ids, output_router_logits=True, use_cache=False).aux_loss
-            backbone = getattr(model, model.base_model_prefix)
-            ours = router_loss(model, backbone(input_ids=ids, output_router_logits=True,
-                                                use_cache=False).router_logits, None)
-    finally:
-        model.train(training)
+    with _probing(model) as ids:
+        own = model(input_ids=ids, output_router_logits=True, use_cache=False).aux_loss
+        backbone = getattr(model, model.base_model_prefix)
+        ours = router_loss(model, backbone(input_ids=ids, output_router_logits=True,
+                                           use_cache=False).router_logits, None)
     if not torch.allclose(ours.float(), own.float(), rtol=1e-5, atol=1e-7):
         return [f"the router aux loss of {type(model).__name__} (its forward gives {own.item()}, "
                 f"its load_balancing_loss_func {ours.item()})"]
