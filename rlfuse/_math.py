@@ -68,9 +68,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
 
 
-# The flags whose per-sequence extremes are metrics too (TRL's clip_ratio/low_min, /high_max)
-SEQUENCE_EXTREMES = {"clip_frac_low": ("clip_frac_low_seq_min", torch.amin),
-                     "clip_frac_high": ("clip_frac_high_seq_max", torch.amax)}
+# The flags whose per-sequence extremes are metrics too (TRL's clip_ratio/low_min, /high_max):
+# flag -> (the metric, its reduction, what a sequence without tokens counts as)
+SEQUENCE_EXTREMES = {"clip_frac_low": ("clip_frac_low_seq_min", torch.amin, math.inf),
+                     "clip_frac_high": ("clip_frac_high_seq_max", torch.amax, -math.inf)}
 
 
 def sequence_extremes(flag_sums: Dict[str, torch.Tensor],
@@ -80,14 +81,13 @@ def sequence_extremes(flag_sums: Dict[str, torch.Tensor],
     with tokens (0 when there are none); no host sync."""
     out = {}
     has = tokens > 0
-    for flag, (name, pick) in SEQUENCE_EXTREMES.items():
+    for flag, (name, pick, empty) in SEQUENCE_EXTREMES.items():
         if flag not in flag_sums:
             continue
         share = flag_sums[flag] / tokens.clamp_min(1)
         if share.numel() == 0:
             out[name] = share.new_zeros(())
             continue
-        empty = math.inf if pick is torch.amin else -math.inf
         value = pick(torch.where(has, share, empty))
         out[name] = torch.where(has.any(), value, 0.0)
     return out

@@ -32,32 +32,30 @@ def tokenizer():
                                                 eos_token="<eos>", padding_side="left")
 
 
+# every test model's size: one layer of width 16 over the test vocabulary
+TINY = dict(vocab_size=len(WORDS) + 2, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+            pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+
+
 def model(seed=0):
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=len(WORDS) + 2, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
 
 
 def head_model(name, seed=0):
     """A tiny model of a family whose forward scales or softcaps the logits after the output
     head, the head's weight large enough for the softcap to bend them."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=len(WORDS) + 2, hidden_size=16, intermediate_size=32,
-                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                  max_position_embeddings=32, pad_token_id=0, eos_token_id=1,
-                  bos_token_id=None, tie_word_embeddings=False)
     net = {
         "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-            **common, head_dim=8, final_logit_softcapping=2.0, attn_implementation="eager")),
+            **TINY, head_dim=8, final_logit_softcapping=2.0, attn_implementation="eager")),
         "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-            **common, head_dim=8, final_logit_softcapping=2.0, attn_implementation="eager")),
+            **TINY, head_dim=8, final_logit_softcapping=2.0, attn_implementation="eager")),
         "cohere": lambda: transformers.CohereForCausalLM(transformers.CohereConfig(
-            **common, logit_scale=0.25)),
+            **TINY, logit_scale=0.25)),
         "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
-            **common, logits_scaling=4.0)),
+            **TINY, logits_scaling=4.0)),
     }[name]()
     with torch.no_grad():
         net.lm_head.weight.mul_(100.0)
@@ -71,10 +69,7 @@ def moe_model(seed=0):
     """A tiny Mixtral: four experts, two per token, a router loss weighted to matter."""
     torch.manual_seed(seed)
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=len(WORDS) + 2, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False,
-        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5))
+        **TINY, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5))
 
 
 def dataset(n=8):

@@ -77,7 +77,7 @@ def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     row_scale = args.loss_scale * aggregation_weights(mask, "seq-mean-token-mean", cdt,
                                                       num_sequences=args.num_sequences)
     loss, totals, _ = surrogate_loss(policy, old, adv, mask, row_scale, args.objective,
-                                  validate=validate)
+                                     validate=validate)
     adv_c = adv.to(cdt)
     tokens = mask.sum().to(cdt).clamp_min(1)
     metrics = {

@@ -285,10 +285,10 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 @linear_surrogate_op.register_fake
 def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
       entropy_scale, temperature, logit_scale, softcap, objective, geometry, topology,
-      delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp, offset, chunk_tokens, gather,
-      needs):
-    return ((row_scale.new_empty(()), row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS))))
-            + _gradients_fake(hidden, weight, bias, needs))
+      delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
+      offset, chunk_tokens, gather, needs):
+    sums = row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS)))
+    return (row_scale.new_empty(()), sums) + _gradients_fake(hidden, weight, bias, needs)
 
 
 def _surrogate_setup(ctx, inputs, output):

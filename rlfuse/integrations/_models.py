@@ -26,7 +26,7 @@ _DIVISORS = ("logits_scaling",)
 _MULTIPLYING_LOGITS_SCALING = ("hyperclovax",)
 
 
-def head_fields(config) -> Dict[str, Optional[float]]:
+def config_head(config) -> Dict[str, Optional[float]]:
     """``{"logit_scale": s, "softcap": cap or None}`` of a model's (text) ``config``."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     scale = 1.0
@@ -138,13 +138,13 @@ def router_loss_problems(model) -> List[str]:
 
 
 def model_head(model) -> dict:
-    """The ``LinearHead`` fields of ``model``'s output head (``head_fields``), checked
+    """The ``LinearHead`` fields of ``model``'s output head (``config_head``), checked
     against the model's own logits the first time."""
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     fields = getattr(model, "_rlfuse_head", None)
     if fields is None:
-        fields = head_fields(model.config)
+        fields = config_head(model.config)
         check_head(model, fields, lambda ids: model(input_ids=ids, rlfuse_head=lambda *h: h))
         model._rlfuse_head = fields
     return fields

@@ -44,9 +44,9 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
 import rlfuse
 from rlfuse import objectives, terms
 from rlfuse._names import GEOMETRIES, TOPOLOGIES
-from rlfuse.integrations._models import add_head_forward, model_head, router_loss_problems
 from rlfuse._validation import check_choice, check_chunk_tokens, check_dual_clip, \
     check_positive, check_sides
+from rlfuse.integrations._models import add_head_forward, model_head, router_loss_problems
 
 __all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]
 
@@ -348,7 +348,7 @@ class RLFuseGRPOTrainer(GRPOTrainer):
             for name, value in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
                                 ("clip_ratio/region_mean", low + high)):
                 self._metrics[mode][name].append(gather(value.detach()).nanmean().item())
-            # TRL's extremes over every process's sequences: the extremes of each process's
+            # TRL's extremes over every process's sequences: the extremes of each process's own
             if "clip_frac_low_seq_min" in metrics:
                 self._metrics[mode]["clip_ratio/low_min"].append(
                     gather(metrics["clip_frac_low_seq_min"].detach()).min().item())

@@ -302,7 +302,8 @@ def _surrogate_logits_kernel(
     # sizes
     T, S, offset, V, n_rows,            # n_rows = B S
     # scalars (rows.head_args, then the objective's)
-    inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+    inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo,
+    low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
     HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
@@ -468,7 +469,8 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
         TOPOLOGY=topology_code, ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits,
         HAS_OLD=old_lp is not None, KL=kl_code, KL_STRAIGHT=kl_straight,
         KL_WEIGHTED=kl_weighted, KL_CLAMP=kl_clamp, WITH_ENTROPY=entropy_scale is not None,
-        SOFTCAP=softcapped, PERSISTENT=config.persistent, EVICT=config.evict, NUM_STAGES=config.stages_code,
+        SOFTCAP=softcapped, PERSISTENT=config.persistent, EVICT=config.evict,
+        NUM_STAGES=config.stages_code,
         ORDER=config.order_code, num_warps=num_warps, maxnreg=config.maxnreg(num_warps),
     )
     return dlogits, sums
