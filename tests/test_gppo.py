@@ -259,7 +259,7 @@ def test_runtime_hyperparameters_are_not_constexpr():
         assert constexpr_params(kernel) <= {"BLOCK", "BLOCK_T", "BLOCK_V", "OBJECTIVE", "GEOMETRY",
                                             "TOPOLOGY", "ACC", "WRITE_DLOGITS", "HAS_OLD",
                                             "RATIO", "KL", "KL_STRAIGHT", "KL_WEIGHTED",
-                                            "KL_CLAMP", "WITH_ENTROPY", "SOFTCAP",
+                                            "KL_CLAMP", "WITH_ENTROPY", "SOFTCAP", "ROW_STATS",
                                             # the single pass's launch configuration
                                             "PERSISTENT", "EVICT", "NUM_STAGES", "ORDER"}
 

@@ -169,29 +169,42 @@ def check_bad_input(group, rank, world):
 
 
 def check_collectives(d, group, rank, world):
-    """Per fused call: one all-gather of the shard sizes (validate=True only) and one of the
-    [N, 4] statistics forward; backward none for Logits, one all-reduce of the hidden-state
-    gradient for a LinearHead. Nothing else crosses ranks."""
+    """Per fused call, the collectives and the head's matmuls that form logits (``linear``):
+    one all-gather of the shard sizes (validate=True only). Logits: one all-gather of the
+    [N, 4] statistics forward, nothing backward. A LinearHead's two passes (GGPO): the
+    statistics forward, each chunk formed forward and backward, one all-reduce of the
+    hidden-state gradient backward; its single pass (GPPO): each chunk formed once, its
+    statistics gathered, the hidden-state gradient's all-reduce forward, nothing backward.
+    Nothing else crosses ranks."""
     calls = []
     originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
+    linear = torch.nn.functional.linear
 
-    def counted(name):
+    def counted(name, fn):
         def call(*args, **kwargs):
             calls.append(name)
-            return originals[name](*args, **kwargs)
+            return fn(*args, **kwargs)
         return call
 
-    for name in originals:
-        setattr(dist, name, counted(name))
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    torch.nn.functional.linear = counted("linear", linear)
+    chunks = -(-int(d["mask"].sum()) // 3)       # the actor rows (validate) in chunks of 3
+    gppo = lambda pol, validate: rlfuse.gppo_loss(  # noqa: E731
+        pol, d["old"], d["adv"], d["mask"], validate=validate)
+    ggpo = lambda pol, validate: rlfuse.ggpo_loss(  # noqa: E731
+        pol, d["old"], d["rewards"], d["mask"], group_size=GROUP, beta=0.5, validate=validate)
     try:
-        for form, validate, forward, backward in (
-                ("logits", True, ["all_gather"] * 2, []),
-                ("logits", False, ["all_gather"], []),
-                ("head", True, ["all_gather"] * 2, ["all_reduce"])):
+        for form, loss, validate, forward, backward in (
+                ("logits", gppo, True, ["all_gather"] * 2, []),
+                ("logits", gppo, False, ["all_gather"], []),
+                ("head", ggpo, True, ["all_gather"] + ["linear"] * chunks + ["all_gather"],
+                 ["linear"] * chunks + ["all_reduce"]),
+                ("head", gppo, True,
+                 ["all_gather"] + ["linear", "all_gather"] * chunks + ["all_reduce"], [])):
             _, shard, _ = leaves_of(form, d, rank, world)
             calls.clear()
-            out = rlfuse.gppo_loss(policy(rlfuse, form, d, shard, group), d["old"], d["adv"],
-                                   d["mask"], validate=validate)
+            out = loss(policy(rlfuse, form, d, shard, group), validate)
             assert calls == forward, (form, validate, calls)
             calls.clear()
             torch.autograd.grad(out.loss, shard[0])
@@ -199,6 +212,39 @@ def check_collectives(d, group, rank, world):
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        torch.nn.functional.linear = linear
+
+
+def check_traffic(d, group, rank, world):
+    """What a LinearHead's chunks of shard logits move over the split, counted in the Triton
+    interpreter (``tools.traffic``) in rows of ``V_l`` elements per actor row, the matmuls
+    that form the chunks apart (``check_collectives`` counts them): the single pass (GPPO)
+    reads each row of its one formation for the statistics (and the target logit), then in
+    the write pass, and writes its gradient once; the two passes (GGPO) read the forward's
+    formation once (and the target logit) and the backward's once, and write the gradient
+    once. The same kernel bytes: the single pass saves a formation, its matmul and its write."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tools import traffic
+
+    actor = int(d["mask"].sum())
+    gppo = lambda pol: rlfuse.gppo_loss(pol, d["old"], d["adv"], d["mask"])  # noqa: E731
+    ggpo = lambda pol: rlfuse.ggpo_loss(  # noqa: E731
+        pol, d["old"], d["rewards"], d["mask"], group_size=GROUP, beta=0.5)
+    for name, loss in (("gppo", gppo), ("ggpo", ggpo)):
+        _, shard, _ = leaves_of("head", d, rank, world)
+        with traffic.KernelCounter() as counter:
+            torch.autograd.grad(loss(policy(rlfuse, "head", d, shard, group)).loss, shard[0])
+        moved = [0, 0]
+        for launch in counter.launches:
+            chunks = {t.data_ptr(): t.numel() * t.element_size() for t in launch.tensors
+                      if t.dim() == 3 and tuple(t.shape[1:]) == (1, V_LOCAL)}
+            for i, kind in enumerate(("loads", "stores")):
+                for addresses, _ in getattr(launch, kind):
+                    moved[i] += sum(int(((addresses >= p) & (addresses < p + n)).sum())
+                                    for p, n in chunks.items())
+        rows = tuple(m / (actor * V_LOCAL) for m in moved)
+        assert abs(rows[0] - (2 + 1 / V_LOCAL)) < 1e-12 and abs(rows[1] - 1) < 1e-12, \
+            (name, rows)
 
 
 def check_compiled(d, group, rank, world):
@@ -229,8 +275,10 @@ def check_compiled(d, group, rank, world):
 
 
 def check_opcheck(d, group, rank, world):
-    """torch.library.opcheck of the split's ops: schema, autograd registration, the fake
+    """torch.library.opcheck of the split's ops (and of the LinearHead single pass over the
+    split): schema, autograd registration, the fake
     implementation against the real one, AOT dispatch with dynamic shapes."""
+    from rlfuse.fused_losses import linear_head
     from rlfuse.scaleout import vocab_op
 
     name = group.group_name
@@ -246,12 +294,23 @@ def check_opcheck(d, group, rank, world):
         "group_sum_": [(torch.randn(3, 2, dtype=hidden.dtype), name)],
     }
     assert set(cases) == set(SPLIT_OPS)
+    ops = {"vocab_split_logprobs": vocab_op.vocab_split_logprobs_op,
+           "vocab_split_linear_logprobs": vocab_op.vocab_split_linear_logprobs_op,
+           "group_sum_": vocab_op.group_sum_op}
+    # the single pass of a LinearHead (tests/test_compile.py opchecks it unsplit) over the split
+    row_scale = torch.full((B,), 0.1, dtype=hidden.dtype)
+    ops["linear_surrogate"] = linear_head.linear_surrogate_op
+    cases["linear_surrogate"] = [
+        (hidden, weight, bias, d["targets"], d["mask"], d["old"], d["adv"], None, row_scale,
+         d["teacher"], 0.5 * row_scale, 0.25 * row_scale, 0.9, 0.5, 3.0, "sapo", "ppo_clip",
+         "mc", 1.0, 1.0, [1.0, 1.05], 20.0, "k1", True, False, False, P, 3, False,
+         [True, True, True], name),
+        (hidden, weight, None, d["targets"], d["mask"], None, d["adv"], None, row_scale, None,
+         None, None, 1.0, 1.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 20.0, "", False,
+         False, False, P, 4, True, [True, True, False], name)]
     for op_name, arguments in cases.items():
-        op = getattr(vocab_op, {"vocab_split_logprobs": "vocab_split_logprobs_op",
-                                "vocab_split_linear_logprobs": "vocab_split_linear_logprobs_op",
-                                "group_sum_": "group_sum_op"}[op_name])
         for args in arguments:
-            torch.library.opcheck(op, args)
+            torch.library.opcheck(ops[op_name], args)
 
 
 def check_counts(rank, world):
@@ -283,6 +342,7 @@ def main():
                 if name in CALLS_OF.get(form, (name,)):
                     check_case(libs[impl], form, name, d, group, rank, world, dtype)
     check_collectives(d, group, rank, world)
+    check_traffic(d, group, rank, world)
     if args.compile:
         check_compiled(d, group, rank, world)
         check_opcheck(d, group, rank, world)

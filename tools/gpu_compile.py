@@ -39,6 +39,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import rlfuse  # noqa: E402
 import rlfuse._dispatch  # noqa: E402
+import rlfuse._specs  # noqa: E402
 from rlfuse._names import GEOMETRIES, TOPOLOGIES  # noqa: E402
 from rlfuse.kernels import (ggpo, gr_opd, logprobs, regions, rows, single_pass,  # noqa: E402
                             surrogate, utils)
@@ -218,6 +219,18 @@ def _drive():
         backward(rlfuse.policy_loss(capped, old, adv_seq, mask, "clip", ref_logprobs=teacher,
                                     kl=terms.KLPenalty(0.01), entropy=terms.EntropyBonus(0.01),
                                     validate=False).loss)
+
+    # The single pass over a shard of a split vocabulary (ROW_STATS: the whole rows'
+    # statistics given, gathered over the group), with the terms, as a LinearHead chunk calls it.
+    for dtype in (torch.bfloat16, torch.float32):
+        chunk = torch.randn(B * T, 1, V, generator=g).to(dtype)
+        row_stats = torch.zeros(B * T, len(surrogate.ROW_STAT_COLUMNS))
+        ones = torch.ones(B * T)
+        surrogate.surrogate_logits_fwd(
+            chunk, targets.reshape(-1, 1), mask.reshape(-1, 1), old.reshape(-1, 1), ones, None,
+            ones, ("clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 20.0), temperature=0.7,
+            dlogits=chunk, ref_lp=teacher.reshape(-1, 1), kl=rlfuse._specs.KLTerm("k3", 0.01),
+            kl_scale=ones, entropy_scale=ones, row_stats=row_stats)
 
     # The group kernels hold a whole group: large groups must not spill either.
     for group in (256, 1024):

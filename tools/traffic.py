@@ -461,7 +461,8 @@ def communication(N: int, V: int, H: int, world: int, element_size: int) -> List
     the bytes of its shard of logits: forward, one all-gather of the ``[N, 4]`` fp32 shard
     statistics (and of one int64 with ``validate``); backward, nothing for ``Logits``, one
     all-reduce of the ``[N, H]`` hidden-state gradient for a ``LinearHead`` (a ring sends
-    ``2 (W - 1) / W`` of a buffer)."""
+    ``2 (W - 1) / W`` of a buffer). The single pass of a ``LinearHead`` sends the same bytes,
+    all in the forward: the statistics chunk by chunk, then the hidden-state gradient."""
     from rlfuse.scaleout.vocab import SHARD_COLUMNS
 
     stats = N * len(SHARD_COLUMNS) * 4

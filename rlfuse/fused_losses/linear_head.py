@@ -28,6 +28,7 @@ from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.objectives import SUM_COLUMNS
 from ..kernels.surrogate import surrogate_logits_fwd
+from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # one chunk of logits: 1 GiB unless RLFUSE_CHUNK_BYTES says
@@ -110,6 +111,33 @@ def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
     return None if x is None else x.reshape(-1)
 
 
+def _target_logit(logits: Tensor, targets: Tensor, temperature: float, logit_scale: float,
+                  softcap: float) -> Tensor:
+    """``[C, 1]`` logit of each row's target through the head, over the temperature, of a
+    chunk's ``logits [C, 1, V]``: as the row kernels form it (in fp32, times 1 / temperature)."""
+    x_y = logits.gather(-1, targets.view(-1, 1, 1)).view(-1, 1)
+    acc = compute_dtype(logits.dtype)
+    return head_logits(x_y, logit_scale, softcap or None).to(acc) * (1.0 / temperature)
+
+
+def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, temperature: float,
+                     logit_scale: float, softcap: float, with_entropy: bool,
+                     group_name: str) -> Tuple[Tensor, Tensor]:
+    """A chunk's ``logits [C, 1, V_l]`` on a shard of a split vocabulary: ``(the targets within
+    the shard, -1 where another rank holds them; the whole rows' statistics [C,
+    ROW_STAT_COLUMNS])``, one read of the chunk and one all-gather of its ``[C, 4]``
+    statistics."""
+    local, _ = vocab.shard_targets(targets, logits.shape[-1], group_name)
+    _, stats, entropy = token_logprobs_fwd(logits, local.clamp_min(0), mask, temperature,
+                                           with_entropy, logit_scale=logit_scale,
+                                           softcap=softcap)
+    z_y = _target_logit(logits, local.clamp_min(0), temperature, logit_scale, softcap)
+    logp, entropy, stats = vocab.whole_rows(z_y, stats, entropy, targets, logits.shape[-1], mask,
+                                            with_entropy, group_name)
+    entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(stats[:, 0])
+    return local, torch.stack([logp.reshape(-1), stats[:, 0], stats[:, 1], entropy], -1)
+
+
 def _gradients_fake(hidden, weight, bias, needs):
     return (hidden.new_empty(hidden.shape if needs[0] else (0,)),
             weight.new_empty(weight.shape if needs[1] else (0,)),
@@ -142,9 +170,8 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
         lp_c, stats_c, ent_c = token_logprobs_fwd(
             logits, y_flat[tokens, None], None if m_flat is None else m_flat[tokens, None],
             temperature, with_entropy, logit_scale=logit_scale, softcap=softcap)
-        if target_logit:   # as the kernel forms it: in fp32, times 1 / temperature
-            x_y = logits.gather(-1, y_flat[tokens].view(-1, 1, 1)).view(-1, 1)
-            lp_c = head_logits(x_y, logit_scale, softcap or None).to(acc) * (1.0 / temperature)
+        if target_logit:
+            lp_c = _target_logit(logits, y_flat[tokens], temperature, logit_scale, softcap)
         logp[tokens] = lp_c[:, 0]
         stats[tokens] = stats_c
         if with_entropy:
@@ -244,12 +271,17 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                         delta_low: float, delta_high: float, params: List[float], clamp: float,
                         kl_estimator: str, kl_straight: bool, kl_weighted: bool, kl_clamp: bool,
                         offset: int,
-                        chunk_tokens: int, gather: bool,
-                        needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        chunk_tokens: int, gather: bool, needs: List[bool],
+                        group_name: str = "") -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, sums [B, SUM_COLUMNS], dhidden, dweight, dbias)``: the surrogate ``objective``
     over the head's window (``old_lp`` None: on policy) with its terms (those of
     ``surrogate.surrogate_logits_op``) and its gradients for an upstream gradient of 1 (empty
-    where not needed), each chunk's logits formed once."""
+    where not needed), each chunk's logits formed once.
+
+    ``group_name``: the head is this rank's shard of a vocabulary split over that group; each
+    chunk's whole-row statistics are gathered before its gradient is written (one all-gather of
+    ``[C, 4]`` per chunk), and the hidden states' gradient is summed over the group at the end
+    (one all-reduce)."""
     spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     grads = HeadGradients(hidden, weight, bias, tuple(needs))
@@ -266,18 +298,25 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
         logits = chunk_logits(h_rows, weight, bias)
+        targets_c, row_stats = y_flat[tokens, None], None
+        if group_name:
+            targets_c, row_stats = _split_row_stats(logits, targets_c, m_flat[tokens, None],
+                                                    temperature, logit_scale, softcap,
+                                                    entropy_flat is not None, group_name)
         _, sums = surrogate_logits_fwd(
-            logits, y_flat[tokens, None], m_flat[tokens, None],
+            logits, targets_c, m_flat[tokens, None],
             None if old_flat is None else old_flat[tokens, None], adv_flat[tokens],
             None if w_flat is None else w_flat[tokens, None], scale_flat[tokens], spec,
             temperature=temperature, write_dlogits=write, dlogits=logits if write else None,
             ref_lp=None if ref_flat is None else ref_flat[tokens, None], kl=kl,
             kl_scale=None if kl_flat is None else kl_flat[tokens],
             entropy_scale=None if entropy_flat is None else entropy_flat[tokens],
-            logit_scale=logit_scale, softcap=softcap)
+            logit_scale=logit_scale, softcap=softcap, row_stats=row_stats)
         sums_of_rows.index_add_(0, tokens // T, sums)
         if write:
             grads.add(logits, h_rows, rows)
+    if group_name and grads.dhidden is not None:
+        vocab.group_sum(grads.dhidden, group_name)
     loss = -sums_of_rows[:, SUM_COLUMNS.index("loss")].sum()
     return (loss, sums_of_rows) + grads.results(hidden, weight)
 
@@ -286,7 +325,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
       entropy_scale, temperature, logit_scale, softcap, objective, geometry, topology,
       delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
-      offset, chunk_tokens, gather, needs):
+      offset, chunk_tokens, gather, needs, group_name=""):
     sums = row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS)))
     return (row_scale.new_empty(()), sums) + _gradients_fake(hidden, weight, bias, needs)
 

@@ -9,9 +9,11 @@ host sync, and no pass over it when the gradient is 1. fp16 logits take the two-
 instead (log-probs, then the surrogate; the backward forms ``dlogits`` from the logits at the
 true upstream scale), since a gradient rounded to fp16 at scale 1 would lose what a loss
 scaler's 2^16 is meant to keep; so do GSPO's sequence-level ratio (every log-prob of a row
-first) and a split vocabulary (a row's gradient needs the group's logsumexp, known only after
-an all-reduce of every shard's row statistics). Packed rows run the single pass as N sequences
-of one token each (``scaleout.layout.as_one_token_rows``).
+first) and ``Logits`` over a split vocabulary (a row's gradient needs the group's logsumexp,
+known only after an all-gather of every shard's row statistics: the second read is not saved,
+``docs/scale-out.md``). A ``LinearHead`` over a split vocabulary runs the single pass chunk by
+chunk, each chunk's statistics gathered before its gradient is written. Packed rows run the
+single pass as N sequences of one token each (``scaleout.layout.as_one_token_rows``).
 
 Every op takes the objective flat (``_op.objective_of``): its name, the region's geometry and
 topology, the sizes of the region's two sides, and the objective's parameters.
@@ -33,6 +35,7 @@ from ..kernels.objectives import SUM_COLUMNS
 from ..kernels.surrogate import (surrogate_bwd, surrogate_fwd, surrogate_logits_bwd,
                                  surrogate_logits_fwd)
 from ..scaleout.layout import as_one_token_rows
+from ..scaleout.vocab import check_shard_sizes
 from ._op import custom_op, kl_fields, kl_of, objective_fields, objective_of, register_autograd
 from .kl import kl_penalty_op
 from .linear_head import chunk_tokens_for, head_fields, linear_surrogate_op
@@ -201,7 +204,7 @@ def _(x, mask, scale, offset):
 def _single_pass(policy, ratio: str) -> bool:
     """Whether ``policy``'s loss runs in one pass over its logits (see the module)."""
     if ratio != "token" or not isinstance(policy, (Logits, LinearHead)) or \
-            policy.vocab_parallel_group is not None:
+            (isinstance(policy, Logits) and policy.vocab_parallel_group is not None):
         return False
     rows = policy.logits if isinstance(policy, Logits) else policy.hidden
     return rows.dtype != torch.float16
@@ -269,10 +272,14 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                  for t in (policy.hidden, policy.weight, policy.bias)]
         chunk = chunk_tokens_for(policy.weight.shape[0], policy.weight.element_size(),
                                  policy.chunk_tokens)
+        group = policy.vocab_parallel_group
+        if validate and group is not None:
+            check_shard_sizes(group, policy.weight.shape[0], policy.targets.device)
         loss, sums, *_ = linear_surrogate_op(
             policy.hidden, policy.weight, policy.bias, policy.targets, **tokens, **terms_in,
             **head_fields(policy), **flat, offset=int(policy.offset),
-            chunk_tokens=chunk, gather=validate, needs=needs)
+            chunk_tokens=chunk, gather=validate, needs=needs,
+            group_name="" if group is None else group.group_name)
         terms = {}
     elif single:
         logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)

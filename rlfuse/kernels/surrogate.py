@@ -42,6 +42,9 @@ from .utils import (constexpr_codes, empty, mask_args, ones_if_none, time_block,
 
 TOKEN_RATIO, SEQUENCE_RATIO, STRAIGHT_RATIO = constexpr_codes(RATIO_MODES, *RATIO_MODES)
 _STRAIGHT_LOG_MAX = tl.constexpr(10.0)    # verl's GSPO clamps log s_bt at 10
+# The whole-row statistics of a shard's rows (``row_stats``), gathered over the group.
+ROW_STAT_COLUMNS = ("logp", "max", "log_sum", "entropy")
+N_ROW_STATS = tl.constexpr(len(ROW_STAT_COLUMNS))
 
 
 @triton.jit
@@ -203,7 +206,7 @@ def _surrogate_bwd_kernel(
 def _surrogate_logits_row(
     row,                                # b S + s
     logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr, row_scale_ptr, ref_ptr,
-    kl_scale_ptr, entropy_scale_ptr, dlogits_ptr, sums_ptr,
+    kl_scale_ptr, entropy_scale_ptr, row_stats_ptr, dlogits_ptr, sums_ptr,
     stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
     stride_ob, stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
     stride_db, stride_dt,
@@ -213,7 +216,8 @@ def _surrogate_logits_row(
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
     HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
     KL_WEIGHTED: tl.constexpr, KL_CLAMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    SOFTCAP: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROW_STATS: tl.constexpr, EVICT: tl.constexpr,
+    NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
     # Row s of the [B, S] logits (rows outside the window [offset, offset + T) only get zeros):
     # lse = m + log s by the online pass (and the entropy H), lp = (z_y - m) - log s, the
@@ -224,16 +228,30 @@ def _surrogate_logits_row(
     # holds a 16-warp program to 40 registers, three to an SM, and spills what does not fit):
     # b, s, t stay int32, the token's inputs and addresses are read and formed after the pass,
     # the sums are stored before the write pass.
+    # ROW_STATS (a shard of a split vocabulary): the whole row's (lp, m, log s, H) are given,
+    # gathered over the group (``scaleout.vocab``), and the row is read by the write pass alone;
+    # its target is -1 where another rank holds it.
     token, b, s, t, in_window, is_actor = program_token(row, mask_ptr, T, S, offset, stride_mb,
                                                         stride_mt, True)
     if is_actor:
         row_ptr = logits_ptr + at(b, stride_lb, s, stride_lt)
-        m, log_s, entropy = row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V,
-                                          WITH_ENTROPY, SOFTCAP, ACC, EVICT, NUM_STAGES)
+        if ROW_STATS:
+            stats = row_stats_ptr + token * N_ROW_STATS
+            m = tl.load(stats + 1).to(ACC)
+            log_s = tl.load(stats + 2).to(ACC)
+            entropy = tl.zeros((), ACC)
+            if WITH_ENTROPY:
+                entropy = tl.load(stats + 3).to(ACC)
+        else:
+            m, log_s, entropy = row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V,
+                                              WITH_ENTROPY, SOFTCAP, ACC, EVICT, NUM_STAGES)
         # In place the write pass overwrites x[y]: it waits at a barrier for every thread's read
         column = target_column(tl.load(targets_ptr + at(b, stride_yb, t, stride_yt)), V)
-        x_y = load_target_logit(row_ptr, column, cap, cap_in, SOFTCAP, ACC)
-        lp = target_logprob(x_y, inv_temp, m, log_s)
+        if ROW_STATS:
+            lp = tl.load(stats).to(ACC)
+        else:
+            x_y = load_target_logit(row_ptr, column, cap, cap_in, SOFTCAP, ACC)
+            lp = target_logprob(x_y, inv_temp, m, log_s)
         old = lp
         if HAS_OLD:
             old = tl.load(old_ptr + at(b, stride_ob, t, stride_ot)).to(ACC)
@@ -293,6 +311,7 @@ def _surrogate_logits_kernel(
     row_scale_ptr,                      # [B]
     ref_ptr, kl_scale_ptr,              # [B, T] reference log-probs and [B] row weights if KL
     entropy_scale_ptr,                  # [B] if WITH_ENTROPY
+    row_stats_ptr,                      # [B*T, N_ROW_STATS] if ROW_STATS
     dlogits_ptr,                        # [B, S, V] out (may alias logits)
     sums_ptr,                           # [B*T, N_SUM_COLS] out
     # strides
@@ -308,7 +327,7 @@ def _surrogate_logits_kernel(
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
     HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
     KL_WEIGHTED: tl.constexpr, KL_CLAMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROW_STATS: tl.constexpr,
     # launch configuration (single_pass.SinglePassConfig)
     PERSISTENT: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
@@ -321,27 +340,29 @@ def _surrogate_logits_kernel(
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             _surrogate_logits_row(
                 row, logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr,
-                row_scale_ptr, ref_ptr, kl_scale_ptr, entropy_scale_ptr, dlogits_ptr, sums_ptr,
+                row_scale_ptr, ref_ptr, kl_scale_ptr, entropy_scale_ptr, row_stats_ptr,
+                dlogits_ptr, sums_ptr,
                 stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_ob,
                 stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
                 stride_db, stride_dt,
                 T, S, offset, V,
                 inv_temp, cap, cap_in, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
                 BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, KL,
-                KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, EVICT, NUM_STAGES,
-                ORDER)
+                KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, ROW_STATS, EVICT,
+                NUM_STAGES, ORDER)
     else:
         _surrogate_logits_row(
             tl.program_id(0), logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr,
-            row_scale_ptr, ref_ptr, kl_scale_ptr, entropy_scale_ptr, dlogits_ptr, sums_ptr,
+            row_scale_ptr, ref_ptr, kl_scale_ptr, entropy_scale_ptr, row_stats_ptr, dlogits_ptr,
+            sums_ptr,
             stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_ob,
             stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
             stride_db, stride_dt,
             T, S, offset, V,
             inv_temp, cap, cap_in, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
             BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, KL,
-            KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, EVICT, NUM_STAGES,
-            ORDER)
+            KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, ROW_STATS, EVICT,
+            NUM_STAGES, ORDER)
 
 
 @triton.jit
@@ -425,7 +446,7 @@ def surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq, grad, objectiv
 def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale, objective, *,
                          temperature, write_dlogits=True, dlogits=None, offset=0, ref_lp=None,
                          kl=None, kl_scale=None, entropy_scale=None, logit_scale=1.0,
-                         softcap=0.0):
+                         softcap=0.0, row_stats=None):
     """The single pass from ``logits [B, S, V]``, whose rows ``[offset, offset + T)`` predict
     ``targets [B, T]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])`` with ``dlogits`` of the
     whole ``[B, S, V]`` (zero rows outside the window) for an upstream gradient of 1, written
@@ -434,7 +455,9 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
     ``rlfuse._specs.KLTerm``) with ``ref_lp [B, T]`` and its row weights ``kl_scale [B]``: the
     KL penalty; ``entropy_scale [B]``: the entropy bonus's row weights (coefficients included
     in both). ``logit_scale`` and ``softcap`` (0: none): the head's, as in ``rows.head_args``.
-    Launched in the configuration
+    ``row_stats [B*T, ROW_STAT_COLUMNS]``: a shard of a split vocabulary, whose rows' whole
+    statistics are given (``targets`` then local to the shard, -1 where another rank holds
+    them). Launched in the configuration
     ``single_pass.current()`` (``RLFUSE_SINGLE_PASS``)."""
     B, T = targets.shape
     if not write_dlogits:
@@ -456,7 +479,7 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
         logits, targets, mask_u8,
         old_lp, adv, ones_if_none(weights, row_scale),
         row_scale,
-        ref_lp, kl_scale, entropy_scale,
+        ref_lp, kl_scale, entropy_scale, row_stats,
         dlogits,
         sums,
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
@@ -469,9 +492,9 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
         TOPOLOGY=topology_code, ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits,
         HAS_OLD=old_lp is not None, KL=kl_code, KL_STRAIGHT=kl_straight,
         KL_WEIGHTED=kl_weighted, KL_CLAMP=kl_clamp, WITH_ENTROPY=entropy_scale is not None,
-        SOFTCAP=softcapped, PERSISTENT=config.persistent, EVICT=config.evict,
-        NUM_STAGES=config.stages_code,
-        ORDER=config.order_code, num_warps=num_warps, maxnreg=config.maxnreg(num_warps),
+        SOFTCAP=softcapped, ROW_STATS=row_stats is not None, PERSISTENT=config.persistent,
+        EVICT=config.evict, NUM_STAGES=config.stages_code, ORDER=config.order_code,
+        num_warps=num_warps, maxnreg=config.maxnreg(num_warps),
     )
     return dlogits, sums
 

@@ -17,7 +17,7 @@ into whole rows (``GatherVocab``), the definition.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -70,6 +70,46 @@ def combine_shards(stats: Tensor, owner: Tensor, group) -> Tuple[Tensor, Tensor,
     owner = owner.clamp(0, world - 1)
     logp = (shift[owner, rows] + (m[owner, rows] - M)) - log_sum
     return logp, M, log_sum, entropy
+
+
+def group_of(name: str):
+    """The process group of a name (``ProcessGroup.group_name``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def shard_targets(targets: Tensor, vocab_local: int, group_name: str) -> Tuple[Tensor, Tensor]:
+    """``local_targets`` for this rank of the group named ``group_name``."""
+    import torch.distributed as dist
+
+    return local_targets(targets, vocab_local, dist.get_rank(group_of(group_name)))
+
+
+def group_sum(x: Tensor, group_name: str) -> None:
+    """``x`` summed over the group named ``group_name``, in place (one all-reduce)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=group_of(group_name))
+
+def whole_rows(z_y: Tensor, stats: Tensor, entropy: Tensor, targets: Tensor, vocab_local: int,
+               mask: Optional[Tensor], with_entropy: bool,
+               group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(logp, entropy or empty, stats [N, 2])`` of the whole rows from this shard's target
+    logit over the temperature ``z_y`` (read where this rank holds the target), its row
+    statistics ``stats [N, 2]`` (max, log-sum) and entropy (``combine_shards``)."""
+    local, owner = shard_targets(targets, vocab_local, group_name)
+    mine = (local >= 0).reshape(-1)
+    shift = torch.where(mine, z_y.reshape(-1) - stats[:, 0], 0.0)
+    shard_entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(shift)
+    shard = torch.stack([shift, stats[:, 0], stats[:, 1], shard_entropy], -1)
+    logp, row_max, log_sum, whole_entropy = combine_shards(shard, owner.reshape(-1),
+                                                           group_of(group_name))
+    if mask is not None:
+        keep = mask.reshape(-1)
+        logp, whole_entropy = (torch.where(keep, x, 0.0) for x in (logp, whole_entropy))
+    entropy_out = whole_entropy.view(targets.shape) if with_entropy else logp.new_empty(0)
+    return logp.view(targets.shape), entropy_out, torch.stack([row_max, log_sum], -1)
 
 
 class GatherVocab(torch.autograd.Function):

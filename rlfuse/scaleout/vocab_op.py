@@ -6,7 +6,8 @@ log-prob, logsumexp and entropy. Backward: each shard's gradient from those (one
 write; a ``LinearHead`` forms each chunk again), the hidden-state gradient of a ``LinearHead``
 summed over the group by one all-reduce. The process group travels by its name (an op's
 schema takes no objects); the collectives run inside the ops, so ``torch.compile`` sees one
-opaque op each.
+opaque op each. (The single pass of a ``LinearHead`` over the split is
+``linear_head.linear_surrogate_op`` with a group name.)
 """
 from __future__ import annotations
 
@@ -21,38 +22,7 @@ from ..fused_losses.linear_head import (chunk_tokens_for, head_fields, head_grad
                                         linear_logprobs_backward_op, linear_logprobs_op)
 from ..fused_losses.logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
-from .vocab import combine_shards, local_targets
-
-
-def group_of(name: str):
-    """The process group of a name (``ProcessGroup.group_name``)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
-def _local_targets(targets: Tensor, vocab_local: int, group_name: str):
-    import torch.distributed as dist
-
-    return local_targets(targets, vocab_local, dist.get_rank(group_of(group_name)))
-
-
-def _whole_rows(z_y: Tensor, stats: Tensor, entropy: Tensor, targets: Tensor, vocab_local: int,
-                mask: Optional[Tensor], with_entropy: bool, group_name: str):
-    """``(logp, entropy, stats [N, 2])`` of the whole rows from this shard's target logit over
-    the temperature ``z_y`` (read where this rank holds the target), statistics and entropy."""
-    local, owner = _local_targets(targets, vocab_local, group_name)
-    mine = (local >= 0).reshape(-1)
-    shift = torch.where(mine, z_y.reshape(-1) - stats[:, 0], 0.0)
-    shard_entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(shift)
-    shard = torch.stack([shift, stats[:, 0], stats[:, 1], shard_entropy], -1)
-    logp, row_max, log_sum, whole_entropy = combine_shards(shard, owner.reshape(-1),
-                                                           group_of(group_name))
-    if mask is not None:
-        keep = mask.reshape(-1)
-        logp, whole_entropy = (torch.where(keep, x, 0.0) for x in (logp, whole_entropy))
-    entropy_out = whole_entropy.view(targets.shape) if with_entropy else logp.new_empty(0)
-    return logp.view(targets.shape), entropy_out, torch.stack([row_max, log_sum], -1)
+from .vocab import group_sum, shard_targets, whole_rows
 
 
 def _fake_outputs(like: Tensor, targets: Tensor, with_entropy: bool):
@@ -94,14 +64,14 @@ def vocab_split_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tens
                             offset: int, group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of ``logits [B, S, V_l]``
     shards (rows ``[offset, offset + T)`` predict the global ``targets [B, T]``)."""
-    local, _ = _local_targets(targets, logits.shape[-1], group_name)
+    local, _ = shard_targets(targets, logits.shape[-1], group_name)
     local = local.clamp_min(0)
     _, entropy, stats = token_logprobs_op(logits, local, mask, temperature, with_entropy, False,
                                           offset)
     window = logits[:, offset:offset + targets.shape[1]]
     z_y = window.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(stats.dtype) \
         * (1.0 / temperature)
-    return _whole_rows(z_y, stats, entropy, targets, logits.shape[-1], mask, with_entropy,
+    return whole_rows(z_y, stats, entropy, targets, logits.shape[-1], mask, with_entropy,
                        group_name)
 
 
@@ -122,7 +92,7 @@ def _logits_backward(ctx, dlogp, dentropy, _dstats):
     upstream = _upstream(dlogp, dentropy, entropy, targets, stats)
     if upstream is None:
         return None
-    local, _ = _local_targets(targets, logits.shape[-1], ctx.group_name)
+    local, _ = shard_targets(targets, logits.shape[-1], ctx.group_name)
     return {"logits": logits_backward(logits, local, mask, stats, upstream[2], upstream[0],
                                       upstream[1], ctx.temperature, ctx.inplace, ctx.offset)}
 
@@ -142,11 +112,11 @@ def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optiona
                                    group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of a head whose
     ``weight [V_l, H]`` (and ``bias``) is this rank's shard."""
-    local, _ = _local_targets(targets, weight.shape[0], group_name)
+    local, _ = shard_targets(targets, weight.shape[0], group_name)
     z_y, entropy, stats = linear_logprobs_op(hidden, weight, bias, local.clamp_min(0), mask,
                                              temperature, logit_scale, softcap, offset,
                                              chunk_tokens, gather, with_entropy, True)
-    return _whole_rows(z_y, stats, entropy, targets, weight.shape[0], mask, with_entropy,
+    return whole_rows(z_y, stats, entropy, targets, weight.shape[0], mask, with_entropy,
                        group_name)
 
 
@@ -159,9 +129,7 @@ def _(hidden, weight, bias, targets, mask, temperature, logit_scale, softcap, of
 @custom_op("group_sum_", mutates_args=("x",))
 def group_sum_op(x: Tensor, group_name: str) -> None:
     """``x`` summed over the group, in place (one all-reduce)."""
-    import torch.distributed as dist
-
-    dist.all_reduce(x, group=group_of(group_name))
+    group_sum(x, group_name)
 
 
 @group_sum_op.register_fake
@@ -182,7 +150,7 @@ def _head_backward(ctx, dlogp, dentropy, _dstats):
     upstream = _upstream(dlogp, dentropy, entropy, targets, stats)
     if upstream is None or not any(needs):
         return None
-    local, _ = _local_targets(targets, weight.shape[0], ctx.group_name)
+    local, _ = shard_targets(targets, weight.shape[0], ctx.group_name)
     dh, dw, db = linear_logprobs_backward_op(hidden, weight, bias, local, mask, stats,
                                              upstream[2], upstream[0], upstream[1],
                                              *ctx.chunking, needs)
