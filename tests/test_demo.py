@@ -107,6 +107,20 @@ def test_import_rlfuse_does_not_need_transformers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_tp_takes_one_gpu_per_local_rank(monkeypatch):
+    """On CUDA each process of ``--tp`` takes the GPU of its local rank; a local rank without
+    one is told so before any process group forms."""
+    from rlfuse.demo.__main__ import vocab_parallel_group
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(SystemExit, match="has no GPU of its own"):
+        vocab_parallel_group(2, torch.device("cuda"))
+    assert vocab_parallel_group(1, torch.device("cuda")) == (None, torch.device("cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() == 1,
+                    reason="--tp 2 on CUDA takes one GPU per process: this machine has one")
 @pytest.mark.parametrize("form", ["linear", "logits"])
 def test_tp2_trains_as_one_process(form, tmp_path):
     """``torchrun --nproc_per_node 2 -m rlfuse.demo --tp 2``: the head's vocabulary (257 ids,

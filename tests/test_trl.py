@@ -93,17 +93,19 @@ def config(tmp_path, **kw):
     return base
 
 
-def trainers(tmp_path, path=None, net=None, **kw):
+def trainers(tmp_path, path=None, net=None, ours=None, **kw):
     """TRL's trainer and rlfuse's, on copies of one model (``net``, else a Llama; loaded from
-    ``path``: a reference model is), with one config."""
+    ``path``: a reference model is), with one config (and the ``rlfuse_*`` fields ``ours``)."""
     data, tok = dataset(), tokenizer()
     net = (net or model()) if path is None else str(path)
     copy_of = copy.deepcopy if path is None else (lambda x: x)
     theirs = trl.GRPOTrainer(model=copy_of(net), reward_funcs=reward, train_dataset=data,
                              processing_class=tok, args=trl.GRPOConfig(**config(tmp_path, **kw)))
+    fields = ours
     ours = RLFuseGRPOTrainer(model=copy_of(net), reward_funcs=reward, train_dataset=data,
                              processing_class=tok,
-                             args=RLFuseGRPOConfig(**config(tmp_path, **kw), rlfuse_loss="ppo"))
+                             args=RLFuseGRPOConfig(**config(tmp_path, **kw),
+                                                   **(fields or dict(rlfuse_loss="ppo"))))
     return theirs, ours, data
 
 
@@ -258,6 +260,72 @@ def test_every_loss_option_reproduces_trl(case, accumulation, tmp_path):
     for name in names:
         assert ours._metrics["train"][name][-1] == pytest.approx(
             theirs._metrics["train"][name][-1], **APPROX["fp32_metric_abs"]), name
+
+
+# GPPO's total-variation region of sizes eps / 2 (mc) is PPO's clip [1 - eps_low, 1 + eps_high]
+GPPO_AS_CLIP = dict(rlfuse_loss="gppo", rlfuse_geometry="tv", rlfuse_topology="mc",
+                    rlfuse_delta=(0.1, 0.14))
+TERM_CASES = [
+    dict(loss_type="grpo", beta=0.125),
+    dict(loss_type="dapo", entropy_coef=0.0625, top_entropy_quantile=0.5),
+    dict(loss_type="bnpo", off_policy_mask_threshold=0.05, use_adaptive_entropy=True,
+         entropy_coef=0.05),
+]
+
+
+@pytest.mark.parametrize("case", TERM_CASES, ids=str)
+def test_gppo_terms_reproduce_trl(case, tmp_path):
+    """rlfuse_loss="gppo" with TRL's KL penalty, entropy bonus (static and adaptive) and masks:
+    over the region that is PPO's clip, TRL's loss, every gradient and metric."""
+    kw = dict(case, epsilon=0.2, epsilon_high=0.28)
+    if case.get("beta"):
+        model().save_pretrained(tmp_path / "policy")
+    theirs, ours, data = trainers(tmp_path, path=tmp_path / "policy" if case.get("beta") else None,
+                                  ours=GPPO_AS_CLIP, **kw)
+    inputs, gen = off_policy_batch(theirs, ours, data, case)
+    if case.get("beta"):
+        ref = inputs["ref_per_token_logps"]
+        inputs["ref_per_token_logps"] = ref + 0.5 * torch.randn(ref.shape, generator=gen)
+    assert_same_step(theirs, ours, inputs, 1)
+    names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy"]
+    names += ["kl"] if case.get("beta") else []
+    names += ["policy_loss"] if case.get("entropy_coef") else []
+    for name in names:
+        assert ours._metrics["train"][name][-1] == pytest.approx(
+            theirs._metrics["train"][name][-1], **APPROX["fp32_metric_abs"]), name
+    assert theirs._metrics["train"]["clip_ratio/region_mean"][-1] > 0
+
+
+def test_gr_opd_terms_are_the_clip_over_its_advantages(tmp_path):
+    """rlfuse_loss="gr_opd" with a KL penalty, an entropy bonus, a mask and TRL's ratio cap:
+    the clip over GR-OPD's advantages with those terms, as rlfuse_loss="ppo" (TRL's own loss)
+    computes it from the same advantages: loss, every gradient, the metrics."""
+    model().save_pretrained(tmp_path / "policy")
+    kw = dict(loss_type="grpo", beta=0.125, entropy_coef=0.0625, top_entropy_quantile=0.75,
+              delta=1.5)
+    data, tok, teacher = dataset(), tokenizer(), model(seed=1)
+    pair = [RLFuseGRPOTrainer(model=str(tmp_path / "policy"), reward_funcs=reward,
+                              train_dataset=data, processing_class=tok,
+                              teacher_model=teacher if loss == "gr_opd" else None,
+                              args=RLFuseGRPOConfig(**config(tmp_path, **kw), rlfuse_loss=loss))
+            for loss in ("gr_opd", "ppo")]
+    pair[0].model.train()
+    inputs = pair[0]._generate_and_score_completions([data[i] for i in range(4)])
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        lp = pair[0]._completion_logprobs(pair[0].model, inputs)
+    inputs["old_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=gen)
+    ref = inputs["ref_per_token_logps"]
+    inputs["ref_per_token_logps"] = ref + 0.5 * torch.randn(ref.shape, generator=gen)
+    got, got_grads = loss_and_grads(pair[0], inputs, 1)
+    want, want_grads = loss_and_grads(pair[1], inputs, 1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=0, msg=name)
+    for name in ("kl", "entropy", "policy_loss", "clip_ratio/region_mean"):
+        assert pair[0]._metrics["train"][name] == pair[1]._metrics["train"][name], name
+    assert pair[0]._metrics["train"]["kl"][-1] > 1e-2
 
 
 @pytest.mark.parametrize("case", [dict(entropy_target=5.0), dict(entropy_target=1.0),
@@ -458,13 +526,21 @@ def test_lora_policy(tmp_path):
 
 def test_unsupported_options_are_listed(tmp_path):
     with pytest.raises(ValueError, match="cannot honour.*loss_type='sapo' with rlfuse_loss='gppo'"
-                                         ".*beta=0.5 with rlfuse_loss='gppo'.*delta=2.0 with "
-                                         "rlfuse_loss='gppo'.*use_adaptive_entropy=True"):
+                                         ".*delta=2.0 with rlfuse_loss='gppo'"):
         RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
                           processing_class=tokenizer(),
                           args=RLFuseGRPOConfig(**config(tmp_path, loss_type="sapo", beta=0.5,
                                                          delta=2.0, use_adaptive_entropy=True),
                                                 rlfuse_loss="gppo"))
+    with pytest.raises(ValueError, match="cannot honour.*top_entropy_quantile=0.5 with "
+                                         "rlfuse_loss='ggpo' \\(GGPO takes no terms.*"
+                                         "use_adaptive_entropy=True with rlfuse_loss='ggpo'"):
+        RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(),
+                          processing_class=tokenizer(),
+                          args=RLFuseGRPOConfig(**config(tmp_path, beta=0.1, scale_rewards="none",
+                                                         top_entropy_quantile=0.5,
+                                                         use_adaptive_entropy=True),
+                                                rlfuse_loss="ggpo"))
     with pytest.raises(ValueError, match="rlfuse_geometry: expected one of .*got 'chi'.*"
                                          "rlfuse_delta: expected a value finite and > 0, got "
                                          "-0.1.*rlfuse_chunk_tokens: expected None or an int > 0, "

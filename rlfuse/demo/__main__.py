@@ -94,27 +94,34 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return args
 
 
-def vocab_parallel_group(tp: int):
-    """The process group of ``--tp`` (None for 1): every process of a ``torchrun`` launch."""
+def vocab_parallel_group(tp: int, device: torch.device):
+    """``(group, device)``: the process group of ``--tp`` (None for 1), every process of a
+    ``torchrun`` launch, and this process's device (on CUDA, one GPU per local rank)."""
     if tp == 1:
-        return None
+        return None, device
     import torch.distributed as dist
 
+    if "WORLD_SIZE" not in os.environ and not dist.is_initialized():
+        raise SystemExit(f"--tp {tp}: launch with torchrun --nproc_per_node {tp} -m "
+                         f"rlfuse.demo --tp {tp}")
+    if device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if local_rank >= torch.cuda.device_count():
+            raise SystemExit(f"--tp {tp}: local rank {local_rank} has no GPU of its own "
+                             f"({torch.cuda.device_count()} visible); use --device cpu")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:
-            raise SystemExit(f"--tp {tp}: launch with torchrun --nproc_per_node {tp} -m "
-                             f"rlfuse.demo --tp {tp}")
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if dist.get_world_size() != tp:
         raise SystemExit(f"--tp {tp}: expected {tp} processes, got {dist.get_world_size()}")
-    return dist.new_group(list(range(tp)))
+    return dist.new_group(list(range(tp))), device
 
 
 def main(argv: Optional[List[str]] = None) -> List:
     args = parse_args(argv)
     methods = args.method or list(METHODS)
-    device = resolve_device(args.device)
-    group = vocab_parallel_group(args.tp)
+    group, device = vocab_parallel_group(args.tp, resolve_device(args.device))
     if group is not None and torch.distributed.get_rank() != 0:   # rank 0 speaks for all
         sys.stdout = open(os.devnull, "w")
     settings = dict(steps=args.steps, group_size=args.group_size,

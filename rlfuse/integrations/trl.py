@@ -15,14 +15,18 @@ no ``[B, T, V]`` logits exist, and the loss is
   ``top_entropy_quantile``, ``off_policy_mask_threshold``, gradient accumulation and the vLLM
   importance-sampling correction;
 - ``"gppo"``: ``rlfuse.gppo_loss`` (``rlfuse_geometry``, ``rlfuse_topology``, ``rlfuse_delta``)
-  with the aggregation of ``loss_type``;
+  with the aggregation of ``loss_type``; with any of TRL's terms and masks (``beta``,
+  ``entropy_coef``, ``use_adaptive_entropy``, ``top_entropy_quantile``,
+  ``off_policy_mask_threshold``), ``rlfuse.policy_loss`` with ``objectives.GPPO`` and them;
 - ``"ggpo"``: ``rlfuse.ggpo_loss`` with TRL's ``beta`` as GGPO's β, the reference model as
   GGPO's reference (refreshed by TRL's ``sync_ref_model`` every ``ref_model_sync_steps``), the
   group-centred rewards as rewards (``scale_rewards="none"``: GGPO is invariant to a constant
   per group), and micro-batches of whole groups (the batch is shuffled by groups, not rows);
 - ``"gr_opd"``: ``rlfuse.gr_opd_loss`` with the advantages of ``rlfuse.gr_opd_advantages``
   from the ``teacher_model`` replayed on the student's completions, computed once per
-  generation batch (whole groups) before it is split.
+  generation batch (whole groups) before it is split; with terms, masks or ``delta``,
+  ``rlfuse.policy_loss`` with the clip over those advantages and them (GR-OPD's loss).
+  GGPO takes none of them (refused: its β and reference already are its KL term).
 
 Options it cannot honour raise a ``ValueError`` at construction, listing each. Metrics keep
 TRL's names (``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
@@ -211,9 +215,17 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         eps = (self.epsilon_low, self.epsilon_high)
         agg = self._aggregation(inputs, mask, train)
 
+        with_terms = args.rlfuse_loss == "ppo" or self._has_terms()
+
         def loss(policy):
             if args.rlfuse_loss == "ppo":
                 return rlfuse.policy_loss(policy, old, advantages, mask, self._objective(),
+                                          weights=weights, validate=False, **agg,
+                                          **self._terms(inputs, old, train))
+            if args.rlfuse_loss == "gppo" and with_terms:
+                objective = objectives.GPPO(args.rlfuse_geometry, args.rlfuse_topology,
+                                            args.rlfuse_delta, args.rlfuse_dual_clip)
+                return rlfuse.policy_loss(policy, old, advantages, mask, objective,
                                           weights=weights, validate=False, **agg,
                                           **self._terms(inputs, old, train))
             if args.rlfuse_loss == "gppo":
@@ -221,9 +233,17 @@ class RLFuseGRPOTrainer(GRPOTrainer):
                     policy, old, advantages, mask, geometry=args.rlfuse_geometry,
                     topology=args.rlfuse_topology, delta=args.rlfuse_delta,
                     dual_clip=args.rlfuse_dual_clip, weights=weights, validate=False, **agg)
+            old_gr = inputs.get("old_per_token_logps")
+            if args.rlfuse_loss == "gr_opd" and with_terms:
+                # GR-OPD's loss is the clip over its advantages: with terms, policy_loss's
+                return rlfuse.policy_loss(
+                    policy, old_gr, advantages, mask,
+                    objectives.Clip(clip=eps, ratio_cap=args.delta), agg="seq-mean-token-mean",
+                    loss_scale=agg.get("loss_scale", 1.0), validate=False,
+                    **self._terms(inputs, old_gr, train))
             if args.rlfuse_loss == "gr_opd":
                 return rlfuse.gr_opd_loss(
-                    policy, inputs["old_per_token_logps"], inputs["teacher_per_token_logps"],
+                    policy, old_gr, inputs["teacher_per_token_logps"],
                     mask, group_size=1, eps=eps, advantages=advantages,
                     loss_scale=agg.get("loss_scale", 1.0), validate=False)
             # ggpo: TRL's group-centred rewards are the rewards up to a constant per group
@@ -238,7 +258,7 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         else:
             out = self._through_head(model, inputs, loss)
         self._log_rlfuse_metrics(mode, out.metrics)
-        if args.rlfuse_loss == "ppo":
+        if with_terms:
             self._entropy_controller(mode, out.loss, out.metrics, mask, train)
         if not self.aux_loss_enabled:
             return out.loss
@@ -265,6 +285,13 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         if level == "sequence":
             return objectives.GSPOTRL(clip=eps, ratio_cap=args.delta)
         return objectives.Clip(clip=eps, dual_clip=args.rlfuse_dual_clip, ratio_cap=args.delta)
+
+    def _has_terms(self) -> bool:
+        """Whether TRL's config asks for a KL penalty, an entropy bonus, a mask or a ratio cap
+        (for GGPO they are refused at construction)."""
+        return (self.beta != 0.0 or self._entropy_bonus_enabled or
+                self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None or
+                self.args.delta is not None)
 
     def _terms(self, inputs, old, train: bool) -> dict:
         """TRL's KL penalty (``beta``, ``use_bias_correction_kl``), entropy bonus
@@ -437,22 +464,23 @@ def _unsupported_options(args, teacher_model) -> List[str]:
         if args.per_device_train_batch_size % generations:
             problems.append("per_device_train_batch_size not a multiple of num_generations with "
                             "rlfuse_loss='ggpo' (GGPO's loss couples a group)")
-    elif args.beta != 0.0 and loss != "ppo":
-        problems.append(f"beta={args.beta} with rlfuse_loss={loss!r} (the KL term: "
-                        f"rlfuse_loss='ppo'; GGPO's beta is its own)")
+    if loss == "ggpo":
+        # GGPO's loss already is a KL-regularised regression to its Gibbs target
+        for name, default in (("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0),
+                              ("entropy_coef", 0.0), ("use_adaptive_entropy", False),
+                              ("delta", None)):
+            value = getattr(args, name, default)
+            if value != default:
+                problems.append(f"{name}={value!r} with rlfuse_loss='ggpo' (GGPO takes no "
+                                f"terms: its beta and reference already are its KL, a bonus "
+                                f"or mask would move it off its Gibbs target)")
+    if loss == "gppo" and args.delta is not None:
+        problems.append(f"delta={args.delta!r} with rlfuse_loss='gppo' (TRL's ratio cap of its "
+                        f"clip; GPPO's trust region is rlfuse_geometry and rlfuse_delta)")
     if loss == "gr_opd":
         if teacher_model is None:
             problems.append("rlfuse_loss='gr_opd' without teacher_model")
         if (args.per_device_train_batch_size * (args.steps_per_generation or 1)) % generations:
             problems.append("a per-process generation batch that splits a group, with "
                             "rlfuse_loss='gr_opd'")
-    for name, default in (("delta", None), ("off_policy_mask_threshold", None),
-                          ("top_entropy_quantile", 1.0), ("entropy_coef", 0.0)):
-        value = getattr(args, name, default)
-        if value != default and loss != "ppo":
-            problems.append(f"{name}={value!r} with rlfuse_loss={loss!r} (rlfuse_loss='ppo' "
-                            f"takes it)")
-    if args.use_adaptive_entropy and loss != "ppo":
-        problems.append(f"use_adaptive_entropy=True with rlfuse_loss={loss!r} (rlfuse_loss='ppo' "
-                        f"takes it)")
     return problems
