@@ -11,11 +11,12 @@ setup(
     packages=find_packages(include=["rlfuse", "rlfuse.*"]),
     install_requires=["torch>=2.3", "triton>=3.2"],
     extras_require={
-        # trl and verl: the integrations are tested against the real packages. verl itself is
+        # trl, deepspeed and verl: the integrations are tested against the real packages. verl is
         # installed with --no-deps by `make setup` (its own pins clash with ours); these are
         # what its core_algos imports.
         "test": ["pytest", "pytest-xdist", "hypothesis", "numpy", "liger-kernel==0.8.5",
-                 "trl==1.16.0", "ray", "tensordict", "omegaconf", "codetiming", "orjson"],
+                 "trl==1.16.0", "deepspeed==0.19.8", "ray", "tensordict", "omegaconf",
+                 "codetiming", "orjson"],
         "bench": ["matplotlib", "numpy", "liger-kernel"],
         "train": ["transformers", "peft"],
     },

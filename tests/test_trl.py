@@ -556,7 +556,16 @@ def test_unsupported_options_are_listed(tmp_path):
                           args=RLFuseGRPOConfig(**config(tmp_path), rlfuse_loss="gr_opd"))
 
 
-ENGINES = {"ddp": {}, "fsdp2": dict(fsdp=True, fsdp_config={"version": 2})}
+ENGINES = {"ddp": {}, "fsdp2": dict(fsdp=True, fsdp_config={"version": 2}),
+           "zero3": dict(deepspeed={"zero_optimization": {
+                                        "stage": 3,
+                                        "stage3_gather_16bit_weights_on_model_save": True,
+                                        # every parameter partitioned, however small
+                                        "stage3_param_persistence_threshold": 0},
+                                    "zero_allow_untested_optimizer": True,
+                                    "train_micro_batch_size_per_gpu": "auto",
+                                    "gradient_accumulation_steps": "auto",
+                                    "gradient_clipping": "auto"})}
 
 
 def _fsdp_on_the_cpu() -> None:
@@ -581,8 +590,9 @@ def _fsdp_on_the_cpu() -> None:
 def _distributed_worker(out_dir: str, engine: str, kind: str) -> None:
     """One process of ``torchrun --nproc_per_node 2 tests/test_trl.py DIR ENGINE KIND``: two
     training steps (SGD: the parameters move by the gradients themselves) of TRL's trainer or
-    rlfuse's (``kind``) under ``engine`` (DDP or FSDP2 through accelerate, gloo), each
-    rank on its own prompts; rank 0 writes the whole parameters, the logs and what it saw."""
+    rlfuse's (``kind``) under ``engine`` (through accelerate, gloo), each
+    rank on its own prompts; rank 0 writes the whole parameters, the logs and what it saw.
+    ``engine``: a key of ``ENGINES`` (DDP, FSDP2, DeepSpeed ZeRO-3)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -597,7 +607,8 @@ def _distributed_worker(out_dir: str, engine: str, kind: str) -> None:
                                  args=RLFuseGRPOConfig(**kw, rlfuse_loss="ppo")))
     trainer.train()
     wrapped = trainer.model_wrapped
-    state = trainer.accelerator.get_state_dict(trainer.model)   # gathered whole on rank 0
+    # gathered whole on rank 0 (from ZeRO-3's engine, which holds the partitions)
+    state = trainer.accelerator.get_state_dict(wrapped if engine == "zero3" else trainer.model)
     local = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     ranks = trainer.accelerator.gather(local[None]) if engine == "ddp" else local[None]
     if trainer.accelerator.is_main_process:
@@ -607,8 +618,9 @@ def _distributed_worker(out_dir: str, engine: str, kind: str) -> None:
             json.dump({"processes": trainer.accelerator.num_processes,
                        "wrapper": "ddp" if isinstance(wrapped, DistributedDataParallel) else
                        "fsdp2" if isinstance(trainer.model, FSDPModule) else
+                       "zero3" if getattr(wrapped, "zero_optimization_stage", int)() == 3 else
                        type(wrapped).__name__,
-                       "rank_spread": (ranks - ranks[0]).abs().max().item(),
+                       "rank_spread": (ranks - ranks[0]).abs().sum().item(),
                        "logs": trainer.state.log_history}, f)
     # an orderly teardown: a process that exits with gloo's threads alive may abort
     trainer.accelerator.wait_for_everyone()
@@ -616,7 +628,7 @@ def _distributed_worker(out_dir: str, engine: str, kind: str) -> None:
 
 
 def _run_distributed(tmp_path, engine: str, kind: str):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")   # DeepSpeed over gloo
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--standalone", __file__, str(tmp_path), engine, kind],
@@ -638,12 +650,15 @@ def test_ddp_ranks_stay_in_sync(tmp_path):
     assert result["rank_spread"] == 0, result
 
 
-def test_fsdp2_trains_as_trl(tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_sharded_engines_train_as_trl(engine, tmp_path):
     """FSDP2 (fully_shard: the head's weight sharded, gathered by FSDP inside the model's
-    forward, where the loss runs) over two gloo processes: rlfuse's trainer ends with TRL's
-    own parameters, after the same logged losses, gradient norms and metrics."""
-    theirs, want = _run_distributed(tmp_path, "fsdp2", "trl")
-    ours, got = _run_distributed(tmp_path, "fsdp2", "rlfuse")
+    forward, where the loss runs) and DeepSpeed ZeRO-3 (every parameter partitioned, the
+    head's gathered by ZeRO-3's hooks around the head module, which runs the loss as its
+    forward) over two gloo processes: rlfuse's trainer ends with TRL's own parameters, after
+    the same logged losses, gradient norms and metrics."""
+    theirs, want = _run_distributed(tmp_path, engine, "trl")
+    ours, got = _run_distributed(tmp_path, engine, "rlfuse")
     start = model().state_dict()
     assert got.keys() == want.keys() == start.keys()
     assert max((want[k] - start[k]).abs().max().item() for k in start) > 1e-4

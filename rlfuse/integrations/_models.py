@@ -97,13 +97,30 @@ def add_head_forward(model) -> None:
             kwargs["output_router_logits"] = True
         out = backbone(*args, use_cache=False, **kwargs)
         head = model.get_output_embeddings()
-        result = rlfuse_head(out.last_hidden_state, head.weight, head.bias)
+        result = as_forward_of(head, lambda hidden: rlfuse_head(hidden, head.weight, head.bias),
+                               out.last_hidden_state)
         if not rlfuse_router:
             return result
         return result, router_loss(model, out.router_logits, kwargs.get("attention_mask"))
 
     model.forward = forward
     model_head(model)
+
+
+def as_forward_of(module: torch.nn.Module, fn: Callable, *args):
+    """``fn(*args)`` called as ``module``'s forward, so that the hooks an engine keeps on the
+    module run around it: DeepSpeed ZeRO-3 gathers the module's partitioned parameters before
+    its forward and again before its backward (the gradient of ``fn``'s outputs), and
+    partitions them after each."""
+    own = module.__dict__.get("forward")
+    module.forward = fn
+    try:
+        return module(*args)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 def router_loss(model, router_logits, attention_mask):

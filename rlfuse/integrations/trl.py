@@ -104,9 +104,6 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         problems = []
         if self.aux_loss_enabled:
             problems += router_loss_problems(self.accelerator.unwrap_model(self.model))
-        if self.is_deepspeed_enabled:
-            problems.append("DeepSpeed (not installed where the trainer is tested; one process, "
-                            "DDP and FSDP2 are supported)")
         if self.is_fsdp_enabled and self.accelerator.state.fsdp_plugin.fsdp_version != 2:
             problems.append("FSDP1 (fsdp_config version 1, deprecated by transformers; it needs an "
                             "accelerator where the trainer is tested: FSDP2 is supported)")
