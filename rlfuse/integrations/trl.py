@@ -105,8 +105,9 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             problems += router_loss_problems(self.accelerator.unwrap_model(self.model))
         if self.is_fsdp_enabled and self.accelerator.state.fsdp_plugin.fsdp_version != 2:
-            problems.append("FSDP1 (fsdp_config version 1, deprecated by transformers; it needs an "
-                            "accelerator where the trainer is tested: FSDP2 is supported)")
+            problems.append("FSDP1 (fsdp_config version 1, deprecated by transformers; torch's "
+                            "FSDP1 runs on accelerators only, so it cannot be tested where the "
+                            "trainer is: FSDP2 and DeepSpeed ZeRO-3 are supported)")
         return problems
 
     # ----------------------------------------------------------------------------------------
