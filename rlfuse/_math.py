@@ -68,28 +68,34 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
 
 
-# The flags whose per-sequence extremes are metrics too (TRL's clip_ratio/low_min, /high_max):
-# flag -> (the metric, its reduction, what a sequence without tokens counts as)
-SEQUENCE_EXTREMES = {"clip_frac_low": ("clip_frac_low_seq_min", torch.amin, math.inf),
-                     "clip_frac_high": ("clip_frac_high_seq_max", torch.amax, -math.inf)}
+# The flags whose per-sequence shares are metrics too: their extremes (TRL's clip_ratio/low_min,
+# /high_max) and their mean over the sequences (TRL's clip_ratio/*_mean of a sequence-level
+# ratio): flag -> (the extreme, its reduction, what a sequence without tokens counts as there;
+# the mean)
+SEQUENCE_SHARES = {
+    "clip_frac_low": ("clip_frac_low_seq_min", torch.amin, math.inf, "clip_frac_low_seq_mean"),
+    "clip_frac_high": ("clip_frac_high_seq_max", torch.amax, -math.inf,
+                       "clip_frac_high_seq_mean")}
 
 
-def sequence_extremes(flag_sums: Dict[str, torch.Tensor],
-                      tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """For each flag of ``SEQUENCE_EXTREMES`` in ``flag_sums`` (``[B]``: a flag's count per
+def sequence_shares(flag_sums: Dict[str, torch.Tensor],
+                    tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """For each flag of ``SEQUENCE_SHARES`` in ``flag_sums`` (``[B]``: a flag's count per
     sequence, ``tokens [B]`` its actor tokens), the least / greatest share over the sequences
-    with tokens (0 when there are none); no host sync."""
+    with tokens (0 when there are none) and the mean share over every sequence (one without
+    tokens: 0); no host sync."""
     out = {}
     has = tokens > 0
-    for flag, (name, pick, empty) in SEQUENCE_EXTREMES.items():
+    for flag, (name, pick, empty, mean_name) in SEQUENCE_SHARES.items():
         if flag not in flag_sums:
             continue
         share = flag_sums[flag] / tokens.clamp_min(1)
         if share.numel() == 0:
-            out[name] = share.new_zeros(())
+            out[name] = out[mean_name] = share.new_zeros(())
             continue
         value = pick(torch.where(has, share, empty))
         out[name] = torch.where(has.any(), value, 0.0)
+        out[mean_name] = share.mean()
     return out
 
 

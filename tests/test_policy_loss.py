@@ -201,10 +201,12 @@ def test_terms_metrics(device):
     torch.testing.assert_close(out["entropy"], h[mask].mean().float(), **TOL["fp32_sum"])
 
 
-def test_sequence_extremes_of_the_clip(impl, device):
+def test_sequence_shares_of_the_clip(impl, device):
     """clip_frac_low_seq_min / clip_frac_high_seq_max: the least share of tokens clipped from
     below and the greatest from above over the sequences with tokens (a row without any is
-    left out), against a loop over the sequences, with the advantages and their negation."""
+    left out); clip_frac_*_seq_mean: the mean share over every sequence (one without tokens
+    counts 0, as TRL's sequence-level mean); against a loop over the sequences, with the
+    advantages and their negation."""
     case = make_case(4)
     mask = case["mask"].clone()
     mask[2] = False
@@ -220,12 +222,16 @@ def test_sequence_extremes_of_the_clip(impl, device):
         want_low, want_high = min(x[0] for x in shares), max(x[1] for x in shares)
         assert out.metrics["clip_frac_low_seq_min"].item() == pytest.approx(want_low.item())
         assert out.metrics["clip_frac_high_seq_max"].item() == pytest.approx(want_high.item())
+        for side, i in (("low", 0), ("high", 1)):
+            assert out.metrics[f"clip_frac_{side}_seq_mean"].item() == pytest.approx(
+                sum(x[i].item() for x in shares) / B)
         seen += [want_low.item(), want_high.item()]
     assert min(seen) >= 0 and sorted(seen)[-2] > 0    # some extremes are not 0
     empty = impl.policy_loss(case["lp"][:, :0].to(device), old[:, :0].to(device),
                              case["adv_tok"][:, :0].to(device), mask[:, :0].to(device),
                              O.Clip(0.0625))
     assert empty.metrics["clip_frac_low_seq_min"] == 0 == empty.metrics["clip_frac_high_seq_max"]
+    assert empty.metrics["clip_frac_low_seq_mean"] == 0
 
 
 def test_clip_cov_replays_its_draw(impl, device):

@@ -88,7 +88,9 @@ def test_matches_float64(option, form, dtype, device):
     assert_three_way(fused[2], ref[2], ref64[2], "gradient")
     assert fused[1].keys() == ref64[1].keys() == {"clip_frac_low", "clip_frac_high",
                                                   "clip_frac_low_seq_min",
-                                                  "clip_frac_high_seq_max", "dual_clip_frac",
+                                                  "clip_frac_high_seq_max",
+                                                  "clip_frac_low_seq_mean",
+                                                  "clip_frac_high_seq_mean", "dual_clip_frac",
                                                   "ratio_mean", "approx_kl", "overflow"}
     for name in fused[1]:
         assert_three_way(fused[1][name], ref[1][name], ref64[1][name], name,

@@ -43,6 +43,16 @@ def model(seed=0):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
 
 
+def eos_model():
+    """The test Llama with its end-of-sequence logit made large, of either sign by the hidden
+    state: completions end at different lengths, so that the processes hold different numbers
+    of tokens (TRL's metrics weigh each process by them)."""
+    net = model()
+    with torch.no_grad():
+        net.lm_head.weight[TINY["eos_token_id"]] *= 20.0
+    return net
+
+
 def head_model(name, seed=0):
     """A tiny model of a family whose forward scales or softcaps the logits after the output
     head, the head's weight large enough for the softcap to bend them."""
@@ -155,9 +165,23 @@ CASES = [dict(loss_type=t) for t in ("grpo", "bnpo", "dr_grpo", "dapo")] + [
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_ppo_reproduces_trl(case, accumulation, tmp_path):
     """Same generation batch, same weights: rlfuse's loss (through LinearHead, no logits) and
-    every parameter's gradient equal TRL's, with an old policy off enough to clip."""
+    every parameter's gradient equal TRL's, with an old policy off enough to clip, on rows of
+    different lengths (a tool mask: a sequence-level ratio's clip ratios are means over the
+    sequences)."""
     theirs, ours, data = trainers(tmp_path, gradient_accumulation_steps=accumulation, **case)
-    inputs, _ = off_policy_batch(theirs, ours, data, case)
+    inputs, gen = off_policy_batch(theirs, ours, data, case)
+    # rows clipped below, above, not at all (r near 1; r < 1 with A > 0): every token of a row
+    # on the same side, by a margin, token ratio or sequence ratio alike
+    with torch.no_grad():
+        lp = ours._completion_logprobs(ours.model, inputs)
+    B, T = lp.shape
+    shift = torch.tensor([0.5, -0.5, 0.0, 0.5])[:, None]
+    inputs["old_per_token_logps"] = lp + shift + 0.05 * torch.randn(lp.shape, generator=gen)
+    inputs["advantages"] = torch.tensor([-1.0, 1.0, 0.5, 1.0])
+    # a tool mask keeps 4, 3, 3, 1 tokens of the rows: a share of the tokens clipped is then a
+    # share of the sequences only when none or all are clipped
+    inputs["tool_mask"] = (torch.arange(T) < torch.tensor([4, 3, 3, 1])[:, None]).long()
+    assert (inputs["completion_mask"] * inputs["tool_mask"]).sum(-1).tolist() == [4, 3, 3, 1]
     assert_same_step(theirs, ours, inputs, accumulation)
     assert theirs._metrics["train"]["clip_ratio/region_mean"][-1] > 0    # the clip is active
     for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
@@ -599,10 +623,10 @@ def _distributed_worker(out_dir: str, engine: str, kind: str) -> None:
     if engine.startswith("fsdp"):
         _fsdp_on_the_cpu()
     kw = config(out_dir, loss_type="dapo", epsilon_high=0.28, optim="sgd", **ENGINES[engine])
-    trainer = (trl.GRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(16),
+    trainer = (trl.GRPOTrainer(model=eos_model(), reward_funcs=reward, train_dataset=dataset(16),
                                processing_class=tokenizer(), args=trl.GRPOConfig(**kw))
                if kind == "trl" else
-               RLFuseGRPOTrainer(model=model(), reward_funcs=reward, train_dataset=dataset(16),
+               RLFuseGRPOTrainer(model=eos_model(), reward_funcs=reward, train_dataset=dataset(16),
                                  processing_class=tokenizer(),
                                  args=RLFuseGRPOConfig(**kw, rlfuse_loss="ppo")))
     trainer.train()
@@ -645,21 +669,24 @@ def test_ddp_ranks_stay_in_sync(tmp_path):
     parameters after each step (a loss computed outside that forward would not be synchronised
     and the ranks would drift apart)."""
     result, state = _run_distributed(tmp_path, "ddp", "rlfuse")
-    start = model().state_dict()
+    start = eos_model().state_dict()
     assert max((state[k] - start[k]).abs().max().item() for k in start) > 0, result
     assert result["rank_spread"] == 0, result
 
 
-@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
-def test_sharded_engines_train_as_trl(engine, tmp_path):
-    """FSDP2 (fully_shard: the head's weight sharded, gathered by FSDP inside the model's
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero3"])
+def test_engines_train_as_trl(engine, tmp_path):
+    """DDP, FSDP2 (fully_shard: the head's weight sharded, gathered by FSDP inside the model's
     forward, where the loss runs) and DeepSpeed ZeRO-3 (every parameter partitioned, the
     head's gathered by ZeRO-3's hooks around the head module, which runs the loss as its
-    forward) over two gloo processes: rlfuse's trainer ends with TRL's own parameters, after
-    the same logged losses, gradient norms and metrics."""
+    forward) over two gloo processes whose completions end at different lengths: rlfuse's
+    trainer ends with TRL's own parameters, after the same logged losses, gradient norms and
+    metrics (TRL's means over every process's tokens)."""
     theirs, want = _run_distributed(tmp_path, engine, "trl")
     ours, got = _run_distributed(tmp_path, engine, "rlfuse")
-    start = model().state_dict()
+    lengths = [s["completions/mean_length"] for s in theirs["logs"] if "grad_norm" in s]
+    assert min(lengths) < 4      # some completions end early: the processes' tokens differ
+    start = eos_model().state_dict()
     assert got.keys() == want.keys() == start.keys()
     assert max((want[k] - start[k]).abs().max().item() for k in start) > 1e-4
     for name in want:

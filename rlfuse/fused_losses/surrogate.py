@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .._specs import Objective
 from .._batch_objectives import term_ratio
-from .._math import aggregation_weights, sequence_extremes
+from .._math import aggregation_weights, sequence_shares
 from .._names import OBJECTIVE_FLAGS
 from .._types import LinearHead, LossOutput, Logits
 from .._validation import raise_on_overflow
@@ -318,14 +318,14 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
 def surrogate_metrics(totals: Dict[str, Tensor], sums: Tensor, mask: Tensor,
                       flags: Tuple[str, ...]) -> Dict[str, Tensor]:
     """The metrics of a surrogate objective from its column totals and per-sequence sums: the
-    shares of its ``flags`` (the metric names of the columns flag0, ...), the per-sequence
-    extremes of some (``_math.sequence_extremes``), ratio_mean, approx_kl, overflow."""
+    shares of its ``flags`` (the metric names of the columns flag0, ...), the extremes and mean
+    of some per sequence (``_math.sequence_shares``), ratio_mean, approx_kl, overflow."""
     row_tokens = mask.sum(-1).to(sums.dtype)
     tokens = row_tokens.sum().clamp_min(1)
     metrics = {name: totals[f"flag{i}"] / tokens for i, name in enumerate(flags)}
     metrics.update(ratio_mean=totals["ratio"] / tokens, approx_kl=totals["neg_log_ratio"] / tokens,
                    overflow=(totals["overflow"] > 0).to(tokens.dtype))
-    metrics.update(sequence_extremes(
+    metrics.update(sequence_shares(
         {name: sums[:, SUM_COLUMNS.index(f"flag{i}")] for i, name in enumerate(flags)},
         row_tokens))
     return metrics

@@ -255,7 +255,7 @@ class RLFuseGRPOTrainer(GRPOTrainer):
             out, aux = self._through_head(model, inputs, loss, router=True)
         else:
             out = self._through_head(model, inputs, loss)
-        self._log_rlfuse_metrics(mode, out.metrics)
+        self._log_rlfuse_metrics(mode, out.metrics, mask)
         if with_terms:
             self._entropy_controller(mode, out.loss, out.metrics, mask, train)
         if not self.aux_loss_enabled:
@@ -358,21 +358,37 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         if train and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
-    def _log_rlfuse_metrics(self, mode: str, metrics) -> None:
+    def _log_rlfuse_metrics(self, mode: str, metrics, mask: torch.Tensor) -> None:
+        """The loss's metrics as ``rlfuse/<name>`` (each process's value, their mean) and under
+        TRL's names as TRL forms them: means over every process's tokens (over its sequences
+        for a sequence-level ratio and VESPO's per-sequence weight), extremes over every
+        process's sequences."""
         gather = self.accelerator.gather
         for name, value in metrics.items():
             self._metrics[mode][f"rlfuse/{name}"].append(gather(value.detach()).nanmean().item())
-        for ours, theirs in (("kl", "kl"), ("entropy", "entropy"), ("phi_mean", "vespo/phi_seq_mean")):
+        tokens = mask.sum().to(torch.float32)
+        sequences = torch.tensor(float(mask.shape[0]), device=mask.device)
+        sequence_level = self.args.rlfuse_loss == "ppo" and \
+            self.importance_sampling_level == "sequence"
+
+        def log(name: str, mean: torch.Tensor, count: torch.Tensor) -> None:
+            total = torch.where(count > 0, mean.detach().float() * count, 0.0)
+            totals = self.accelerator.reduce(torch.stack([total, count]), reduction="sum")
+            self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
+
+        for ours, theirs, count in (("kl", "kl", tokens), ("entropy", "entropy", tokens),
+                                    ("phi_mean", "vespo/phi_seq_mean", sequences)):
             if ours in metrics:
-                self._metrics[mode][theirs].append(gather(metrics[ours].detach()).nanmean().item())
+                log(theirs, metrics[ours], count)
+        # a sequence-level ratio's flags: TRL's mean is over the sequences
+        clipped, shares = (sequences, "_seq_mean") if sequence_level else (tokens, "")
         if self.args.rlfuse_loss == "ppo" and self.loss_type == "cispo":
-            self._metrics[mode]["cispo_clip_ratio"].append(
-                gather(metrics["clip_frac_high"].detach()).nanmean().item())
+            log("cispo_clip_ratio", metrics["clip_frac_high" + shares], clipped)
         elif "clip_frac_low" in metrics:
-            low, high = metrics["clip_frac_low"], metrics["clip_frac_high"]
+            low, high = (metrics[f"clip_frac_{side}" + shares] for side in ("low", "high"))
             for name, value in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
                                 ("clip_ratio/region_mean", low + high)):
-                self._metrics[mode][name].append(gather(value.detach()).nanmean().item())
+                log(name, value, clipped)
             # TRL's extremes over every process's sequences: the extremes of each process's own
             if "clip_frac_low_seq_min" in metrics:
                 self._metrics[mode]["clip_ratio/low_min"].append(

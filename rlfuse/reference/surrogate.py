@@ -7,7 +7,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .._specs import Objective
-from .._math import aggregation_weights, masked_mean, per_token, sequence_extremes
+from .._math import aggregation_weights, masked_mean, per_token, sequence_shares
 from .._names import OBJECTIVE_FLAGS
 from .._validation import raise_on_overflow
 from .logprobs import learner_logprobs
@@ -115,7 +115,7 @@ def surrogate_metrics(result: Surrogate, mask: torch.Tensor) -> Dict[str, torch.
                    for name, flag in zip(result.flags, terms.flags)}
         metrics.update(ratio_mean=masked_mean(result.log_ratio.detach().exp(), mask),
                        approx_kl=result.approx_kl, overflow=overflow_metric(terms))
-        metrics.update(sequence_extremes(
+        metrics.update(sequence_shares(
             {name: torch.where(mask, flag.to(dtype), 0.0).sum(-1)
              for name, flag in zip(result.flags, terms.flags)}, mask.sum(-1).to(dtype)))
         return metrics
