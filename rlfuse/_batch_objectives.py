@@ -184,8 +184,11 @@ def cispo_trl(objective, lp, old, adv, mask, weights, row_scale, *, loss_scale, 
     loss = (torch.where(mask, values, 0.0).sum(-1) * row_scale).sum()
     tokens = mask.sum().clamp_min(1)
     with torch.no_grad():
-        high = (seq > math.log(objective.epsilon_high)) & (adv > 0) & mask
-        metrics = {"clip_frac_high": high.sum().to(lp.dtype) / tokens,
+        high = ((seq > math.log(objective.epsilon_high)) & (adv > 0) & mask).to(lp.dtype)
+        metrics = {"clip_frac_high": high.sum() / tokens,
+                   # the mean over the sequences (TRL's cispo_clip_ratio at this level)
+                   "clip_frac_high_seq_mean": (high.sum(-1) / mask.sum(-1).clamp_min(1)).mean()
+                   if high.shape[0] else high.new_zeros(()),
                    "approx_kl": -log_ratio.sum() / tokens}
     return loss, metrics
 

@@ -234,6 +234,24 @@ def test_sequence_shares_of_the_clip(impl, device):
     assert empty.metrics["clip_frac_low_seq_mean"] == 0
 
 
+def test_cispo_trl_sequence_clip_share(impl, device):
+    """TRL's CISPO at the sequence level: clip_frac_high is the share of the tokens whose
+    sequence ratio exceeds the cap (A > 0), clip_frac_high_seq_mean the share of the sequences
+    (TRL's cispo_clip_ratio there), against a loop over rows of different lengths."""
+    case = make_case(5)
+    mask = case["mask"]
+    old = torch.where(mask, case["old"], 0.0)
+    out = impl.policy_loss(case["lp"].to(device), old.to(device), case["adv"].to(device),
+                           mask.to(device), O.CISPOTRL(epsilon_high=1.05, ratio_level="sequence"))
+    seq = [(case["lp"][b] - old[b])[mask[b]].mean() for b in range(B)]
+    flags = [bool(seq[b] > math.log(1.05) and case["adv"][b] > 0) for b in range(B)]
+    n = mask.sum(-1)
+    assert 0 < sum(flags) < B and len(set(n.tolist())) > 1
+    assert out.metrics["clip_frac_high_seq_mean"].item() == pytest.approx(sum(flags) / B)
+    assert out.metrics["clip_frac_high"].item() == pytest.approx(
+        sum(int(n[b]) for b in range(B) if flags[b]) / int(n.sum()))
+
+
 def test_clip_cov_replays_its_draw(impl, device):
     """The random choice of Clip-Cov comes from ``generator``: the same seed, the same tokens
     (the same loss); another seed, another choice."""

@@ -262,13 +262,16 @@ OPTION_CASES = [
 @pytest.mark.parametrize("case", OPTION_CASES, ids=[str(c) for c in OPTION_CASES])
 def test_every_loss_option_reproduces_trl(case, accumulation, tmp_path):
     """rlfuse_loss="ppo" with each TRL loss_type and loss option: TRL's loss, every parameter's
-    gradient and the metrics TRL logs, on the same batch."""
+    gradient and the metrics TRL logs, on the same batch, whose rows a tool mask cuts to
+    different lengths."""
     kw = dict(case, gradient_accumulation_steps=accumulation)
     if case.get("beta"):      # TRL's own trainer reloads its reference from the policy's path
         model().save_pretrained(tmp_path / "policy")
     theirs, ours, data = trainers(tmp_path, path=tmp_path / "policy" if case.get("beta") else None,
                                   **kw)
     inputs, gen = off_policy_batch(theirs, ours, data, case)
+    T = inputs["completion_mask"].shape[1]
+    inputs["tool_mask"] = (torch.arange(T) < torch.tensor([4, 3, 3, 1])[:, None]).long()
     if case.get("beta"):   # the reference is the policy's copy: moved, so that the KL acts
         ref = inputs["ref_per_token_logps"]
         inputs["ref_per_token_logps"] = ref + 0.5 * torch.randn(ref.shape, generator=gen)
