@@ -3,7 +3,7 @@ import torch
 
 import rlfuse
 
-from conftest import assert_three_way
+from conftest import TOL, assert_three_way
 
 
 def token_inputs(B, T, *, seed, masked_share=0.3, pad_time=1, lp_scale=1.0):
@@ -89,3 +89,42 @@ class RecomputedInBackward(torch.autograd.Function):
             x = x.detach().requires_grad_(True)
             (dx,) = torch.autograd.grad(ctx.fn(x), x, grad)
         return dx, None
+
+
+def shifted_oracle(x, targets, temperature, weights):
+    """fp64 log-probs, entropies and the gradient of ``sum w0 lp + w1 H`` from logits shifted
+    by their row's max: log_softmax is invariant to the shift, and no large logit is divided by
+    the temperature, so the oracle holds at any magnitude."""
+    shifted = x.double() - x.double().amax(-1, keepdim=True)
+    shifted = torch.where(torch.isnan(shifted), float("-inf"), shifted).requires_grad_()
+    lp, ent = rlfuse.reference.token_logprobs(shifted, targets, temperature=temperature,
+                                              return_entropy=True)
+    grad, = torch.autograd.grad((lp * weights[0] + ent * weights[1]).sum(), shifted)
+    return lp.detach(), ent.detach(), grad
+
+
+def check_against_shifted_oracle(x, targets, temperature, weights, device, where: str):
+    """``rlfuse.token_logprobs`` of logits ``x`` (with entropy, and the gradient of
+    ``sum w0 lp + w1 H``) against ``shifted_oracle``: log-probs and entropies to a few units of
+    the compute dtype, no NaN; the gradient to a few units of its dtype of its largest value
+    (bf16: one unit, 2^-7 relative: the interpreter truncates its fp32 -> bf16 casts, where a
+    GPU rounds to nearest)."""
+    dtype = x.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    close = dict(rtol=1e-12, atol=1e-12) if acc == torch.float64 else TOL["fp32_logprob"]
+    leaf = x.to(device).requires_grad_()
+    lp, ent = rlfuse.token_logprobs(leaf, targets.to(device), temperature=temperature,
+                                    return_entropy=True)
+    grad, = torch.autograd.grad((lp * weights[0].to(device, lp.dtype) +
+                                 ent * weights[1].to(device, lp.dtype)).sum(), leaf)
+    want = shifted_oracle(x, targets, temperature, weights)
+    for got, w, name in zip((lp, ent), want, ("logp", "entropy")):
+        got = got.cpu()
+        assert not got.isnan().any(), (where, name)
+        torch.testing.assert_close(got, w.to(acc), **close,
+                                   msg=lambda m: f"{where} {name}: {m}")
+    scale = max(1.0, want[2].abs().max().item())
+    rtol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2.0 ** -7}[dtype]
+    torch.testing.assert_close(grad.cpu().double(), want[2], rtol=rtol,
+                               atol=(1e-12 if dtype == torch.float64 else 4e-7) * scale,
+                               msg=lambda m: f"{where} gradient: {m}")

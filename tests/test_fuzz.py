@@ -25,7 +25,7 @@ from rlfuse._names import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
 from rlfuse.reference.objectives import clip as clipped_surrogate
 
 from conftest import assert_three_way, fp32_exact
-from loss_harness import check_three_way, with_garbage
+from loss_harness import check_against_shifted_oracle, check_three_way, with_garbage
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
@@ -109,6 +109,29 @@ def run(fused_fn, ref_fn, policy, args64, *, loss_scale, metric_scales, **kw):
                     args64=args64, logits_targets=targets, temperature=temperature,
                     metric_scales=metric_scales, loss_scale=max(1.0, loss_scale),
                     grad_scale=max(1e-30, grad_scale), **kw)
+
+
+@FUZZ
+@given(data=st.data())
+def test_token_logprobs_at_any_scale(data):
+    """Log-probs, entropies and the logits' gradient at logits from ordinary to the dtype's
+    largest, a common offset of any size, any temperature in [0.3, 3], against the fp64 oracle
+    of the shifted rows."""
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+    B, T = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    V = data.draw(st.sampled_from([1, 7, 37, 2049]))
+    top = torch.finfo(dtype).max
+    scale = data.draw(st.sampled_from([1.0, 1e4, 1e12, 1e30, top / 4]))
+    offset = data.draw(st.sampled_from([0.0, 1e6, 1e30, -1e30, top / 2]))
+    temperature = data.draw(st.floats(0.3, 3.0))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 16)))
+    x = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * scale + offset
+    x = x.clamp(-top, top).to(dtype)
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    weights = torch.randn(2, B, T, generator=gen, dtype=torch.float64)
+    check_against_shifted_oracle(x, targets, temperature, weights, DEVICE,
+                                 f"{dtype} scale {scale:.3g} offset {offset:.3g} "
+                                 f"tau {temperature}")
 
 
 @FUZZ

@@ -17,7 +17,7 @@ from rlfuse.kernels import logprobs
 from rlfuse.kernels.single_pass import single_pass_config
 
 from conftest import TOL, assert_three_way
-from loss_harness import run_loss
+from loss_harness import check_against_shifted_oracle, run_loss
 
 LIBS = [rlfuse, reference]
 # The GPU's exp2 is emulated in the Triton interpreter, which a CUDA run does not use.
@@ -135,10 +135,10 @@ def test_a_row_of_one_logit_is_exact(dtype, temperature):
 
 @INTERPRETER_ONLY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_saved_statistics_are_natural(dtype):
-    """The forward saves (max z, log sum e^(z - max z)) of z = x / tau in natural units, what
-    the vocabulary-parallel combination reads: m is the rounded max of z and m + log s its
-    logsumexp; a row of -inf (a padded shard) saves -inf, -inf."""
+def test_saved_statistics(dtype):
+    """The forward saves (m, log s): m the row's max logit before the temperature, log s =
+    log sum e^((x - m) / tau), what the backward and the vocabulary-parallel combination read:
+    m / tau + log s is the row's logsumexp; a row of -inf (a padded shard) saves -inf, -inf."""
     gen = torch.Generator().manual_seed(4)
     V, temperature = 5000, 0.5    # 1 / tau exact in fp32, as a GPU passes it (conftest)
     x = (torch.randn(2, 3, V, generator=gen, dtype=torch.float64) * 4).to(dtype)
@@ -150,9 +150,9 @@ def test_saved_statistics_are_natural(dtype):
     lse = torch.logsumexp(z, -1).reshape(-1)
     acc = stats.dtype
     finite = torch.isfinite(z_max)
-    assert torch.equal(stats[finite, 0], (x.to(acc) / temperature).amax(-1).reshape(-1)[finite])
+    assert torch.equal(stats[finite, 0], x.to(acc).amax(-1).reshape(-1)[finite])
     rtol = 1e-14 if dtype == torch.float64 else 2e-7
-    total = stats[:, 0].double() + stats[:, 1].double()
+    total = stats[:, 0].double() / temperature + stats[:, 1].double()
     assert torch.allclose(total[finite], lse[finite], rtol=rtol, atol=rtol)
     assert (stats[~finite] == float("-inf")).all()
 
@@ -254,6 +254,59 @@ def test_extreme_logits(dtype, row, device):
             assert torch.equal(torch.isfinite(g), torch.isfinite(w)), (name, g, w)
             assert torch.equal(g.isnan(), w.isnan()), (name, g, w)
             torch.testing.assert_close(g, w, **TOL["fp32_logprob"], equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_large_logits_at_any_temperature(dtype, temperature, device):
+    """Logits up to the dtype's largest, at temperatures whose reciprocal is not a power of
+    two: log-probs, entropies and the logits' gradient against the fp64 oracle of the shifted
+    row, in rows with one huge logit, a huge negative one, a huge common offset with an
+    ordinary spread, and huge logits far apart (the statistics keep the row's max before the
+    temperature and every difference is taken before it is scaled)."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, V = 4, 3, 37
+    for big in (1e4, 1e12, 1e30, torch.finfo(dtype).max):
+        x = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 3
+        x[0, 0, 0], x[0, 1, 1] = big, -big
+        x[1] += big / 2
+        x[2] = big * (1 - 0.25 * torch.rand(T, V, generator=gen, dtype=torch.float64))
+        x[3] = -big * torch.rand(T, V, generator=gen, dtype=torch.float64)
+        x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+        targets = torch.randint(0, V, (B, T), generator=gen)
+        targets[0, :2] = torch.tensor([0, 1])
+        weights = torch.randn(2, B, T, generator=gen, dtype=torch.float64)
+        check_against_shifted_oracle(x, targets, temperature, weights, device,
+                                     f"{dtype} tau {temperature} logits {big:.3g}")
+
+
+@pytest.mark.parametrize("temperature", [0.7, 3.0])
+def test_single_pass_from_large_logits(temperature, device):
+    """The single pass (PPO from Logits) with logits of 1e30 and the temperature at which a
+    product x / tau would carry the rounding of a huge number: a finite loss and gradient, equal
+    to the reference's on the shifted rows in fp64."""
+    gen = torch.Generator().manual_seed(12)
+    B, T, V = 3, 4, 29
+    x = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 3
+    x[0, 0, 0], x[1] = 1e30, x[1] + 1e30
+    x = x.float()
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    targets[0, 0] = 0
+    mask = torch.ones(B, T, dtype=torch.bool)
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64) - 0.5
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    leaf = x.to(device).requires_grad_()
+    out = rlfuse.ppo_loss(rlfuse.Logits(leaf, targets.to(device), temperature=temperature),
+                          old.float().to(device), adv.float().to(device), mask.to(device))
+    grad, = torch.autograd.grad(out.loss, leaf)
+    shifted = (x.double() - x.double().amax(-1, keepdim=True)).requires_grad_()
+    want = reference.ppo_loss(reference.Logits(shifted, targets, temperature=temperature),
+                              old, adv, mask)
+    want_grad, = torch.autograd.grad(want.loss, shifted)
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(out.loss.cpu().double(), want.loss, **TOL["fp32_chain"])
+    torch.testing.assert_close(grad.cpu().double(), want_grad, rtol=1e-6,
+                               atol=4e-7 * max(1.0, want_grad.abs().max().item()))
 
 
 def test_gr_opd_advantages_in_the_widest_dtype(device):

@@ -111,13 +111,13 @@ def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
     return None if x is None else x.reshape(-1)
 
 
-def _target_logit(logits: Tensor, targets: Tensor, temperature: float, logit_scale: float,
+def _target_logit(logits: Tensor, targets: Tensor, logit_scale: float,
                   softcap: float) -> Tensor:
-    """``[C, 1]`` logit of each row's target through the head, over the temperature, of a
-    chunk's ``logits [C, 1, V]``: as the row kernels form it (in fp32, times 1 / temperature)."""
+    """``[C, 1]`` logit of each row's target through the head (before the temperature, as the
+    row kernels keep their statistics) of a chunk's ``logits [C, 1, V]``, in the compute
+    dtype."""
     x_y = logits.gather(-1, targets.view(-1, 1, 1)).view(-1, 1)
-    acc = compute_dtype(logits.dtype)
-    return head_logits(x_y, logit_scale, softcap or None).to(acc) * (1.0 / temperature)
+    return head_logits(x_y, logit_scale, softcap or None).to(compute_dtype(logits.dtype))
 
 
 def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, temperature: float,
@@ -131,9 +131,9 @@ def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, temperature:
     _, stats, entropy = token_logprobs_fwd(logits, local.clamp_min(0), mask, temperature,
                                            with_entropy, logit_scale=logit_scale,
                                            softcap=softcap)
-    z_y = _target_logit(logits, local.clamp_min(0), temperature, logit_scale, softcap)
-    logp, entropy, stats = vocab.whole_rows(z_y, stats, entropy, targets, logits.shape[-1], mask,
-                                            with_entropy, group_name)
+    x_y = _target_logit(logits, local.clamp_min(0), logit_scale, softcap)
+    logp, entropy, stats = vocab.whole_rows(x_y, stats, entropy, targets, logits.shape[-1], mask,
+                                            temperature, with_entropy, group_name)
     entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(stats[:, 0])
     return local, torch.stack([logp.reshape(-1), stats[:, 0], stats[:, 1], entropy], -1)
 
@@ -156,8 +156,8 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
                        target_logit: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window
     (``logit_scale`` and ``softcap``, 0: none, as in ``LinearHead``); with ``target_logit`` the
-    first output is the target's logit, through the head, over the temperature instead (what a
-    shard of a split vocabulary contributes, ``scaleout.vocab``)."""
+    first output is the target's logit, through the head, before the temperature instead (what
+    a shard of a split vocabulary contributes, ``scaleout.vocab``)."""
     acc = compute_dtype(hidden.dtype)
     B, T = targets.shape
     # rows left out of the chunks (masked, when gathering) have log-prob 0, entropy 0
@@ -171,7 +171,7 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
             logits, y_flat[tokens, None], None if m_flat is None else m_flat[tokens, None],
             temperature, with_entropy, logit_scale=logit_scale, softcap=softcap)
         if target_logit:
-            lp_c = _target_logit(logits, y_flat[tokens], temperature, logit_scale, softcap)
+            lp_c = _target_logit(logits, y_flat[tokens], logit_scale, softcap)
         logp[tokens] = lp_c[:, 0]
         stats[tokens] = stats_c
         if with_entropy:

@@ -204,9 +204,10 @@ def _logsumexp_block(block_ptr, n, c, cap, cap_in, m, s, w, BLOCK_V: tl.constexp
 def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
                   WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
                   EVICT: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """(m, log s, entropy) of ``z = x * inv_temp``, ``lse = m + log s``, all in natural units
-    (what the forward saves and the vocabulary-parallel combination reads); entropy is 0 unless
-    ``WITH_ENTROPY``. ``EVICT``: the loads ask L2 to keep the row (it is read again);
+    """(m, log s, entropy) of ``z = x * inv_temp``: ``m`` the row's max logit x (before the
+    temperature), ``log s`` = log sum e^((x - m) / tau), so that ``lse = m / tau + log s``, and
+    the entropy (0 unless ``WITH_ENTROPY``), what the forward saves and the vocabulary-parallel
+    combination reads. ``EVICT``: the loads ask L2 to keep the row (it is read again);
     ``NUM_STAGES``: ``COMPILER_STAGES`` or the pipelining depth of the loop.
 
     Each thread keeps, for each of its lines (``_half_columns``), a running max ``m`` of the
@@ -218,10 +219,10 @@ def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
     m / tau)), w is in bits: ``entropy = lse - sum p z = log s - ln 2 w / s``. Each ``x - m`` is
     taken before it is scaled, so a large logit is never rounded into an exponent.
 
-    m / tau is returned rounded, its rounding error (one fma) added to log s: m + log s is then
-    the lse of the exact z = x / tau, from which ``target_logprob`` and ``row_write_dlogits``
-    subtract the exact x / tau (one fma), so that a log-prob is ``(z - m) - log s`` with no large
-    number rounded into it, as in torch's log_softmax (and exactly 0 for a row of one logit).
+    Every consumer of (m, log s) takes its difference to m before the temperature, as the sum
+    does: a log-prob is ``(x - m) / tau - log s`` (``target_logprob``), with no large number
+    rounded into it (exactly 0 for a row of one logit), and no product x / tau is ever formed,
+    so that logits up to the dtype's largest take any temperature without overflow.
 
     x is the row's logit, or with ``SOFTCAP`` its softcap ``cap tanh(logit cap_in)``
     (``head_args``), formed as each block is read.
@@ -275,16 +276,12 @@ def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
     entropy = tl.zeros((), ACC)
     if WITH_ENTROPY:
         entropy = log_s - LN2 * tl.sum(alpha * tl.fma(moved, s, w), axis=0) / total
-    # m = max z rounded; its rounding goes into log s, so that m + log s is the lse of the exact
-    # z = x / tau, which the fma of ``target_logprob`` and ``row_write_dlogits`` subtract from.
-    # Every logit -inf: no line left the finite start (total = 0, m = log s = -inf).
-    m = tl.where(total > 0, row_max * inv_temp, float("-inf"))
-    log_s += tl.where(total > 0, tl.fma(row_max, inv_temp, -m), 0.0)
-    return m, log_s, entropy
+    # every logit -inf: no line left the finite start (total = 0, m = log s = -inf)
+    return tl.where(total > 0, row_max, float("-inf")), log_s, entropy
 
 
 @triton.jit
-def _dlogits_half(x_ptr, d_ptr, cols, n, y, inv_temp, cap, cap_in, m, log_s2, a, b, g_y,
+def _dlogits_half(x_ptr, d_ptr, cols, n, y, c, cap, cap_in, m, log_s2, a, b, g_y,
                   MASKED: tl.constexpr, TARGET: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                   SOFTCAP: tl.constexpr, ACC: tl.constexpr, EVICT: tl.constexpr):
     """dL/dlogits at ``x_ptr + cols`` into ``d_ptr + cols`` (``_dlogits_block``): ``y`` and
@@ -292,7 +289,7 @@ def _dlogits_half(x_ptr, d_ptr, cols, n, y, inv_temp, cap, cap_in, m, log_s2, a,
     x = _load_logits(x_ptr, cols, n, MASKED, ACC, _STREAM if EVICT else _NO_HINT)
     if SOFTCAP:
         x, dcap = _softcap(x, cap, cap_in, ACC)
-    q = tl.fma(tl.fma(x, inv_temp, -m), LOG2E, -log_s2)     # log2 p
+    q = tl.fma(x - m, c, -log_s2)     # log2 p
     if WITH_ENTROPY:
         q = tl.maximum(q, _LOG_TINY)     # 2^q == 0 below: keeps 0 * -inf out of p (a + b q)
         d = tl.math.exp2(q) * tl.fma(b, q, a)
@@ -311,7 +308,7 @@ def _dlogits_half(x_ptr, d_ptr, cols, n, y, inv_temp, cap, cap_in, m, log_s2, a,
 
 
 @triton.jit
-def _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, cap, cap_in, m, log_s2, a, b,
+def _dlogits_block(row_ptr, drow_ptr, block, V, y, c, cap, cap_in, m, log_s2, a, b,
                    g_y, BLOCK_V: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr,
                    TARGET: tl.constexpr, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
                    ACC: tl.constexpr, EVICT: tl.constexpr):
@@ -323,7 +320,7 @@ def _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, cap, cap_in, m, log
     for half in tl.static_range(2):
         offset = start + half * (BLOCK_V // 2)
         _dlogits_half(row_ptr + offset, drow_ptr + offset, cols, V - offset, y - offset,
-                      inv_temp, cap, cap_in, m, log_s2, a, b, g_y, MASKED, TARGET, WITH_ENTROPY,
+                      c, cap, cap_in, m, log_s2, a, b, g_y, MASKED, TARGET, WITH_ENTROPY,
                       SOFTCAP, ACC, EVICT)
 
 
@@ -341,8 +338,9 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, cap, cap_in, m, lo
       dL/dx_v    = ( g (1[v = y] - p_v) - h p_v (log p_v + H) ) / tau
                  = 1[v = y] g / tau + p_v (a + b log2 p_v),
                    a = -(g + h H) / tau,  b = -h ln 2 / tau
-    with log2 p_v = ((z_v - m) - log s) log2(e), each difference taken before it is scaled, so
-    that a large m or lse is never rounded into it. With ``SOFTCAP`` x_v is the softcap of the
+    with log2 p_v = (x_v - m) log2(e) / tau - log s log2(e) (the statistics of
+    ``row_logsumexp``), the difference taken before it is scaled, so that a large m or lse is
+    never rounded into it. With ``SOFTCAP`` x_v is the softcap of the
     logit l_v and dL/dl_v = dL/dx_v cap cap_in (1 - tanh^2(l_v cap_in)) (``_tanh``).
 
     The loop writes the full blocks without a mask and without the target: the block that holds
@@ -360,6 +358,7 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, cap, cap_in, m, lo
     """
     LANES: tl.constexpr = 128 // row_ptr.dtype.element_ty.primitive_bitwidth
     inv_temp = tl.cast(inv_temp, ACC)
+    c = inv_temp * LOG2E
     log_s2 = log_s * LOG2E
     a = -(g + h * entropy) * inv_temp
     b = -(h * LN2) * inv_temp
@@ -379,11 +378,11 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, cap, cap_in, m, lo
     n_loop = n_full - apart.to(tl.int32)
     if ORDER == ORDER_BACKWARD:
         if has_tail:
-            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, c, cap, cap_in, m, log_s2, a,
                            b, g_y, BLOCK_V, LANES, True, True, WITH_ENTROPY, SOFTCAP, ACC,
                            EVICT)
         if apart:
-            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, c, cap, cap_in, m, log_s2, a,
                            b, g_y, BLOCK_V, LANES, False, True, WITH_ENTROPY, SOFTCAP, ACC,
                            EVICT)
     # the i-th full block other than the target's, in ORDER
@@ -393,7 +392,7 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, cap, cap_in, m, lo
             if ORDER == ORDER_BACKWARD:
                 k = n_loop - 1 - i
             block = k + (k >= y_block).to(tl.int32)
-            _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+            _dlogits_block(row_ptr, drow_ptr, block, V, y, c, cap, cap_in, m, log_s2, a,
                            b, g_y, BLOCK_V, LANES, False, False, WITH_ENTROPY, SOFTCAP, ACC,
                            EVICT)
     else:
@@ -402,16 +401,16 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, cap, cap_in, m, lo
             if ORDER == ORDER_BACKWARD:
                 k = n_loop - 1 - i
             block = k + (k >= y_block).to(tl.int32)
-            _dlogits_block(row_ptr, drow_ptr, block, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+            _dlogits_block(row_ptr, drow_ptr, block, V, y, c, cap, cap_in, m, log_s2, a,
                            b, g_y, BLOCK_V, LANES, False, False, WITH_ENTROPY, SOFTCAP, ACC,
                            EVICT)
     if ORDER == ORDER_FORWARD:
         if apart:
-            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, c, cap, cap_in, m, log_s2, a,
                            b, g_y, BLOCK_V, LANES, False, True, WITH_ENTROPY, SOFTCAP, ACC,
                            EVICT)
         if has_tail:
-            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, inv_temp, cap, cap_in, m, log_s2, a,
+            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, c, cap, cap_in, m, log_s2, a,
                            b, g_y, BLOCK_V, LANES, True, True, WITH_ENTROPY, SOFTCAP, ACC,
                            EVICT)
 
@@ -484,6 +483,6 @@ def load_target_logit(row_ptr, column, cap, cap_in, SOFTCAP: tl.constexpr, ACC: 
 
 @triton.jit
 def target_logprob(x_y, inv_temp, m, log_s):
-    """log p[y] = (x[y] / tau - m) - log s of the statistics of ``row_logsumexp``: the
-    difference to m by one fma, as there."""
-    return tl.fma(x_y, tl.cast(inv_temp, x_y.dtype), -m) - log_s
+    """log p[y] = (x[y] - m) / tau - log s of the statistics of ``row_logsumexp``: the
+    difference to m taken first, as there."""
+    return tl.fma(x_y - m, tl.cast(inv_temp, x_y.dtype), -log_s)

@@ -1,14 +1,16 @@
 """The vocabulary split over a process group (Megatron's convention): rank r of a group of W
 holds the ids ``[r V_l, (r + 1) V_l)``.
 
-Each rank reduces its shard of a row to four numbers (``SHARD_COLUMNS``): its max ``m_r``,
-``log s_r`` (``lse_r = m_r + log s_r``), its entropy ``H_r`` and, on the rank that holds the
-target, ``z_y - m_r``. One all-gather of these ``[N, 4]`` statistics gives every rank the whole
-row's
+Each rank reduces its shard of a row to four numbers (``SHARD_COLUMNS``): its max logit
+``m_r`` (before the temperature tau, as the row kernels keep it), ``log s_r`` (``lse_r = m_r / tau
++ log s_r``), its entropy ``H_r`` and, on the rank that holds the target, ``(x_y - m_r) / tau``.
+One all-gather of these ``[N, 4]`` statistics gives every rank the whole row's
 
-    M = max_r m_r,   log S = log sum_r exp(m_r - M + log s_r),   lse = M + log S
-    log p_y = (z_y - m_o) + (m_o - M) - log S              (o: the target's rank)
+    M = max_r m_r,   log S = log sum_r exp((m_r - M) / tau + log s_r),   lse = M / tau + log S
+    log p_y = (x_y - m_o) / tau + (m_o - M) / tau - log S              (o: the target's rank)
     H = sum_r pi_r (H_r - log pi_r),   log pi_r = lse_r - lse   (the chain rule of entropy)
+
+every difference of logits taken before the temperature.
 
 and the gradient of rank r's shard needs only ``(M, log S, H)``, the upstream gradients and
 its own logits: the backward moves no data between ranks (a ``LinearHead``'s hidden-state
@@ -50,10 +52,11 @@ def local_targets(targets: Tensor, vocab_local: int, rank: int) -> Tuple[Tensor,
     return local, owner
 
 
-def combine_shards(stats: Tensor, owner: Tensor, group) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def combine_shards(stats: Tensor, owner: Tensor, inv_temp: float,
+                   group) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(logp, max, log_sum, entropy)`` ``[N]`` of whole rows from each rank's shard
     statistics ``stats [N, SHARD_COLUMNS]`` (one all-gather); ``owner [N]``: the rank that holds
-    each row's target."""
+    each row's target; ``inv_temp``: 1 / tau."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
@@ -62,13 +65,14 @@ def combine_shards(stats: Tensor, owner: Tensor, group) -> Tuple[Tensor, Tensor,
     shift, m, log_s, ent = torch.stack(gathered).unbind(-1)          # [W, N] each
     M = m.max(0).values
     M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))       # every logit -inf
-    log_sum = torch.logsumexp(m - M + log_s, 0)
-    log_pi = (m - M + log_s) - log_sum
+    log_mass = (m - M) * inv_temp + log_s                         # log of each shard's sum
+    log_sum = torch.logsumexp(log_mass, 0)
+    log_pi = log_mass - log_sum
     pi = log_pi.exp()
     entropy = torch.where(pi > 0, pi * (ent - log_pi), torch.zeros_like(pi)).sum(0)
     rows = torch.arange(stats.shape[0], device=stats.device)
     owner = owner.clamp(0, world - 1)
-    logp = (shift[owner, rows] + (m[owner, rows] - M)) - log_sum
+    logp = (shift[owner, rows] + (m[owner, rows] - M) * inv_temp) - log_sum
     return logp, M, log_sum, entropy
 
 
@@ -92,18 +96,20 @@ def group_sum(x: Tensor, group_name: str) -> None:
 
     dist.all_reduce(x, group=group_of(group_name))
 
-def whole_rows(z_y: Tensor, stats: Tensor, entropy: Tensor, targets: Tensor, vocab_local: int,
-               mask: Optional[Tensor], with_entropy: bool,
+def whole_rows(x_y: Tensor, stats: Tensor, entropy: Tensor, targets: Tensor, vocab_local: int,
+               mask: Optional[Tensor], temperature: float, with_entropy: bool,
                group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, stats [N, 2])`` of the whole rows from this shard's target
-    logit over the temperature ``z_y`` (read where this rank holds the target), its row
-    statistics ``stats [N, 2]`` (max, log-sum) and entropy (``combine_shards``)."""
+    logit ``x_y`` (through the head, before the temperature; read where this rank holds the
+    target), its row statistics ``stats [N, 2]`` (max, log-sum) and entropy
+    (``combine_shards``)."""
     local, owner = shard_targets(targets, vocab_local, group_name)
     mine = (local >= 0).reshape(-1)
-    shift = torch.where(mine, z_y.reshape(-1) - stats[:, 0], 0.0)
+    inv_temp = 1.0 / temperature
+    shift = torch.where(mine, (x_y.reshape(-1) - stats[:, 0]) * inv_temp, 0.0)
     shard_entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(shift)
     shard = torch.stack([shift, stats[:, 0], stats[:, 1], shard_entropy], -1)
-    logp, row_max, log_sum, whole_entropy = combine_shards(shard, owner.reshape(-1),
+    logp, row_max, log_sum, whole_entropy = combine_shards(shard, owner.reshape(-1), inv_temp,
                                                            group_of(group_name))
     if mask is not None:
         keep = mask.reshape(-1)

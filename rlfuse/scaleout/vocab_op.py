@@ -69,10 +69,9 @@ def vocab_split_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tens
     _, entropy, stats = token_logprobs_op(logits, local, mask, temperature, with_entropy, False,
                                           offset)
     window = logits[:, offset:offset + targets.shape[1]]
-    z_y = window.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(stats.dtype) \
-        * (1.0 / temperature)
-    return whole_rows(z_y, stats, entropy, targets, logits.shape[-1], mask, with_entropy,
-                       group_name)
+    x_y = window.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(stats.dtype)
+    return whole_rows(x_y, stats, entropy, targets, logits.shape[-1], mask, temperature,
+                      with_entropy, group_name)
 
 
 @vocab_split_logprobs_op.register_fake
@@ -113,11 +112,11 @@ def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optiona
     """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of a head whose
     ``weight [V_l, H]`` (and ``bias``) is this rank's shard."""
     local, _ = shard_targets(targets, weight.shape[0], group_name)
-    z_y, entropy, stats = linear_logprobs_op(hidden, weight, bias, local.clamp_min(0), mask,
+    x_y, entropy, stats = linear_logprobs_op(hidden, weight, bias, local.clamp_min(0), mask,
                                              temperature, logit_scale, softcap, offset,
                                              chunk_tokens, gather, with_entropy, True)
-    return whole_rows(z_y, stats, entropy, targets, weight.shape[0], mask, with_entropy,
-                       group_name)
+    return whole_rows(x_y, stats, entropy, targets, weight.shape[0], mask, temperature,
+                      with_entropy, group_name)
 
 
 @vocab_split_linear_logprobs_op.register_fake
