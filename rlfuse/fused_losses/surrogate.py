@@ -32,8 +32,8 @@ from .._names import OBJECTIVE_FLAGS
 from .._types import LinearHead, LossOutput, Logits
 from .._validation import raise_on_overflow
 from ..kernels.objectives import SUM_COLUMNS
-from ..kernels.surrogate import (surrogate_bwd, surrogate_fwd, surrogate_logits_bwd,
-                                 surrogate_logits_fwd)
+from ..kernels.scale_rows import scale_rows
+from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd
 from ..scaleout.layout import as_one_token_rows
 from ..scaleout.vocab import check_shard_sizes
 from ._op import custom_op, kl_fields, kl_of, objective_fields, objective_of, register_autograd
@@ -189,7 +189,7 @@ def scale_rows_op(x: Tensor, mask: Tensor, scale: Tensor, offset: int) -> None:
     """``x[b, s] *= scale`` at the actor rows of ``x [B, S, V]`` (rows ``[offset, offset + T)``
     go with ``mask [B, T]``), in place; ``scale`` (0-dim) is read on the device, and a scale of
     1 reads and writes nothing."""
-    surrogate_logits_bwd(x, mask, scale, offset)
+    scale_rows(x, mask, scale, offset)
 
 
 @scale_rows_op.register_fake

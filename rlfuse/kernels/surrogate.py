@@ -11,7 +11,7 @@ Three kernels: forward and backward from log-probs ``[B, T]``, and the single pa
 that computes each row's logsumexp, its log-prob, the objective and writes ``dlogits`` at once
 (one read and one write of the logits, plus a re-read of the row that L2 may serve: its launch
 configuration is ``single_pass.SinglePassConfig``); the single pass's backward scales those
-``dlogits`` by the upstream gradient (``surrogate_logits_bwd``). The single pass also carries
+``dlogits`` by the upstream gradient (``scale_rows.scale_rows``). The single pass also carries
 the terms: a KL penalty to reference log-probs (``kl.kl_term``: loss += row_scale[b] beta KL,
 not multiplied by w) and an entropy bonus (loss -= entropy_scale[b] H, its gradient through
 the row's softmax, ``rows.row_write_dlogits``); from log-probs the terms are separate ops.
@@ -365,29 +365,6 @@ def _surrogate_logits_kernel(
             NUM_STAGES, ORDER)
 
 
-@triton.jit
-def _scale_rows_kernel(
-    # pointers
-    x_ptr, mask_ptr, scale_ptr,  # [B, S, V] in and out, [B, T] uint8, 0-dim
-    # strides
-    stride_xb, stride_xt, stride_mb, stride_mt,
-    # sizes
-    T, S, offset, V,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
-):
-    # The single pass's backward: x[b, s] *= scale at actor rows (the others hold zeros), in the
-    # compute dtype; the scale is read on the device, and when it is 1 no row is read or written.
-    _, b, s, _, _, is_actor = program_token(tl.program_id(0), mask_ptr, T, S, offset, stride_mb,
-                                            stride_mt, True)
-    scale = tl.load(scale_ptr).to(ACC)
-    if (scale != 1.0) & is_actor:
-        row_ptr = x_ptr + at(b, stride_xb, s, stride_xt)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr + cols, mask=cols < V).to(ACC)
-            tl.store(row_ptr + cols, (x * scale).to(x_ptr.dtype.element_ty), mask=cols < V)
-
-
 def surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, objective, *,
                   ratio: str = "token"):
     """``(sums [B, N_SUM_COLS], seq [B] or None)`` (compute dtype) from learner log-probs
@@ -497,23 +474,3 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
         num_warps=num_warps, maxnreg=config.maxnreg(num_warps),
     )
     return dlogits, sums
-
-
-def surrogate_logits_bwd(dlogits: torch.Tensor, mask: torch.Tensor, grad: torch.Tensor,
-                         offset: int = 0) -> None:
-    """The single pass's backward: multiplies the actor rows of its ``dlogits [B, S, V]``
-    (``stride(-1) == 1``; rows ``[offset, offset + T)`` go with ``mask [B, T]``) by the 0-dim
-    upstream ``grad`` in place, without reading it on the host: a gradient of 1 costs no pass
-    over ``dlogits``."""
-    B, S, V = dlogits.shape
-    T = mask.shape[1]
-    if B * S == 0:
-        return
-    block_v, num_warps = vocab_launch_config(V, dlogits.element_size())
-    mask_u8, stride_mb, stride_mt = mask_args(mask)
-    _scale_rows_kernel[(B * S,)](
-        dlogits, mask_u8, grad,
-        dlogits.stride(0), dlogits.stride(1), stride_mb, stride_mt,
-        T, S, offset, V,
-        BLOCK_V=block_v, ACC=tl_compute_dtype(dlogits.dtype), num_warps=num_warps,
-    )
