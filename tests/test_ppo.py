@@ -173,6 +173,31 @@ def test_empty_responses_count_as_zero(agg, impl, device):
         impl.gr_opd_loss(c["lp"], c["old"], c["old"] - 0.5, c["mask"], group_size=2)
 
 
+@pytest.mark.parametrize("form", ["logprobs", "logits"])
+def test_a_zero_weight_does_not_hide_an_overflow(form, impl, device):
+    """A token whose unclipped r A overflows (lp - old = 100, A < 0) under a weight of 0 (TRL's
+    vLLM importance-sampling masks set such weights): the weight multiplies the token's
+    objective, as in TRL, so the overflow stays one: with validate=True the loss raises, with
+    validate=False it is NaN (inf times 0, TRL's own result) and the overflow metric says so."""
+    dev = device if impl is rlfuse else "cpu"
+    mask = torch.ones(1, 3, dtype=torch.bool, device=dev)
+    old = torch.full((1, 3), -101.0, device=dev)
+    adv = -torch.ones(1, device=dev)
+    weights = torch.tensor([[0.0, 1.0, 1.0]], device=dev)
+    if form == "logits":
+        logits = torch.zeros(1, 3, 1, device=dev, requires_grad=True)   # lp = 0 everywhere
+        policy = impl.Logits(logits, torch.zeros(1, 3, dtype=torch.long, device=dev))
+        old = old.clone()
+        old[0, 1:] = -0.1
+    else:
+        policy = torch.tensor([[-1.0, -0.5, -0.5]], device=dev, requires_grad=True)
+        old[0, 1:] = -0.6
+    with pytest.raises(ValueError, match="overflow"):
+        impl.ppo_loss(policy, old, adv, mask, weights=weights)
+    out = impl.ppo_loss(policy, old, adv, mask, weights=weights, validate=False)
+    assert torch.isnan(out.loss) and out.metrics["overflow"] == 1
+
+
 def test_gppo_and_gr_opd_options(impl, device):
     """GPPO's delta pair is the lower side of one region and the upper side of another;
     GR-OPD's eps pair is PPO's clip-higher; [B, 1] advantages are [B] ones."""
