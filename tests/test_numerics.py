@@ -389,6 +389,57 @@ def test_fp64_loss_with_gpu_float_passing(floats_as_on_a_gpu, device):
     torch.testing.assert_close(fused[2].cpu(), ref[2], **TOL["fp64_pairs"])
 
 
+@pytest.mark.parametrize("objective", [
+    lambda O: O.Clip(clip=0.2, dual_clip=3.1),            # p0: the dual clip
+    lambda O: O.SAPOTRL(tau_pos=1.05, tau_neg=0.9),       # p0, p1: the temperatures
+    lambda O: O.DPPOTV(clip=0.15, truncation=3.3),        # p0..p2: the move, the truncation
+    lambda O: O.DRO(dro_beta=0.1),                        # p0: beta
+])
+def test_objective_parameters_in_fp64_on_a_gpu(objective, floats_as_on_a_gpu, device):
+    """An objective's parameters that fp32 does not represent reach the kernels as fp64 pairs:
+    the fp64 loss and gradient match the fp64 reference to a few ulp, with Python floats
+    passed as a GPU passes them."""
+    from rlfuse import objectives
+
+    gen = torch.Generator().manual_seed(6)
+    B, T = 4, 5
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 2 - 0.1
+    lp = old + torch.randn(B, T, generator=gen, dtype=torch.float64) * 1.5
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    buffer = torch.cat([lp, lp[:, :1]], 1)
+    args = (old, adv, mask, objective(objectives))
+    fused = run_loss(rlfuse.policy_loss, buffer, dtype=torch.float64, device=device, args=args)
+    ref = run_loss(reference.policy_loss, buffer, dtype=torch.float64, args=args)
+    torch.testing.assert_close(fused[0].cpu(), ref[0], **TOL["fp64_pairs"])
+    torch.testing.assert_close(fused[2].cpu(), ref[2], **TOL["fp64_pairs"])
+
+
+@pytest.mark.parametrize("loss", ["ggpo", "ggpo_clip", "gr_opd"])
+def test_group_scalars_in_fp64_on_a_gpu(loss, floats_as_on_a_gpu, device):
+    """GGPO's beta and clip radius, GR-OPD's gamma, lam, clips and std_eps, none of them an
+    fp32 value, reach the group kernels as fp64 pairs: fp64 losses and gradients equal the
+    reference's to a few ulp with Python floats passed as a GPU passes them."""
+    gen = torch.Generator().manual_seed(8)
+    B, T = 4, 5
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 2 - 0.1
+    lp = old + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3
+    mask = torch.ones(B, T, dtype=torch.bool)
+    buffer = torch.cat([lp, lp[:, :1]], 1)
+    if loss == "gr_opd":
+        args, kw = (old, old - torch.rand(B, T, generator=gen, dtype=torch.float64), mask), \
+            dict(group_size=2, gamma=0.97, lam=0.3, feedback_clip=0.7, adv_clip=1.3, std_eps=0.1)
+    else:
+        args = (old, torch.rand(B, generator=gen, dtype=torch.float64), mask)
+        kw = dict(group_size=2, beta=0.3, clip_radius=0.1 if loss == "ggpo_clip" else None)
+    name = "gr_opd_loss" if loss == "gr_opd" else "ggpo_loss"
+    fused = run_loss(getattr(rlfuse, name), buffer, dtype=torch.float64, device=device,
+                     args=args, **kw)
+    ref = run_loss(getattr(reference, name), buffer, dtype=torch.float64, args=args, **kw)
+    torch.testing.assert_close(fused[0].cpu(), ref[0], **TOL["fp64_pairs"])
+    torch.testing.assert_close(fused[2].cpu(), ref[2], **TOL["fp64_pairs"])
+
+
 def test_head_scalars_in_fp64_on_a_gpu(floats_as_on_a_gpu, device, monkeypatch):
     """1 / temperature, a softcap and a logit scale that fp32 does not represent reach the row
     kernels as fp64 pairs: fp64 log-probs and gradients of logits and of a capped head match

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .._types import compute_dtype
-from .utils import (constexpr_codes, empty, group_tile, load_tile, mask_args, time_block,
-                    tl_compute_dtype)
+from .utils import (constexpr_codes, empty, fp64_pair, fp64_parts, group_tile, load_tile,
+                    mask_args, time_block, tl_compute_dtype)
 
 # Columns of the per-group partial sums written by the forward kernel.
 GROUP_COLUMNS = ("gap", "loss", "q_max", "tokens", "clipped", "log_ratio")
@@ -57,9 +57,11 @@ def _ggpo_fwd_kernel(
     # sizes
     T, m,
     # scalars
-    beta, clip_radius,
+    beta_hi, beta_lo, clip_hi, clip_lo,   # beta and the clip radius (utils.fp64_pair)
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, HAS_CLIP: tl.constexpr, ACC: tl.constexpr,
 ):
+    beta = fp64_pair(beta_hi, beta_lo, ACC)
+    clip_radius = fp64_pair(clip_hi, clip_lo, ACC)
     group = tl.program_id(0).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     row_valid = offs_m < m
@@ -151,7 +153,8 @@ def ggpo_fwd(lp: torch.Tensor, ref_lp: torch.Tensor, mask: torch.Tensor, rewards
         lp.stride(0), lp.stride(1), ref_lp.stride(0), ref_lp.stride(1), stride_mb, stride_mt,
         rewards.stride(0),
         T, group_size,
-        float(beta), math.inf if clip_radius is None else float(clip_radius),
+        *fp64_parts(float(beta)), *fp64_parts(math.inf if clip_radius is None else
+                                              float(clip_radius)),
         BLOCK_M=block_m, BLOCK_T=block_t, HAS_CLIP=clip_radius is not None,
         ACC=tl_compute_dtype(lp.dtype), num_warps=num_warps,
     )

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import constexpr_codes, empty, group_tile, load_tile, mask_args, tl_compute_dtype
+from .utils import (constexpr_codes, empty, fp64_pair, fp64_parts, group_tile, load_tile,
+                    mask_args, tl_compute_dtype)
 
 # Columns of the per-group sums: clamped feedback and actor tokens (the feedback_mean metric).
 GROUP_COLUMNS = ("feedback", "tokens")
@@ -34,9 +35,15 @@ def _gr_opd_adv_kernel(
     # sizes
     T, m,
     # scalars
-    log_gamma, lam, feedback_clip, adv_clip, std_eps,
+    log_gamma_hi, log_gamma_lo, lam_hi, lam_lo, feedback_clip_hi, feedback_clip_lo,
+    adv_clip_hi, adv_clip_lo, std_eps_hi, std_eps_lo,    # utils.fp64_pair
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr,
 ):
+    log_gamma = fp64_pair(log_gamma_hi, log_gamma_lo, ACC)
+    lam = fp64_pair(lam_hi, lam_lo, ACC)
+    feedback_clip = fp64_pair(feedback_clip_hi, feedback_clip_lo, ACC)
+    adv_clip = fp64_pair(adv_clip_hi, adv_clip_lo, ACC)
+    std_eps = fp64_pair(std_eps_hi, std_eps_lo, ACC)
     group = tl.program_id(0).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     row_valid = offs_m < m
@@ -89,7 +96,8 @@ def gr_opd_advantages_fwd(old_lp: torch.Tensor, teacher_lp: torch.Tensor, mask: 
         old_lp.stride(0), old_lp.stride(1), teacher_lp.stride(0), teacher_lp.stride(1),
         stride_mb, stride_mt,
         T, group_size,
-        math.log(gamma), float(lam), float(feedback_clip), float(adv_clip), float(std_eps),
+        *(part for x in (math.log(gamma), lam, feedback_clip, adv_clip, std_eps)
+          for part in fp64_parts(float(x))),
         BLOCK_M=block_m, BLOCK_T=block_t, ACC=tl_compute_dtype(acc), num_warps=num_warps,
     )
     return adv, group_sums

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .._names import OBJECTIVES
 from .regions import region_codes, region_sizes
-from .utils import constexpr_codes
+from .utils import constexpr_codes, fp64_pair, fp64_parts
 
 CLIP, CISPO, SAPO, GPG, DRO, DPPO_TV, DPPO_KL = constexpr_codes(
     OBJECTIVES, "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
@@ -186,14 +186,26 @@ def token_objective(log_ratio, lp, old, adv, lo, hi, p0, p1, p2, p3, clamp,
     return j, dj, f0, f1, f2, overflow
 
 
+@triton.jit
+def objective_params(p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
+                     ACC: tl.constexpr):
+    """``(p0, p1, p2, p3)`` in the compute dtype from the ``hi + lo`` parts of
+    ``objective_args``: a GPU passes a Python float as fp32, so fp64 takes each as the sum of
+    two (exact to 48 bits), fp32 its ``hi``."""
+    return (fp64_pair(p0_hi, p0_lo, ACC), fp64_pair(p1_hi, p1_lo, ACC),
+            fp64_pair(p2_hi, p2_lo, ACC), fp64_pair(p3_hi, p3_lo, ACC))
+
+
 def objective_args(objective):
     """The constexpr codes ``(OBJECTIVE, GEOMETRY, TOPOLOGY)`` and the runtime scalars (the
-    region's four sizes of ``region_bounds``, then ``p0..p3``, then the clamp) of an
+    region's four sizes of ``region_bounds``, then ``p0..p3`` as fp64 ``hi, lo`` pairs
+    (``objective_params``), then the clamp, an integer or inf: exact in fp32) of an
     ``rlfuse._args.Objective`` (or a tuple of its fields)."""
     name, geometry, topology, delta_low, delta_high, params, clamp = objective
     if len(params) > N_PARAMS:
         raise ValueError(f"objective {name!r}: {len(params)} parameters, the kernels take "
                          f"{N_PARAMS}")
     params = tuple(float(p) for p in params) + (0.0,) * (N_PARAMS - len(params))
+    pairs = tuple(part for p in params for part in fp64_parts(p))
     codes = (OBJECTIVES.index(name),) + region_codes(geometry, topology)
-    return codes, region_sizes(delta_low, delta_high) + params + (float(clamp),)
+    return codes, region_sizes(delta_low, delta_high) + pairs + (float(clamp),)

@@ -1,7 +1,7 @@
 """Trust regions: per-token bounds [l, u] = {r : D(r) <= delta} for GPPO's 5 geometries x 3
 topologies, PPO's fixed ``[1 - eps_low, 1 + eps_high]`` (``ppo_clip``) and a fixed range of the
-ratio (``ratio_range``: TRL's CISPO cap, verl's unclipped ratio of ``kl_cov``), computed in fp64 inside
-the kernels, plus an elementwise kernel that exports them (``gppo_bounds``).
+ratio (``ratio_range``: TRL's CISPO cap, verl's unclipped ratio of ``kl_cov``), computed in fp64
+inside the kernels, plus an elementwise kernel that exports them (``gppo_bounds``).
 
 ``region_bounds`` is the one device function every kernel uses (bounds export, the surrogate
 losses from log-probs and from logits).

@@ -32,7 +32,7 @@ from . import single_pass
 from .kl import NO_KL, kl_codes, kl_term
 from .objectives import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FLAG1, SUM_FLAG2,
                          SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW, SUM_RATIO,
-                         objective_args, token_objective)
+                         objective_args, objective_params, token_objective)
 from .regions import region_bounds
 from .rows import (at, head_args, head_scalars, load_target_logit, program_token,
                    row_logsumexp, row_write_dlogits, row_write_zeros, target_column,
@@ -94,7 +94,8 @@ def _surrogate_fwd_kernel(
     T,
     # scalars
     low_hi, low_lo, high_hi, high_lo,   # region sizes (regions.region_bounds)
-    p0, p1, p2, p3, clamp,              # the objective's parameters, its log-ratio clamp
+    p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,   # objectives.objective_params
+    clamp,                              # the objective's log-ratio clamp
     BLOCK_T: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, HAS_OLD: tl.constexpr, RATIO: tl.constexpr,
 ):
@@ -104,6 +105,8 @@ def _surrogate_fwd_kernel(
     # log s_bt = min(log s_b, 10) with d log s_bt / d lp_bt = 1 (0 past the clamp): seq[b] keeps
     # log s_b.
     b = tl.program_id(0).to(tl.int64)
+    p0, p1, p2, p3 = objective_params(p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
+                                      ACC)
     if RATIO != TOKEN_RATIO:
         seq_lr, tokens = _sequence_log_ratio(lp_ptr, old_ptr, mask_ptr, b, T, stride_lb,
                                              stride_lt, stride_ob, stride_ot, stride_mb,
@@ -169,7 +172,8 @@ def _surrogate_bwd_kernel(
     # sizes
     T, n_t_blocks,
     # scalars
-    low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+    low_hi, low_lo, high_hi, high_lo, p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
+    clamp,
     BLOCK_T: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, HAS_OLD: tl.constexpr, RATIO: tl.constexpr,
 ):
@@ -184,6 +188,8 @@ def _surrogate_bwd_kernel(
     if RATIO == SEQUENCE_RATIO:
         dlp = tl.where(actor, -grad * tl.load(seq_ptr + b).to(ACC), 0.0)
     else:
+        p0, p1, p2, p3 = objective_params(p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi,
+                                          p3_lo, ACC)
         lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0).to(ACC)
         old, adv, w = _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, cols, actor, stride_ob,
                                     stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
@@ -322,7 +328,8 @@ def _surrogate_logits_kernel(
     T, S, offset, V, n_rows,            # n_rows = B S
     # scalars (rows.head_args, then the objective's)
     inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo,
-    low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+    low_hi, low_lo, high_hi, high_lo, p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
+    clamp,
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
     HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
@@ -336,6 +343,8 @@ def _surrogate_logits_kernel(
     # reads of a row.
     inv_temp, cap, cap_in = head_scalars(inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi,
                                          cap_in_lo, ACC)
+    p0, p1, p2, p3 = objective_params(p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
+                                      ACC)
     if PERSISTENT:
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             _surrogate_logits_row(

@@ -116,6 +116,16 @@ def ones_if_none(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def fp64_pair(hi, lo, ACC: tl.constexpr):
+    """A float argument passed as its ``fp64_parts``, in the compute dtype: ``hi + lo`` in
+    fp64, ``hi`` in fp32."""
+    x = hi
+    if ACC == tl.float64:
+        x = (tl.zeros((), tl.float64) + hi) + lo
+    return x
+
+
+@triton.jit
 def load_tile(ptr, rows, cols, stride_b, stride_t, mask, ACC: tl.constexpr):
     """The ``[rows, cols]`` tile of a ``[B, T]`` tensor in the compute dtype, 0 where ``mask`` is
     False: masked positions are never read, so garbage there (NaN, -inf) cannot leak."""
