@@ -206,3 +206,65 @@ def test_large_group_speed_smoke(group_size):
         lp, lp.detach() - 0.1, rewards, mask, group_size=group_size, beta=0.5,
         validate=False).loss.backward())
     assert ms < 1.0, ms
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_weight_gradient_accumulates_in_fp32(dtype):
+    """A LinearHead's weight gradient over several chunks: each chunk's product accumulated
+    into the fp32 buffer by one fp32-output matmul (no bf16 partial, no transient [V, H]
+    buffer): the gradient keeps the three-way rule against float64, and the backward's peak
+    memory stays within the chunk, the fp32 gradient and its cast."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    Bh, Th, H, Vh, chunk = 4, 64, 256, 50000, 64
+    hidden = torch.randn(Bh, Th, H, generator=gen).to(device, dtype)
+    weight = (torch.randn(Vh, H, generator=gen) / H ** 0.5).to(device, dtype)
+    targets = torch.randint(0, Vh, (Bh, Th), generator=gen).to(device)
+
+    def grad_of(lib, w, h, tokens):
+        w = w.detach().clone().requires_grad_()
+        lp = lib.policy_logprobs(lib.LinearHead(h, w, targets, chunk_tokens=tokens))
+        (g,) = torch.autograd.grad(lp.sum(), w)
+        return g
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = grad_of(rlfuse, weight, hidden, chunk)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    size = weight.element_size()
+    budget = chunk * Vh * size + Vh * H * (4 + size) + Bh * Th * H * 8 + (1 << 20)
+    assert peak <= budget, (peak, budget)
+    plain = grad_of(reference, weight, hidden, None)        # plain torch in the same dtype
+    want64 = grad_of(reference, weight.double(), hidden.double(), None)
+    assert_three_way(got.float(), plain.float(), want64, "weight gradient", atol_dtype=dtype)
+
+
+def test_exponentials_of_large_log_ratios():
+    """The per-token exponential at log-ratios across [-80, 80] (the unclipped branch of a
+    negative advantage keeps r A; the ratio metric): values and gradients within a few units
+    of fp32 rounding of float64, where ex2.approx of x log2(e) would be off by ~1e-5."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(5)
+    Bg, Tg = 8, 257
+    # old = -1 and d on a grid of 2^-17: lp = old + d and lp - old are exact in fp32, so the
+    # fused error is the exponential's alone
+    old = -torch.ones(Bg, Tg, dtype=torch.float64)
+    d = (torch.rand(Bg, Tg, generator=gen, dtype=torch.float64) * 2 - 1) * 80
+    d = torch.round(d * 2 ** 17) / 2 ** 17
+    lp = old + d
+    mask = torch.ones(Bg, Tg, dtype=torch.bool)
+    adv = -torch.ones(Bg, dtype=torch.float64)
+    results = {}
+    for name, dtype, dev in (("fused", torch.float32, device), ("ref64", torch.float64, "cpu")):
+        leaf = lp.to(dev, dtype).clone().requires_grad_()
+        lib = rlfuse if name == "fused" else reference
+        out = lib.ppo_loss(leaf, old.to(dev, dtype), adv.to(dev, dtype), mask.to(dev),
+                           agg="token-sum", validate=False)
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        results[name] = (grad.cpu().double(), out.metrics["ratio_mean"].cpu().double())
+    grad, ratio = results["fused"]
+    want_grad, want_ratio = results["ref64"]
+    torch.testing.assert_close(grad, want_grad, rtol=4 * 2.0 ** -23, atol=0)   # 4 ulp
+    torch.testing.assert_close(ratio, want_ratio, rtol=2e-6, atol=0)

@@ -9,11 +9,14 @@ import struct
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 import rlfuse
 from rlfuse import reference
 from rlfuse.kernels import logprobs
+from rlfuse.kernels.utils import exp_accurate
 from rlfuse.kernels.single_pass import single_pass_config
 
 from conftest import TOL, assert_three_way
@@ -307,6 +310,37 @@ def test_single_pass_from_large_logits(temperature, device):
     torch.testing.assert_close(out.loss.cpu().double(), want.loss, **TOL["fp32_chain"])
     torch.testing.assert_close(grad.cpu().double(), want_grad, rtol=1e-6,
                                atol=4e-7 * max(1.0, want_grad.abs().max().item()))
+
+
+@triton.jit
+def _exp_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + cols, mask=cols < n)
+    tl.store(y_ptr + cols, exp_accurate(x), mask=cols < n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exp_accurate(dtype, device):
+    """The per-token exponential of the surrogate and KL kernels: within 4 units of rounding
+    of e^x over the whole fp32 range of x (the reduction to 2^(r log2 e), |r log2 e| <= 1/2, is
+    exact; the interpreter's exp2 is numpy's, a GPU's ex2.approx adds its own 2 ulp, pinned by
+    tests/test_gpu.py), inf above it, 0 below, NaN kept."""
+    x = torch.cat([torch.linspace(-103.9, 88.7, 20001, dtype=torch.float64),
+                   torch.tensor([0.0, -0.0, 1e-30, 89.0, 100.0, -104.0, -1e4,
+                                 float("inf"), float("-inf"), float("nan")],
+                                dtype=torch.float64)]).to(dtype)
+    y = torch.empty_like(x)
+    xd, yd = x.to(device), y.to(device)
+    _exp_kernel[(triton.cdiv(x.numel(), 1024),)](xd, yd, x.numel(), BLOCK=1024)
+    got, want = yd.cpu().double(), torch.exp(x.double())
+    rounded = want.to(dtype).double()                       # inf past the dtype's largest
+    normal = torch.isfinite(rounded) & (want > torch.finfo(dtype).tiny)
+    rel = ((got - want).abs() / want)[normal]
+    assert rel.max().item() <= 4 * torch.finfo(dtype).eps, rel.max().item()
+    assert torch.equal(torch.isinf(got), torch.isinf(rounded))
+    tiny = ~normal & (want < 1)                             # below the normal range: 0 or tiny
+    assert (got[tiny] <= 2 * torch.finfo(dtype).tiny).all()
+    assert torch.isnan(got[-1]) and got[-2] == 0 and got[-3] == float("inf")
 
 
 def test_gr_opd_advantages_in_the_widest_dtype(device):

@@ -209,13 +209,13 @@ def test_row_of_ignores_addresses_outside_the_tensor():
 
 def test_vocab_parallel_communication_is_computed_per_rank():
     """The volume `python -m tools.traffic --comm` prints: the forward's all-gather of 4 fp32 per row
-    to every other rank, the LinearHead backward's ring all-reduce of [N, H]."""
+    to every other rank, the LinearHead backward's ring all-reduce of [N, H] in fp32."""
     from rlfuse.scaleout.vocab import SHARD_COLUMNS
 
     logits, head = traffic.communication(N=1000, V=64, H=16, world=4, element_size=2)
     assert len(SHARD_COLUMNS) == 4
     assert logits["forward"] == head["forward"] == 3 * 1000 * 4 * 4
-    assert logits["backward"] == 0 and head["backward"] == 2 * 3 * 1000 * 16 * 2 // 4
+    assert logits["backward"] == 0 and head["backward"] == 2 * 3 * 1000 * 16 * 4 // 4
     assert logits["logits_shard"] == 1000 * 16 * 2
     table = traffic.communication_table(1000, 64, 16, 2, worlds=(4,))
-    assert "| 4 | LinearHead | 0.05 MiB | 0.05 MiB | 0.03 MiB | 300.00% |" in table
+    assert "| 4 | LinearHead | 0.05 MiB | 0.09 MiB | 0.03 MiB | 450.00% |" in table

@@ -26,7 +26,7 @@ import rlfuse  # noqa: E402
 from conftest import SPLIT_GRAD_TOL, SPLIT_TOL  # noqa: E402  (this script's folder)
 
 # The custom ops of the split, opchecked here (``tests/test_compile.py`` opchecks the others).
-SPLIT_OPS = ("vocab_split_logprobs", "vocab_split_linear_logprobs", "group_sum_")
+SPLIT_OPS = ("vocab_split_logprobs", "vocab_split_linear_logprobs")
 B, T, P, V_LOCAL, H, GROUP = 4, 5, 2, 7, 6, 2   # P prompt rows before the window (offset)
 TOL, GRAD_TOL = SPLIT_TOL, SPLIT_GRAD_TOL
 
@@ -275,11 +275,12 @@ def check_compiled(d, group, rank, world):
 
 
 def check_opcheck(d, group, rank, world):
-    """torch.library.opcheck of the split's ops (and of the LinearHead single pass over the
-    split): schema, autograd registration, the fake
+    """torch.library.opcheck of the split's ops (and of a LinearHead's backward and single pass
+    over the split): schema, autograd registration, the fake
     implementation against the real one, AOT dispatch with dynamic shapes."""
     from rlfuse.fused_losses import linear_head
     from rlfuse.scaleout import vocab_op
+    from rlfuse.scaleout.vocab import shard_targets
 
     name = group.group_name
     _, (logits,), _ = leaves_of("logits", d, rank, world)
@@ -291,12 +292,20 @@ def check_opcheck(d, group, rank, world):
             (hidden, weight, bias, d["targets"], d["mask"], 0.9, 0.5, 3.0, P, 3, False, True,
              name),
             (hidden, weight, None, d["targets"], None, 1.0, 1.0, 0.0, P, 4, False, False, name)],
-        "group_sum_": [(torch.randn(3, 2, dtype=hidden.dtype), name)],
     }
     assert set(cases) == set(SPLIT_OPS)
     ops = {"vocab_split_logprobs": vocab_op.vocab_split_logprobs_op,
-           "vocab_split_linear_logprobs": vocab_op.vocab_split_linear_logprobs_op,
-           "group_sum_": vocab_op.group_sum_op}
+           "vocab_split_linear_logprobs": vocab_op.vocab_split_linear_logprobs_op}
+    # a LinearHead's backward over the split (its hidden-state gradient summed in fp32)
+    head = tuple(x.detach() for x in (hidden, weight, bias))   # a backward: no autograd of its own
+    _, entropy, stats = vocab_op.vocab_split_linear_logprobs_op(
+        *head, d["targets"], d["mask"], 0.9, 0.5, 3.0, P, 3, False, True, name)
+    local = shard_targets(d["targets"], V_LOCAL, name)[0]
+    upstream = torch.randn(2, B, T, dtype=hidden.dtype)
+    ops["linear_logprobs_backward"] = linear_head.linear_logprobs_backward_op
+    cases["linear_logprobs_backward"] = [
+        (*head, local, d["mask"], stats, entropy, upstream[0], upstream[1], 0.9, 0.5, 3.0, P, 3,
+         False, [True, True, True], name)]
     # the single pass of a LinearHead (tests/test_compile.py opchecks it unsplit) over the split
     row_scale = torch.full((B,), 0.1, dtype=hidden.dtype)
     ops["linear_surrogate"] = linear_head.linear_surrogate_op

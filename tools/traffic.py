@@ -460,14 +460,14 @@ def communication(N: int, V: int, H: int, world: int, element_size: int) -> List
     """Bytes each rank sends per call with the vocabulary split over ``world`` ranks, beside
     the bytes of its shard of logits: forward, one all-gather of the ``[N, 4]`` fp32 shard
     statistics (and of one int64 with ``validate``); backward, nothing for ``Logits``, one
-    all-reduce of the ``[N, H]`` hidden-state gradient for a ``LinearHead`` (a ring sends
-    ``2 (W - 1) / W`` of a buffer). The single pass of a ``LinearHead`` sends the same bytes,
-    all in the forward: the statistics chunk by chunk, then the hidden-state gradient."""
+    all-reduce of the ``[N, H]`` hidden-state gradient for a ``LinearHead``, in fp32 (a ring
+    sends ``2 (W - 1) / W`` of a buffer). The single pass of a ``LinearHead`` sends the same
+    bytes, all in the forward: the statistics chunk by chunk, then the hidden-state gradient."""
     from rlfuse.scaleout.vocab import SHARD_COLUMNS
 
     stats = N * len(SHARD_COLUMNS) * 4
     gather = (world - 1) * stats               # each rank's block to every other rank
-    dhidden = 2 * (world - 1) * N * H * element_size // world
+    dhidden = 2 * (world - 1) * N * H * 4 // world   # summed in fp32
     shard = N * (V // world) * element_size
     return [{"form": "Logits", "forward": gather, "backward": 0, "logits_shard": shard},
             {"form": "LinearHead", "forward": gather, "backward": dhidden,

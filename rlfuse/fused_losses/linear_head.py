@@ -74,16 +74,33 @@ def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
     return torch.nn.functional.linear(h_rows, weight, bias).unsqueeze(1)
 
 
+# cuBLAS matmuls of bf16 / fp16 inputs with an fp32 output (torch's addmm with out_dtype: CUDA)
+_FP32_OUTPUT_MATMUL = "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
+def add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` for an fp32 ``out`` (the weight gradient over the chunks): on CUDA with
+    bf16 / fp16 inputs one matmul accumulating into ``out`` in fp32 (no product rounded to the
+    inputs' dtype, no second ``[V, H]`` buffer); otherwise the product formed and added."""
+    if out.dtype != a.dtype and a.is_cuda and _FP32_OUTPUT_MATMUL:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        out += (a @ b).to(out.dtype)
+
+
 class HeadGradients:
     """The gradients of hidden (in its dtype), weight and bias (accumulated in fp32) that the
-    chunks add up; empty tensors stand for the ones nobody needs."""
+    chunks add up; empty tensors stand for the ones nobody needs. ``group_name``: the head is a
+    shard of a vocabulary split over that group, and the hidden states' gradient, a partial sum
+    of each rank's, is kept in the compute dtype and summed over the group by ``results``."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 needs: Tuple[bool, bool, bool]):
-        self.weight = weight
-        self.dhidden = (torch.zeros_like(hidden).reshape(-1, hidden.shape[-1]) if needs[0]
-                        else None)
+                 needs: Tuple[bool, bool, bool], group_name: str = ""):
+        self.weight, self.group_name = weight, group_name
         acc = compute_dtype(weight.dtype)
+        dhidden_dtype = compute_dtype(hidden.dtype) if group_name else hidden.dtype
+        self.dhidden = (torch.zeros(hidden.shape, dtype=dhidden_dtype, device=hidden.device)
+                        .reshape(-1, hidden.shape[-1]) if needs[0] else None)
         self.dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) \
             if needs[1] else None
         self.dbias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) \
@@ -93,16 +110,20 @@ class HeadGradients:
         """dL/dh = dlogits W, dL/dW += dlogits^T h, dL/db += sum of dlogits, for one chunk."""
         dlogits = dlogits.squeeze(1)
         if self.dhidden is not None:
-            self.dhidden.index_copy_(0, rows, dlogits @ self.weight)
+            self.dhidden.index_copy_(0, rows, (dlogits @ self.weight).to(self.dhidden.dtype))
         if self.dweight is not None:
-            self.dweight += (dlogits.t() @ h_rows).to(self.dweight.dtype)
+            add_product(self.dweight, dlogits.t(), h_rows)
         if self.dbias is not None:
             self.dbias += dlogits.sum(0, dtype=self.dbias.dtype)
 
     def results(self, hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """The three gradients in their tensors' dtypes, a new empty tensor for each one not
-        computed (an op's outputs alias nothing)."""
-        return (hidden.new_empty(0) if self.dhidden is None else self.dhidden.view(hidden.shape),
+        """The three gradients in their tensors' dtypes (the hidden states' summed over the
+        group first: one all-reduce), a new empty tensor for each one not computed (an op's
+        outputs alias nothing)."""
+        if self.group_name and self.dhidden is not None:
+            vocab.group_sum(self.dhidden, self.group_name)
+        dhidden = None if self.dhidden is None else self.dhidden.view(hidden.shape).to(hidden.dtype)
+        return (hidden.new_empty(0) if dhidden is None else dhidden,
                 weight.new_empty(0) if self.dweight is None else self.dweight.to(weight.dtype),
                 weight.new_empty(0) if self.dbias is None else self.dbias.to(weight.dtype))
 
@@ -194,12 +215,12 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
                                 entropy: Optional[Tensor], dlogp: Tensor,
                                 dentropy: Optional[Tensor], temperature: float,
                                 logit_scale: float, softcap: float, offset: int,
-                                chunk_tokens: int, gather: bool,
-                                needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+                                chunk_tokens: int, gather: bool, needs: List[bool],
+                                group_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)`` (empty where not needed) for the upstream ``dlogp`` /
     ``dentropy`` ``[B, T]``: each chunk's logits formed again, their gradient written in
-    place."""
-    grads = HeadGradients(hidden, weight, bias, tuple(needs))
+    place; ``group_name``: a shard of a split vocabulary (``HeadGradients``)."""
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
     dlogp, dentropy, entropy = _flat(dlogp), _flat(dentropy), _flat(entropy)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
@@ -217,7 +238,7 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
 
 @linear_logprobs_backward_op.register_fake
 def _(hidden, weight, bias, targets, mask, stats, entropy, dlogp, dentropy, temperature,
-      logit_scale, softcap, offset, chunk_tokens, gather, needs):
+      logit_scale, softcap, offset, chunk_tokens, gather, needs, group_name=""):
     return _gradients_fake(hidden, weight, bias, needs)
 
 
@@ -284,7 +305,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     (one all-reduce)."""
     spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
-    grads = HeadGradients(hidden, weight, bias, tuple(needs))
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name)
     write = any(needs)
     B, T = targets.shape
     sums_of_rows = torch.zeros((B, len(SUM_COLUMNS)), dtype=row_scale.dtype,
@@ -315,8 +336,6 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
         sums_of_rows.index_add_(0, tokens // T, sums)
         if write:
             grads.add(logits, h_rows, rows)
-    if group_name and grads.dhidden is not None:
-        vocab.group_sum(grads.dhidden, group_name)
     loss = -sums_of_rows[:, SUM_COLUMNS.index("loss")].sum()
     return (loss, sums_of_rows) + grads.results(hidden, weight)
 

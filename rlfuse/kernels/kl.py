@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .._names import KL_ESTIMATORS
 from .._types import compute_dtype
-from .utils import constexpr_codes, empty, tl_compute_dtype
+from .utils import constexpr_codes, empty, exp_accurate, tl_compute_dtype
 
 K1, ABS, K2, K3 = constexpr_codes(KL_ESTIMATORS, "k1", "abs", "k2", "k3")
 NO_KL = tl.constexpr(-1)    # the code of no KL term
@@ -51,7 +51,7 @@ def kl_term(lp, ref, log_ratio, KL: tl.constexpr, STRAIGHT: tl.constexpr,
         if CLAMP:
             inside = (u >= -_LOG_CLAMP) & (u <= _LOG_CLAMP)
             u = tl.minimum(tl.maximum(u, -_LOG_CLAMP), _LOG_CLAMP)
-        e = tl.exp(u)
+        e = exp_accurate(u)
         value = e - u - 1.0
         if CLAMP:
             inside = inside & (value >= -_VALUE_CLAMP) & (value <= _VALUE_CLAMP)
@@ -60,7 +60,7 @@ def kl_term(lp, ref, log_ratio, KL: tl.constexpr, STRAIGHT: tl.constexpr,
     if STRAIGHT:
         grad = d
     if WEIGHTED:
-        ratio = tl.exp(log_ratio)
+        ratio = exp_accurate(log_ratio)
         weighted = tl.where(value == 0, 0.0, value * ratio)
         grad = tl.where(grad == 0, 0.0, grad * ratio) + weighted
         value = weighted

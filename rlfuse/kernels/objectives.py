@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .._names import OBJECTIVES
 from .regions import region_codes, region_sizes
-from .utils import constexpr_codes, fp64_pair, fp64_parts
+from .utils import constexpr_codes, exp_accurate, fp64_pair, fp64_parts
 
 CLIP, CISPO, SAPO, GPG, DRO, DPPO_TV, DPPO_KL = constexpr_codes(
     OBJECTIVES, "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
@@ -79,7 +79,7 @@ def _clip(log_ratio, adv, lo, hi, dual_clip, cap):
     dual = negative & (log_q > tl.log(dual_clip))
     active = tl.where(positive, pos_active, negative & neg_active & ~dual)
     bound = tl.where(positive, pos_bound, tl.where(dual, dual_clip, neg_bound))
-    dj = tl.where(active, tl.exp(tl.where(active, log_ratio, 0.0)) * adv, 0.0)
+    dj = tl.where(active, exp_accurate(tl.where(active, log_ratio, 0.0)) * adv, 0.0)
     j = tl.where(active, dj, tl.where(adv != 0, bound * adv, 0.0))
     capped_ratio = tl.minimum(log_ratio, log_cap)
     low = negative & (capped_ratio < log_lo)
@@ -99,7 +99,7 @@ def _cispo(log_ratio, lp, adv, lo, hi, clamp):
     above = log_ratio > tl.log(hi)
     inside = ~(below | above)
     clamped = tl.minimum(tl.maximum(log_ratio, -clamp), clamp)
-    coef = tl.where(below, lo, tl.where(above, hi, tl.exp(tl.where(inside, clamped, 0.0))))
+    coef = tl.where(below, lo, tl.where(above, hi, exp_accurate(tl.where(inside, clamped, 0.0))))
     dj = coef * adv
     return dj * lp, dj, ~inside, above & (adv > 0)
 
@@ -119,11 +119,11 @@ def _sapo(log_ratio, adv, tau_pos, tau_neg, clamp):
     dtype = log_ratio.dtype
     tau = tl.where(adv > 0, tl.cast(tau_pos, dtype), tl.cast(tau_neg, dtype))
     clamped = tl.minimum(tl.maximum(log_ratio, -clamp), clamp)
-    x = tau * (tl.exp(clamped) - 1.0)
+    x = tau * (exp_accurate(clamped) - 1.0)
     gate = 1.0 / (1.0 + tl.exp(-x))
     j = gate * (4.0 / tau) * adv
     inside = (log_ratio >= -clamp) & (log_ratio <= clamp)
-    dj = tl.where(inside, 4.0 * adv * gate * tl.exp(clamped - _softplus(x)), 0.0)
+    dj = tl.where(inside, 4.0 * adv * gate * exp_accurate(clamped - _softplus(x)), 0.0)
     return j, dj
 
 
@@ -139,7 +139,7 @@ def _dppo(log_ratio, lp, old, adv, delta_low, delta_high, truncation, clamp,
     dropped (verl's ``pg_clipfrac``), kept and truncated (r > c, verl's
     ``pg_clipfrac_lower``)."""
     dtype = log_ratio.dtype
-    ratio = tl.exp(tl.minimum(tl.maximum(log_ratio, -clamp), clamp))
+    ratio = exp_accurate(tl.minimum(tl.maximum(log_ratio, -clamp), clamp))
     truncation = tl.cast(truncation, dtype)
     p = tl.exp(lp)
     mu = tl.exp(old)

@@ -37,7 +37,7 @@ from .regions import region_bounds
 from .rows import (at, head_args, head_scalars, load_target_logit, program_token,
                    row_logsumexp, row_write_dlogits, row_write_zeros, target_column,
                    target_logprob)
-from .utils import (constexpr_codes, empty, mask_args, ones_if_none, time_block,
+from .utils import (constexpr_codes, empty, exp_accurate, mask_args, ones_if_none, time_block,
                     tl_compute_dtype, token_strides, vocab_launch_config)
 
 TOKEN_RATIO, SEQUENCE_RATIO, STRAIGHT_RATIO = constexpr_codes(RATIO_MODES, *RATIO_MODES)
@@ -139,7 +139,7 @@ def _surrogate_fwd_kernel(
         flag0 += (actor & f0).to(ACC)
         flag1 += (actor & f1).to(ACC)
         flag2 += (actor & f2).to(ACC)
-        ratio += tl.where(actor, tl.exp(log_ratio), 0.0)
+        ratio += tl.where(actor, exp_accurate(log_ratio), 0.0)
         neg_log_ratio -= tl.minimum(tl.maximum(lp - old, -clamp), clamp)
         overflow += (actor & bad).to(ACC)
     row_scale = tl.load(row_scale_ptr + b).to(ACC)
@@ -290,7 +290,7 @@ def _surrogate_logits_row(
         tl.store(out + SUM_FLAG0, f0.to(ACC))
         tl.store(out + SUM_FLAG1, f1.to(ACC))
         tl.store(out + SUM_FLAG2, f2.to(ACC))
-        tl.store(out + SUM_RATIO, tl.exp(log_ratio))
+        tl.store(out + SUM_RATIO, exp_accurate(log_ratio))
         tl.store(out + SUM_NEG_LOG_RATIO, -tl.minimum(tl.maximum(log_ratio, -clamp), clamp))
         tl.store(out + SUM_OVERFLOW, bad.to(ACC))
         tl.store(out + SUM_KL, kl)

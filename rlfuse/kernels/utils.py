@@ -125,6 +125,29 @@ def fp64_pair(hi, lo, ACC: tl.constexpr):
     return x
 
 
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2_HI = tl.constexpr(0.693145751953125)          # ln 2 to 16 bits: k ln2_hi is exact
+_LN2_LO = tl.constexpr(1.4286068202862268e-06)     # ln 2 - _LN2_HI
+
+
+@triton.jit
+def exp_accurate(x):
+    """e^x to a few units of fp32 rounding where ``tl.exp`` is ``ex2.approx`` of ``x log2(e)``,
+    whose product carries the rounding of x into the exponent (a relative error up to ~4e-6 at
+    |x| = 88): x = k ln 2 + r with an integer k and r formed exactly by two fmas of ln 2's hi and
+    lo parts, e^x = 2^(r log2 e) 2^(k/2) 2^(k - k/2), |r log2 e| <= 1/2. Overflow to inf,
+    underflow to 0 and NaN as ``tl.exp``. fp64: ``tl.exp`` (full precision)."""
+    y = tl.exp(x)
+    if x.dtype != tl.float64:
+        xc = tl.minimum(tl.maximum(x, -104.0), 89.0)   # e^x is 0 below, inf above
+        k = tl.floor(tl.fma(xc, _LOG2E, 0.5))
+        r = tl.fma(k, -_LN2_LO, tl.fma(k, -_LN2_HI, xc))
+        half = tl.floor(k * 0.5)
+        y = tl.math.exp2(r * _LOG2E) * tl.math.exp2(half) * tl.math.exp2(k - half)
+        y = tl.where(x == x, y, x)
+    return y
+
+
 @triton.jit
 def load_tile(ptr, rows, cols, stride_b, stride_t, mask, ACC: tl.constexpr):
     """The ``[rows, cols]`` tile of a ``[B, T]`` tensor in the compute dtype, 0 where ``mask`` is

@@ -22,7 +22,7 @@ from ..fused_losses.linear_head import (chunk_tokens_for, head_fields, head_grad
                                         linear_logprobs_backward_op, linear_logprobs_op)
 from ..fused_losses.logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
-from .vocab import group_sum, shard_targets, whole_rows
+from .vocab import shard_targets, whole_rows
 
 
 def _fake_outputs(like: Tensor, targets: Tensor, with_entropy: bool):
@@ -125,17 +125,6 @@ def _(hidden, weight, bias, targets, mask, temperature, logit_scale, softcap, of
     return _fake_outputs(hidden, targets, with_entropy)
 
 
-@custom_op("group_sum_", mutates_args=("x",))
-def group_sum_op(x: Tensor, group_name: str) -> None:
-    """``x`` summed over the group, in place (one all-reduce)."""
-    group_sum(x, group_name)
-
-
-@group_sum_op.register_fake
-def _(x, group_name):
-    return None
-
-
 def _head_setup(ctx, inputs, output):
     _save(ctx, inputs, output, (inputs.hidden, inputs.weight, inputs.bias))
     ctx.chunking = (inputs.temperature, inputs.logit_scale, inputs.softcap, inputs.offset,
@@ -152,9 +141,7 @@ def _head_backward(ctx, dlogp, dentropy, _dstats):
     local, _ = shard_targets(targets, weight.shape[0], ctx.group_name)
     dh, dw, db = linear_logprobs_backward_op(hidden, weight, bias, local, mask, stats,
                                              upstream[2], upstream[0], upstream[1],
-                                             *ctx.chunking, needs)
-    if needs[0]:
-        group_sum_op(dh, ctx.group_name)
+                                             *ctx.chunking, needs, ctx.group_name)
     return head_gradients(needs, bias is not None, dh, dw, db)
 
 
