@@ -666,17 +666,6 @@ def _run_distributed(tmp_path, engine: str, kind: str):
     return result, torch.load(tmp_path / f"{engine}-{kind}.pt")
 
 
-def test_ddp_ranks_stay_in_sync(tmp_path):
-    """Two processes (torch.distributed, gloo) train on different prompts: the loss runs inside
-    the DDP-wrapped model's forward, so DDP averages the gradients and every rank holds the same
-    parameters after each step (a loss computed outside that forward would not be synchronised
-    and the ranks would drift apart)."""
-    result, state = _run_distributed(tmp_path, "ddp", "rlfuse")
-    start = eos_model().state_dict()
-    assert max((state[k] - start[k]).abs().max().item() for k in start) > 0, result
-    assert result["rank_spread"] == 0, result
-
-
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero3"])
 def test_engines_train_as_trl(engine, tmp_path):
     """DDP, FSDP2 (fully_shard: the head's weight sharded, gathered by FSDP inside the model's
@@ -684,9 +673,13 @@ def test_engines_train_as_trl(engine, tmp_path):
     head's gathered by ZeRO-3's hooks around the head module, which runs the loss as its
     forward) over two gloo processes whose completions end at different lengths: rlfuse's
     trainer ends with TRL's own parameters, after the same logged losses, gradient norms and
-    metrics (TRL's means over every process's tokens)."""
+    metrics (TRL's means over every process's tokens). Under DDP the loss runs inside the
+    wrapped model's forward, so DDP averages the gradients and the ranks hold the same
+    parameters after each step (a loss outside that forward would leave them drifting)."""
     theirs, want = _run_distributed(tmp_path, engine, "trl")
     ours, got = _run_distributed(tmp_path, engine, "rlfuse")
+    if engine == "ddp":
+        assert ours["rank_spread"] == 0, ours
     lengths = [s["completions/mean_length"] for s in theirs["logs"] if "grad_norm" in s]
     assert min(lengths) < 4      # some completions end early: the processes' tokens differ
     start = eos_model().state_dict()
