@@ -231,17 +231,16 @@ class RLFuseGRPOTrainer(GRPOTrainer):
                     policy, old, advantages, mask, geometry=args.rlfuse_geometry,
                     topology=args.rlfuse_topology, delta=args.rlfuse_delta,
                     dual_clip=args.rlfuse_dual_clip, weights=weights, validate=False, **agg)
-            old_gr = inputs.get("old_per_token_logps")
             if args.rlfuse_loss == "gr_opd" and with_terms:
                 # GR-OPD's loss is the clip over its advantages: with terms, policy_loss's
                 return rlfuse.policy_loss(
-                    policy, old_gr, advantages, mask,
+                    policy, old, advantages, mask,
                     objectives.Clip(clip=eps, ratio_cap=args.delta), agg="seq-mean-token-mean",
                     loss_scale=agg.get("loss_scale", 1.0), validate=False,
-                    **self._terms(inputs, old_gr, train))
+                    **self._terms(inputs, old, train))
             if args.rlfuse_loss == "gr_opd":
                 return rlfuse.gr_opd_loss(
-                    policy, old_gr, inputs["teacher_per_token_logps"],
+                    policy, old, inputs["teacher_per_token_logps"],
                     mask, group_size=1, eps=eps, advantages=advantages,
                     loss_scale=agg.get("loss_scale", 1.0), validate=False)
             # ggpo: TRL's group-centred rewards are the rewards up to a constant per group
