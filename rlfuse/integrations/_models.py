@@ -56,13 +56,16 @@ def _probing(model):
         model.train(training)
 
 
-def check_head(model, fields: Dict[str, Optional[float]], backbone_and_head: Callable) -> None:
+def check_head(model, fields: Dict[str, Optional[float]], backbone_and_head: Callable,
+               own_forward: Optional[Callable] = None) -> None:
     """Raises unless the model's own logits on a short input equal its last hidden state
     through the output head and ``fields`` (a model doing something else after its backbone,
     which rlfuse would silently miss). ``backbone_and_head(input_ids)``: ``(hidden, weight,
-    bias)`` as the trainer forms them."""
+    bias)`` as the trainer forms them; ``own_forward(model, **inputs)``: the model's own
+    forward (default: ``model``'s)."""
+    forward = own_forward or (lambda module, **inputs: module(**inputs))
     with _probing(model) as ids:
-        own = model(input_ids=ids, use_cache=False).logits.float()
+        own = forward(model, input_ids=ids, use_cache=False).logits.float()
         hidden, weight, bias = backbone_and_head(ids)
         ours = head_logits(torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias),
                            fields["logit_scale"], fields["softcap"]).float()

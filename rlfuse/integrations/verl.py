@@ -35,8 +35,11 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 
 import rlfuse
 from rlfuse import objectives
+from ._verl_backend import (BACKEND, install, linear_cross_entropy, log_probs_and_entropy,
+                            patch_forward_with_backends)
 
-__all__ = ["MODES", "kl_penalty", "register_gppo", "verl_aggregation"]
+__all__ = ["BACKEND", "MODES", "kl_penalty", "linear_cross_entropy", "log_probs_and_entropy",
+           "patch_forward_with_backends", "register_gppo", "verl_aggregation"]
 
 
 def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor,
@@ -246,3 +249,4 @@ def register_gppo(name: str = "rlfuse_gppo", *, geometry: str = "chi2", topology
 
 
 register_gppo()
+install()

@@ -1,0 +1,147 @@
+"""rlfuse as verl's fused-kernel backend: ``fused_kernels_backend="rlfuse"``.
+
+verl's ``use_fused_kernels`` forward (one per model family, chosen by
+``patch_forward_with_backends``) runs the backbone, rolls the labels (``shift_labels`` when the
+engine passes them, as under Ulysses sequence parallelism, else ``labels`` or ``input_ids``
+rolled by one) and hands the last hidden state, the output head's weight and the labels to
+``FusedLinearForPPO(impl_backend=model._verl_fused_kernels_backend)``. With the backend
+``"rlfuse"`` the model keeps verl's forward for its family (as verl's ``torch`` backend) and
+that call is answered by ``rlfuse.LinearHead``: the head's bias, logit scale and softcap read
+from the model (checked against its own logits once), no ``[N, V]`` logits beyond one chunk.
+``linear_cross_entropy`` is verl's vocab-parallel ``linear_cross_entropy`` (Megatron's tensor
+parallelism) over ``rlfuse``'s vocabulary split.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Tuple
+
+import torch
+from verl.models.transformers import monkey_patch
+from verl.utils.experimental import torch_functional
+
+import rlfuse
+from ._models import check_head, config_head
+
+BACKEND = "rlfuse"
+_VERL_PATCH = monkey_patch.patch_forward_with_backends
+_VERL_FUSED_LINEAR = torch_functional.FusedLinearForPPO
+# each model class's own forward, kept before verl replaces it on the class
+_OWN_FORWARD = {}
+
+
+class _Backend(str):
+    """The string ``"rlfuse"`` verl stores as the model's backend, holding the model (weakly),
+    so that ``FusedLinearForPPO(impl_backend=...)`` inside verl's forward finds its head."""
+
+    def __new__(cls, model):
+        backend = super().__new__(cls, BACKEND)
+        backend.model = weakref.ref(model)
+        return backend
+
+    def __deepcopy__(self, memo):     # a copied model holds its copy
+        model = self.model()
+        return _Backend(memo.get(id(model), model))
+
+    def __reduce__(self):             # pickled: the plain name
+        return str, (BACKEND,)
+
+
+def head_fields(model) -> dict:
+    """``LinearHead``'s ``logit_scale`` and ``softcap`` of ``model``, read from its config and
+    checked against its own logits on a short input (unless its weights are not materialised
+    yet, or verl already replaced its class's forward before rlfuse saw it)."""
+    fields = config_head(model.config)
+    head = model.get_output_embeddings()
+    own = _OWN_FORWARD.get(type(model))
+    if own is not None and not head.weight.is_meta:
+        backbone = getattr(model, model.base_model_prefix)
+        check_head(model, fields, lambda ids: (backbone(input_ids=ids, use_cache=False)
+                                               .last_hidden_state, head.weight, head.bias),
+                   own_forward=own)
+    return fields
+
+
+def patch_forward_with_backends(model, use_fused_kernels: bool = False,
+                                fused_kernels_backend: Optional[str] = None):
+    """verl's ``patch_forward_with_backends``, which also accepts ``"rlfuse"``."""
+    forward = type(model).forward
+    if not forward.__module__.startswith("verl."):
+        _OWN_FORWARD.setdefault(type(model), forward)
+    if not (use_fused_kernels and fused_kernels_backend == BACKEND):
+        return _VERL_PATCH(model, use_fused_kernels=use_fused_kernels,
+                           fused_kernels_backend=fused_kernels_backend)
+    fields = head_fields(model)
+    _VERL_PATCH(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    model._rlfuse_head = fields
+    model._verl_fused_kernels_backend = _Backend(model)
+    print(f"rlfuse computes the log-probs and entropy of {type(model).__name__}")
+
+
+def log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          temperature: float = 1.0, bias: Optional[torch.Tensor] = None,
+                          group=None, **head) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 log-probs and entropy of ``labels`` (any shape) from ``hidden [..., H]`` through
+    ``weight`` (and ``bias``, ``head``: ``LinearHead``'s ``logit_scale`` / ``softcap``), each
+    shaped as ``labels``, differentiable in both."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels: expected the shape {tuple(hidden.shape[:-1])} of hidden "
+                         f"without its last dim, got {tuple(labels.shape)}")
+    policy = rlfuse.LinearHead(hidden.reshape(1, -1, hidden.shape[-1]), weight,
+                               labels.reshape(1, -1).long(), bias, temperature=temperature,
+                               vocab_parallel_group=group, **head)
+    logp, entropy = rlfuse.policy_logprobs(policy, return_entropy=True)
+    return logp.reshape(labels.shape), entropy.reshape(labels.shape)
+
+
+class FusedLinearForPPO(_VERL_FUSED_LINEAR):
+    """verl's ``FusedLinearForPPO``, which also accepts the backend ``"rlfuse"``."""
+
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
+        if impl_backend != BACKEND:
+            super().__init__(chunk_size=chunk_size, impl_backend=impl_backend)
+            return
+        torch.nn.Module.__init__(self)
+        self.chunk_size = chunk_size
+        self.impl_backend = impl_backend
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
+        if self.impl_backend != BACKEND:
+            return super().forward(hidden_states, vocab_weights, input_ids, temperature)
+        model = self.impl_backend.model() if isinstance(self.impl_backend, _Backend) else None
+        if model is None:
+            raise ValueError("impl_backend: 'rlfuse' is set on a model by "
+                             "patch_forward_with_backends(model, True, 'rlfuse') (verl's "
+                             "apply_monkey_patch), which this call did not come from")
+        head = model.get_output_embeddings()
+        if vocab_weights is not head.weight:
+            raise ValueError("vocab_weights: expected the weight of the model's output head")
+        return log_probs_and_entropy(hidden_states, vocab_weights, input_ids, temperature,
+                                     head.bias, **model._rlfuse_head)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         temperature: float = 1.0, reduction: str = "none",
+                         dist_process_group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``linear_cross_entropy`` (its mcore fused forward's): log-probs and entropy of
+    ``labels`` from ``hidden [..., H]`` and ``weight [V_local, H]``, the vocabulary split over
+    ``dist_process_group`` as Megatron splits its output layer (rank ``r`` holds the ids ``[r
+    V_local, (r + 1) V_local)``; None: the whole vocabulary). Flat ``[N]`` fp32 results; with
+    ``reduction`` ``"sum"`` or ``"mean"`` the log-probs are summed or averaged."""
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
+    logp, entropy = log_probs_and_entropy(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                          labels.reshape(-1), temperature,
+                                          group=dist_process_group)
+    if reduction == "sum":
+        logp = logp.sum()
+    elif reduction == "mean":
+        logp = logp.mean()
+    return logp, entropy
+
+
+def install() -> None:
+    """Makes ``"rlfuse"`` a backend of verl's ``patch_forward_with_backends`` (as
+    ``apply_monkey_patch`` calls it) and of ``FusedLinearForPPO``."""
+    monkey_patch.patch_forward_with_backends = patch_forward_with_backends
+    torch_functional.FusedLinearForPPO = FusedLinearForPPO
