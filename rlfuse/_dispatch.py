@@ -9,6 +9,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ._policy import matmul_head, policy_device
+from .scaleout.dtensor import local_policy
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # `@triton.jit` picks the interpreter when the kernels are decorated, at their import right
@@ -42,7 +43,8 @@ def falls_back_to(reference_fn: Callable) -> Callable:
     The decorated function is the kernel path only. The public function forwards every call,
     unchanged, to ``reference_fn`` when the kernels do not run on the device of its first
     argument (a policy, logits or log-probs; anything else goes to the reference, whose checks
-    name what was expected). The two must have the same signature (checked here, at import)
+    name what was expected), a policy holding DTensors first made of its local tensors
+    (``scaleout.dtensor``). The two must have the same signature (checked here, at import)
     and share the reference's docstring, written once.
     """
     def declare(kernel_fn: Callable) -> Callable:
@@ -52,17 +54,20 @@ def falls_back_to(reference_fn: Callable) -> Callable:
                             f"reference twin's {inspect.signature(reference_fn)}")
         first = next(iter(signature.parameters))
 
+        def with_policy(policy, args, kwargs):
+            return ((policy,) + args[1:], kwargs) if args else \
+                ((), dict(kwargs, **{first: policy}))
+
         def public(*args, **kwargs):
-            policy = args[0] if args else kwargs.get(first)
+            policy = local_policy(args[0] if args else kwargs.get(first))
+            args, kwargs = with_policy(policy, args, kwargs)
             device = policy_device(policy)
             if device is None or not use_kernels(device):
                 return reference_fn(*args, **kwargs)
             dtype = autocast_dtype(device)
             # a head's matmuls in its head_dtype, else in autocast's dtype (as autocast runs a
             # linear layer); the kernels' own precision (fp32 accumulation) for the rest
-            policy = matmul_head(policy, dtype)
-            args, kwargs = ((policy,) + args[1:], kwargs) if args else \
-                ((), dict(kwargs, **{first: policy}))
+            args, kwargs = with_policy(matmul_head(policy, dtype), args, kwargs)
             if dtype is None:
                 return kernel_fn(*args, **kwargs)
             with torch.autocast(device.type, enabled=False):

@@ -22,11 +22,12 @@ def test_vocab_parallel_needs_a_process_group():
         rlfuse.policy_logprobs(rlfuse.Logits(logits, targets, vocab_parallel_group="tp"))
 
 
-def _run_workers(world: int, *args: str) -> None:
+def run_workers(world: int, *args: str, worker: str = WORKER.name) -> None:
+    """``world`` gloo processes of ``tests/<worker>``, each of which must print its ok."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         str(world), str(WORKER), *args],
+         str(world), str(WORKER.parent / worker), *args],
         env=env, capture_output=True, text=True, timeout=420)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -38,15 +39,15 @@ def test_vocab_parallel_two_ranks_every_form_and_loss():
     """fp64: the split equals the whole vocabulary to 1e-10 in every loss, policy form and
     metric, the fused path and the reference; compiled equal to eager; bad input raises on both
     ranks."""
-    _run_workers(2, "--compile")
+    run_workers(2, "--compile")
 
 
 def test_vocab_parallel_two_ranks_bf16():
     # bf16 through the row kernels of both forms (packed rows: the float64 and 4-rank runs)
-    _run_workers(2, "--dtype", "bfloat16", "--impls", "fused", "--forms",
+    run_workers(2, "--dtype", "bfloat16", "--impls", "fused", "--forms",
                  "logits,head,capped_head")
 
 
 def test_vocab_parallel_four_ranks():
-    _run_workers(4, "--dtype", "float32", "--impls", "fused",
+    run_workers(4, "--dtype", "float32", "--impls", "fused",
                  "--forms", "logits,packed_head", "--calls", "policy_logprobs,ggpo,gppo,gspo")

@@ -1,0 +1,193 @@
+"""One rank of the DTensor tests (``tests/test_dtensor.py`` starts 2 of them with
+``torch.distributed.run`` over ``gloo``, on a CPU device mesh): policies holding DTensors
+sharded on the vocabulary (``Logits`` ``Shard(-1)``, a ``LinearHead`` weight and bias
+``Shard(0)`` with replicated hidden states) and verl's Megatron-style ``linear_cross_entropy``
+over a tensor-parallel group, against the same call on whole tensors in this process — values,
+metrics and gradients, each gradient in its DTensor's layout; bad layouts raised on every rank.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dtensor_worker.py
+"""
+import datetime
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+
+import rlfuse  # noqa: E402
+from conftest import SPLIT_GRAD_TOL, SPLIT_TOL  # noqa: E402  (this script's folder)
+from rlfuse import objectives, terms  # noqa: E402
+
+B, T, V_LOCAL, H = 3, 4, 6, 5
+DTYPE = torch.float64
+TOL = dict(rtol=SPLIT_TOL[DTYPE], atol=SPLIT_TOL[DTYPE])
+GRAD_TOL = dict(rtol=SPLIT_GRAD_TOL[DTYPE], atol=SPLIT_GRAD_TOL[DTYPE])
+
+
+def make_data(world):
+    """The same data on every rank."""
+    g = torch.Generator().manual_seed(7)
+    V = V_LOCAL * world
+    mask = torch.rand(B, T, generator=g) > 0.25
+    mask[:, 0] = True
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, :world] = torch.arange(world) * V_LOCAL + 2     # a target on every shard
+    logits = 3 * torch.randn(B, T, V, generator=g, dtype=DTYPE)
+    hidden = torch.randn(B, T, H, generator=g, dtype=DTYPE)
+    weight = torch.randn(V, H, generator=g, dtype=DTYPE) / H ** 0.5 * 3
+    bias = 0.1 * torch.randn(V, generator=g, dtype=DTYPE)
+    own = rlfuse.reference.token_logprobs(logits, targets, mask=mask)
+    old = torch.where(mask, own + 0.3 * torch.randn(B, T, generator=g, dtype=DTYPE), 0)
+    adv = torch.randn(B, 1, generator=g, dtype=DTYPE).expand(B, T)
+    ref = torch.where(mask, own - 0.2, 0)
+    return dict(V=V, mask=mask, targets=targets, logits=logits, hidden=hidden, weight=weight,
+                bias=bias, old=old.clamp_max(0), adv=adv, ref=ref.clamp_max(0))
+
+
+def leaf(x):
+    return x.detach().clone().requires_grad_(True)
+
+
+def dleaf(x, mesh, placements):
+    return distribute_tensor(x.detach().clone(), mesh, placements).requires_grad_(True)
+
+
+def close(got, want, what, tol=TOL):
+    if isinstance(got, DTensor):
+        got = got.full_tensor()
+    torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{what}: {m}")
+
+
+# the calls checked in every form: (name, fn(policy, d) -> tensors to compare and backpropagate)
+def logprobs_call(policy, d):
+    logp, entropy = rlfuse.policy_logprobs(policy, return_entropy=True)
+    return {"logp": logp, "entropy": entropy}
+
+
+def loss_call(policy, d):
+    out = rlfuse.policy_loss(policy, d["old"], d["adv"], d["mask"], objectives.Clip(),
+                             ref_logprobs=d["ref"], kl=terms.KLPenalty(0.05),
+                             entropy=terms.EntropyBonus(0.01))
+    return {"loss": out.loss, **out.metrics}
+
+
+def gspo_call(policy, d):      # a sequence-level ratio: the two passes
+    out = rlfuse.policy_loss(policy, d["old"], d["adv"], d["mask"], objectives.GSPO())
+    return {"loss": out.loss, **out.metrics}
+
+
+CALLS = {"policy_logprobs": logprobs_call, "policy_loss": loss_call, "gspo": gspo_call}
+
+
+def check_call(name, form, d, mesh, rank):
+    call = CALLS[name]
+    if form == "logits":
+        whole = leaf(d["logits"])
+        want = call(rlfuse.Logits(whole, d["targets"]), d)
+        shard = dleaf(d["logits"], mesh, [Shard(2)])
+        got = call(rlfuse.Logits(shard, distribute_tensor(d["targets"], mesh, [Replicate()])),
+                   d)
+        pairs = [(shard, whole)]
+    else:
+        wholes = [leaf(d[k]) for k in ("hidden", "weight", "bias")]
+        want = call(rlfuse.LinearHead(wholes[0], wholes[1], d["targets"], wholes[2]), d)
+        shards = [dleaf(d["hidden"], mesh, [Replicate()]), dleaf(d["weight"], mesh, [Shard(0)]),
+                  dleaf(d["bias"], mesh, [Shard(0)])]
+        got = call(rlfuse.LinearHead(shards[0], shards[1], d["targets"], shards[2]), d)
+        pairs = list(zip(shards, wholes))
+    assert set(got) == set(want), (set(got), set(want))
+    for key in want:
+        assert not isinstance(got[key], DTensor), key     # results: plain tensors
+        close(got[key], want[key], f"{form} {name} {key} (rank {rank})")
+    seed = torch.Generator().manual_seed(3)
+    grad_of = [k for k in want if want[k].requires_grad]
+    weights = {k: torch.randn(want[k].shape, generator=seed, dtype=want[k].dtype) for k in grad_of}
+    sum(((want[k] * weights[k]).sum() for k in grad_of)).backward()
+    sum(((got[k] * weights[k]).sum() for k in grad_of)).backward()
+    for shard, whole in pairs:
+        assert isinstance(shard.grad, DTensor) and shard.grad.placements == shard.placements
+        close(shard.grad, whole.grad, f"{form} {name} gradient (rank {rank})", GRAD_TOL)
+
+
+def check_linear_cross_entropy(d, group, rank, world):
+    """verl's Megatron-style call: each rank its ``[V_local, H]`` rows of the output layer,
+    labels global ids, flat results; equal to the whole vocabulary, gradients too."""
+    from rlfuse.integrations.verl import linear_cross_entropy
+
+    hidden, weight = leaf(d["hidden"]), leaf(d["weight"])
+    want = linear_cross_entropy(hidden, weight, d["targets"], 0.7)
+    h2 = leaf(d["hidden"])
+    w2 = leaf(d["weight"][rank * V_LOCAL:(rank + 1) * V_LOCAL])
+    got = linear_cross_entropy(h2, w2, d["targets"], 0.7, "none", group)
+    for g, w, what in zip(got, want, ("logprobs", "entropy")):
+        assert g.shape == (B * T,), g.shape
+        close(g, w, f"linear_cross_entropy {what} (rank {rank})")
+    seed = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(B * T, generator=seed, dtype=DTYPE) for _ in "ab")
+    ((want[0] * a).sum() + (want[1] * b).sum()).backward()
+    ((got[0] * a).sum() + (got[1] * b).sum()).backward()
+    close(h2.grad, hidden.grad, f"linear_cross_entropy dhidden (rank {rank})", GRAD_TOL)
+    close(w2.grad, weight.grad[rank * V_LOCAL:(rank + 1) * V_LOCAL],
+          f"linear_cross_entropy dweight (rank {rank})", GRAD_TOL)
+    total = linear_cross_entropy(h2, w2, d["targets"], 0.7, "sum", group)[0]
+    close(total, want[0].sum(), f"linear_cross_entropy sum (rank {rank})")
+
+
+def raises(fn, match, rank):
+    try:
+        fn()
+    except ValueError as e:
+        assert match in str(e), (match, str(e))
+    else:
+        raise AssertionError(f"rank {rank}: expected a ValueError with {match!r}")
+
+
+def check_bad_layouts(d, mesh, group, rank, world):
+    """Each bad layout raises on every rank from metadata alone (no rank waits in a
+    collective): logits sharded on another dim, a vocabulary that does not split evenly, a
+    DTensor beside plain tensors, both a mesh and a group, a bias not sharded as the weight."""
+    logits = distribute_tensor(d["logits"], mesh, [Shard(1)])
+    raises(lambda: rlfuse.policy_logprobs(rlfuse.Logits(logits, d["targets"])),
+           "expected a DTensor sharded on the vocabulary (Shard(2))", rank)
+    ragged = distribute_tensor(d["logits"][..., :-1], mesh, [Shard(2)])
+    raises(lambda: rlfuse.policy_logprobs(rlfuse.Logits(ragged, d["targets"])),
+           "must split evenly", rank)
+    targets = distribute_tensor(d["targets"], mesh, [Replicate()])
+    raises(lambda: rlfuse.policy_logprobs(rlfuse.Logits(d["logits"], targets)),
+           "policy.targets: a DTensor beside a plain policy.logits", rank)
+    shard = distribute_tensor(d["logits"], mesh, [Shard(2)])
+    raises(lambda: rlfuse.policy_logprobs(rlfuse.Logits(shard, d["targets"],
+                                                        vocab_parallel_group=group)),
+           "policy.vocab_parallel_group", rank)
+    hidden = distribute_tensor(d["hidden"], mesh, [Replicate()])
+    weight = distribute_tensor(d["weight"], mesh, [Shard(0)])
+    raises(lambda: rlfuse.policy_logprobs(rlfuse.LinearHead(hidden, weight, d["targets"],
+                                                            d["bias"])),
+           "policy.bias: expected a DTensor sharded as policy.weight", rank)
+    sharded_hidden = distribute_tensor(d["hidden"], mesh, [Shard(0)])
+    raises(lambda: rlfuse.policy_logprobs(rlfuse.LinearHead(sharded_hidden, weight,
+                                                            d["targets"])),
+           "policy.hidden: expected a plain tensor or a DTensor replicated", rank)
+
+
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    d = make_data(world)
+    for form in ("logits", "head"):
+        for name in CALLS:
+            check_call(name, form, d, mesh, rank)
+    check_linear_cross_entropy(d, mesh.get_group(0), rank, world)
+    check_bad_layouts(d, mesh, mesh.get_group(0), rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
