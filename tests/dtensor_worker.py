@@ -1,9 +1,11 @@
 """One rank of the DTensor tests (``tests/test_dtensor.py`` starts 2 of them with
 ``torch.distributed.run`` over ``gloo``, on a CPU device mesh): policies holding DTensors
 sharded on the vocabulary (``Logits`` ``Shard(-1)``, a ``LinearHead`` weight and bias
-``Shard(0)`` with replicated hidden states) and verl's Megatron-style ``linear_cross_entropy``
-over a tensor-parallel group, against the same call on whole tensors in this process — values,
-metrics and gradients, each gradient in its DTensor's layout; bad layouts raised on every rank.
+``Shard(0)`` with replicated hidden states), each rank's own batch through a head sharded on
+its rows (plain hidden states: FSDP2's layout; an FSDP2 ``fully_shard`` head against FSDP2's own
+forward), and verl's Megatron-style ``linear_cross_entropy`` over a tensor-parallel group,
+against the same calls on whole tensors in this process — values, metrics and gradients, each
+gradient in its DTensor's layout; bad layouts raised on every rank.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dtensor_worker.py
 """
@@ -21,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import rlfuse  # noqa: E402
 from conftest import SPLIT_GRAD_TOL, SPLIT_TOL  # noqa: E402  (this script's folder)
 from rlfuse import objectives, terms  # noqa: E402
+from rlfuse.scaleout.dtensor import local_policy  # noqa: E402
 
 B, T, V_LOCAL, H = 3, 4, 6, 5
 DTYPE = torch.float64
@@ -28,9 +31,9 @@ TOL = dict(rtol=SPLIT_TOL[DTYPE], atol=SPLIT_TOL[DTYPE])
 GRAD_TOL = dict(rtol=SPLIT_GRAD_TOL[DTYPE], atol=SPLIT_GRAD_TOL[DTYPE])
 
 
-def make_data(world):
-    """The same data on every rank."""
-    g = torch.Generator().manual_seed(7)
+def make_data(world, seed=7, B=B):
+    """The same data on every rank (``seed``: another batch, as a rank's own)."""
+    g = torch.Generator().manual_seed(seed)
     V = V_LOCAL * world
     mask = torch.rand(B, T, generator=g) > 0.25
     mask[:, 0] = True
@@ -113,6 +116,71 @@ def check_call(name, form, d, mesh, rank):
         close(shard.grad, whole.grad, f"{form} {name} gradient (rank {rank})", GRAD_TOL)
 
 
+def check_rank_rows(name, d, mesh, rank, world):
+    """Each rank its own batch (of its own size) through a head sharded on its rows (FSDP2's
+    layout: plain hidden states beside a ``Shard(0)`` weight): every rank's results are those of
+    its own rows over the whole vocabulary, its hidden states' gradient its own loss's, and each
+    shard's gradient the mean over the ranks of their losses' gradients."""
+    call = CALLS[name]
+    batches = [make_data(world, seed=100 + r, B=B + r) for r in range(world)]
+    head = [leaf(d[k]) for k in ("weight", "bias")]
+    mine = None
+    for r, batch in enumerate(batches):
+        hidden = leaf(batch["hidden"])
+        out = call(rlfuse.LinearHead(hidden, head[0], batch["targets"], head[1]), batch)
+        grad_of = sorted(k for k in out if out[k].requires_grad)
+        seed = torch.Generator().manual_seed(11 + r)
+        weights = {k: torch.randn(out[k].shape, generator=seed, dtype=DTYPE) for k in grad_of}
+        (sum((out[k] * weights[k]).sum() for k in grad_of) / world).backward()
+        if r == rank:
+            mine = (out, hidden, weights)
+    want, want_hidden, weights = mine
+    own = batches[rank]
+    shards = [dleaf(d["weight"], mesh, [Shard(0)]), dleaf(d["bias"], mesh, [Shard(0)])]
+    hidden = leaf(own["hidden"])
+    got = call(rlfuse.LinearHead(hidden, shards[0], own["targets"], shards[1]), own)
+    assert set(got) == set(want)
+    for key in want:
+        close(got[key], want[key], f"own rows {name} {key} (rank {rank})")
+    sum((got[k] * weights[k]).sum() for k in weights).backward()
+    if name == "policy_logprobs":     # the reference's path for these rows (a CPU fallback's)
+        local = local_policy(rlfuse.LinearHead(own["hidden"], shards[0], own["targets"],
+                                               shards[1]))
+        for x, y in zip(rlfuse.reference.policy_logprobs(local, return_entropy=True),
+                        (want["logp"], want["entropy"])):
+            close(x, y, f"own rows, the reference (rank {rank})")
+    close(hidden.grad, want_hidden.grad * world, f"own rows {name} dhidden (rank {rank})",
+          GRAD_TOL)
+    for shard, whole in zip(shards, head):
+        assert isinstance(shard.grad, DTensor) and shard.grad.placements == shard.placements
+        close(shard.grad, whole.grad, f"own rows {name} shard gradient (rank {rank})", GRAD_TOL)
+
+
+def check_fsdp2_head(d, rank, world):
+    """An FSDP2 head (``fully_shard``): its sharded weight used as it is, outside the module's
+    forward, gives the loss and the sharded gradient that FSDP2 itself gives when the module
+    runs (its weight gathered, its gradient reduce-scattered as the mean over the ranks)."""
+    from torch.distributed.fsdp import fully_shard
+
+    own = make_data(world, seed=200 + rank, B=B + rank)
+    results = []
+    for ours in (False, True):
+        torch.manual_seed(0)
+        head = fully_shard(torch.nn.Linear(H, d["V"], dtype=DTYPE))
+        hidden = leaf(own["hidden"])
+        if ours:
+            policy = rlfuse.LinearHead(hidden, head.weight, own["targets"], head.bias)
+        else:
+            policy = rlfuse.Logits(head(hidden), own["targets"])
+        out = rlfuse.policy_loss(policy, own["old"], own["adv"], own["mask"], objectives.Clip(),
+                                 entropy=terms.EntropyBonus(0.01))
+        out.loss.backward()
+        results.append((out.loss.detach(), hidden.grad, head.weight.grad.to_local(),
+                        head.bias.grad.to_local()))
+    for what, got, want in zip(("loss", "dhidden", "dweight", "dbias"), results[1], results[0]):
+        close(got, want, f"FSDP2 head {what} (rank {rank})", GRAD_TOL)
+
+
 def check_linear_cross_entropy(d, group, rank, world):
     """verl's Megatron-style call: each rank its ``[V_local, H]`` rows of the output layer,
     labels global ids, flat results; equal to the whole vocabulary, gradients too."""
@@ -179,9 +247,11 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     d = make_data(world)
-    for form in ("logits", "head"):
-        for name in CALLS:
+    for name in CALLS:
+        for form in ("logits", "head"):
             check_call(name, form, d, mesh, rank)
+        check_rank_rows(name, d, mesh, rank, world)
+    check_fsdp2_head(d, rank, world)
     check_linear_cross_entropy(d, mesh.get_group(0), rank, world)
     check_bad_layouts(d, mesh, mesh.get_group(0), rank, world)
     dist.barrier()

@@ -16,6 +16,7 @@ from .._dispatch import falls_back_to
 from .._policy import check_policy, check_policy_targets, vocab_size
 from .._types import LinearHead, Logits
 from ..scaleout import layout, vocab, vocab_op
+from ..scaleout.rank_rows import RankRowsHead, rank_rows_logprobs
 from .linear_head import chunk_tokens_for, head_fields, linear_logprobs_op
 from .logprobs import token_logprobs_op
 
@@ -45,6 +46,14 @@ def window_logprobs(policy, mask: Optional[Tensor], *, gather: bool, validate: b
     positions (``[N]`` without a mask). ``gather``: a ``LinearHead`` forms the logits of the
     actor rows only (reads the mask on the host); ``validate``: a split vocabulary's shard
     sizes are compared first (one collective)."""
+    if isinstance(policy, RankRowsHead):
+        def whole_rows(head, head_mask):
+            logp, entropy = window_logprobs(head, head_mask, gather=gather, validate=validate,
+                                            return_entropy=return_entropy)
+            return logp, entropy if return_entropy else None
+
+        logp, entropy = rank_rows_logprobs(policy, mask, whole_rows)
+        return logp, entropy if return_entropy else logp.new_empty(0)
     group = policy.vocab_parallel_group
     if validate and group is not None:
         vocab.check_shard_sizes(group, vocab_size(policy), policy.targets.device)

@@ -35,6 +35,7 @@ from ..kernels.objectives import SUM_COLUMNS
 from ..kernels.scale_rows import scale_rows
 from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd
 from ..scaleout.layout import as_one_token_rows
+from ..scaleout.rank_rows import RankRowsHead
 from ..scaleout.vocab import check_shard_sizes
 from ._op import custom_op, kl_fields, kl_of, objective_fields, objective_of, register_autograd
 from .kl import kl_penalty_op
@@ -204,6 +205,7 @@ def _(x, mask, scale, offset):
 def _single_pass(policy, ratio: str) -> bool:
     """Whether ``policy``'s loss runs in one pass over its logits (see the module)."""
     if ratio != "token" or not isinstance(policy, (Logits, LinearHead)) or \
+            isinstance(policy, RankRowsHead) or \
             (isinstance(policy, Logits) and policy.vocab_parallel_group is not None):
         return False
     rows = policy.logits if isinstance(policy, Logits) else policy.hidden

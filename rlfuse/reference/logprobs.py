@@ -12,6 +12,7 @@ from .._policy import (check_logprob_args, check_policy, check_policy_targets, m
                        vocab_size)
 from .._types import LinearHead, Logits, compute_dtype
 from ..scaleout import layout, vocab
+from ..scaleout.rank_rows import RankRowsHead, rank_rows_logprobs
 
 
 @documented
@@ -68,6 +69,10 @@ def window_logprobs(policy, mask: Optional[torch.Tensor], *, validate: bool,
     policy (whose arguments the caller has checked, as far as its ``validate`` asked); packed
     rows at their loss positions (``[N]`` without a mask); a split vocabulary gathered whole
     (its shard sizes compared first with ``validate``)."""
+    if isinstance(policy, RankRowsHead):
+        out = rank_rows_logprobs(policy, mask, lambda head, head_mask: (window_logprobs(
+            head, head_mask, validate=validate, return_entropy=True)))
+        return out if return_entropy else out[0]
     if validate and policy.vocab_parallel_group is not None:
         vocab.check_shard_sizes(policy.vocab_parallel_group, vocab_size(policy),
                                 policy.targets.device)

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .._types import LinearHead, Logits
+from .rank_rows import MeanOverRanks, RankRowsHead
 
 try:
     from torch.distributed.tensor import DTensor
@@ -109,10 +110,14 @@ def local_policy(policy):
         fields["weight"] = vocab.to_local()
         if policy.bias is not None:
             fields["bias"] = _sharded_like("policy.bias", policy.bias, vocab, mesh_dim)
-        if not is_dtensor(policy.hidden):
-            raise ValueError("policy.hidden: a plain tensor beside a DTensor weight: pass the "
-                             "hidden states as a DTensor replicated on the weight's mesh (the "
-                             "same rows on every rank)")
     else:
         fields["logits"] = vocab.to_local()
-    return policy._replace(vocab_parallel_group=mesh.get_group(mesh_dim), **fields)
+    own_rows = isinstance(policy, LinearHead) and not is_dtensor(policy.hidden)
+    policy = policy._replace(vocab_parallel_group=mesh.get_group(mesh_dim), **fields)
+    if not own_rows:
+        return policy
+    # plain hidden states: this rank's own rows, the shards' gradients their ranks' mean
+    ranks = mesh.size(mesh_dim)
+    policy = policy._replace(weight=MeanOverRanks.apply(policy.weight, ranks), bias=None if
+                             policy.bias is None else MeanOverRanks.apply(policy.bias, ranks))
+    return RankRowsHead(*policy)

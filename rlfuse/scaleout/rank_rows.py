@@ -1,0 +1,120 @@
+"""Each rank's own rows through a head split over the vocabulary (data parallelism, as FSDP2
+shards a head's weight on its rows).
+
+Under a vocabulary split every rank of the group must see the same rows. When each rank holds
+its own rows instead (``RankRowsHead``: the hidden states of this rank's batch), the rows are
+gathered over the group (``[N_r, H]`` hidden states and ``[N_r]`` targets and mask: never the
+head, never logits), the split runs over all of them, and each rank keeps its own rows'
+log-probs and entropy. The gradient of every rank's own loss reaches every shard: the
+gradients of the kept rows are gathered back (``[N]``-sized) before the split's backward, and
+the hidden states' gradient, which the split sums over the group, is each rank's own rows of it.
+So each shard's gradient is the sum over the ranks' losses (``MeanOverRanks`` makes it their
+mean, as FSDP2 reduces the gradients of its other parameters: ``scaleout.dtensor``).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._types import LinearHead
+from . import layout
+
+
+class RankRowsHead(LinearHead):
+    """A ``LinearHead`` over a ``vocab_parallel_group`` whose rows are this rank's own."""
+
+
+def _sizes(n: int, group, device) -> List[int]:
+    import torch.distributed as dist
+
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device)
+             for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([n], dtype=torch.int64, device=device), group=group)
+    return [int(s) for s in sizes]
+
+
+def _gather(x: Tensor, sizes: List[int], group) -> Tensor:
+    """The ranks' ``x [n_r, ...]`` back to back, in rank order."""
+    import torch.distributed as dist
+
+    padded = torch.zeros((max(sizes),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+class MeanOverRanks(torch.autograd.Function):
+    """Identity forward; the gradient divided by ``ranks`` (a shard's gradient, the sum over
+    the ranks' losses, as their mean)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, ranks: int) -> Tensor:
+        ctx.ranks = ranks
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad / ctx.ranks, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank's rows; backward: this rank's rows of the gradient (which the split
+    has already summed over the group: the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: List[int], rank: int, group) -> Tensor:
+        ctx.start, ctx.n = sum(sizes[:rank]), sizes[rank]
+        return _gather(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad[ctx.start:ctx.start + ctx.n], None, None, None
+
+
+class _OwnRows(torch.autograd.Function):
+    """Forward: this rank's rows of the results of all rows; backward: every rank's gradient
+    of its own rows, so that the split's backward sees every rank's loss."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: List[int], rank: int, group) -> Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        start = sum(sizes[:rank])
+        return x[start:start + sizes[rank]].clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _gather(grad.contiguous(), ctx.sizes, ctx.group), None, None, None
+
+
+def rank_rows_logprobs(policy: RankRowsHead, mask: Optional[Tensor],
+                       window_logprobs: Callable) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(logp, entropy or None)`` in the loss layout of this rank's rows of ``policy``, by
+    ``window_logprobs(head, mask) -> (logp, entropy or None)`` (the fused or the reference
+    one) over every rank's rows as one batch of rows."""
+    import torch.distributed as dist
+
+    group = policy.vocab_parallel_group
+    rows, rows_mask = layout.as_rows(policy), layout.row_mask(policy, mask)
+    shape, T = rows.targets.shape, rows.targets.shape[1]
+    hidden = rows.hidden[:, rows.offset:rows.offset + T]
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), rows.targets.reshape(-1)
+    sizes, rank = _sizes(targets.shape[0], group, targets.device), dist.get_rank(group)
+    whole = LinearHead(_GatherRows.apply(hidden, sizes, rank, group).unsqueeze(0), rows.weight,
+                       _gather(targets, sizes, group).unsqueeze(0), rows.bias,
+                       temperature=rows.temperature, chunk_tokens=rows.chunk_tokens,
+                       vocab_parallel_group=group, logit_scale=rows.logit_scale,
+                       softcap=rows.softcap, head_dtype=rows.head_dtype)
+    whole_mask = None if rows_mask is None else \
+        _gather(rows_mask.reshape(-1), sizes, group).unsqueeze(0)
+
+    def own(x):
+        if x is None:
+            return None
+        x = _OwnRows.apply(x.reshape(-1), sizes, rank, group).reshape(shape)
+        return layout.to_loss_layout(policy, x, mask)
+
+    logp, entropy = window_logprobs(whole, whole_mask)
+    return own(logp), own(entropy)
