@@ -236,6 +236,7 @@ def check_bad_layouts(d, mesh, group, rank, world):
     raises(lambda: rlfuse.policy_logprobs(rlfuse.LinearHead(hidden, weight, d["targets"],
                                                             d["bias"])),
            "policy.bias: expected a DTensor sharded as policy.weight", rank)
+    raises(lambda: rlfuse.token_logprobs(shard, d["targets"]), "policy: a DTensor", rank)
     sharded_hidden = distribute_tensor(d["hidden"], mesh, [Shard(0)])
     raises(lambda: rlfuse.policy_logprobs(rlfuse.LinearHead(sharded_hidden, weight,
                                                             d["targets"])),

@@ -83,6 +83,10 @@ def local_policy(policy):
     """``policy`` with plain tensors: a ``Logits`` / ``LinearHead`` holding DTensors becomes its
     local shards and ``vocab_parallel_group`` (and, for a head whose hidden states are this
     rank's own rows, ``rows_over_group``); anything else is returned as it is."""
+    if is_dtensor(policy):
+        raise ValueError("policy: a DTensor: pass logits sharded on the vocabulary as "
+                         "rlfuse.Logits(logits, targets), or log-probs as a plain tensor "
+                         "(to_local())")
     if DTensor is None or not isinstance(policy, (Logits, LinearHead)):
         return policy
     if isinstance(policy, Logits):
