@@ -247,6 +247,20 @@ def test_a_head_rlfuse_does_not_know_is_refused():
         patched(net, "rlfuse")
 
 
+def test_a_model_that_cannot_run_here_is_patched_with_a_warning():
+    """Where the model's own forward cannot run the check's short input (a flash-attention
+    model on the CPU, where verl patches it), the patch warns that the head is its config's."""
+    class CudaOnly(transformers.Qwen2ForCausalLM):
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("FlashAttention only supports CUDA")
+
+    torch.manual_seed(0)
+    net = CudaOnly(transformers.Qwen2Config(**TINY))
+    with pytest.warns(UserWarning, match="without the check against its own logits"):
+        patched(net, "rlfuse")
+    assert net._verl_fused_kernels_backend == "rlfuse"
+
+
 def test_bad_calls():
     net = patched(tiny("qwen2", torch.float32), "rlfuse")
     hidden = torch.randn(1, 5, 16)

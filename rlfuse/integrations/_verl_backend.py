@@ -13,6 +13,7 @@ parallelism) over ``rlfuse``'s vocabulary split.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Optional, Tuple
 
@@ -49,16 +50,26 @@ class _Backend(str):
 
 def head_fields(model) -> dict:
     """``LinearHead``'s ``logit_scale`` and ``softcap`` of ``model``, read from its config and
-    checked against its own logits on a short input (unless its weights are not materialised
-    yet, or verl already replaced its class's forward before rlfuse saw it)."""
+    checked against its own logits on a short input: raises if they differ; warns if the model
+    cannot run that input where it is (e.g. a flash-attention model on the CPU, where verl
+    patches it). Not checked: weights not materialised yet (verl's ranks other than 0), or a
+    class whose forward verl replaced before rlfuse was imported."""
     fields = config_head(model.config)
     head = model.get_output_embeddings()
     own = _OWN_FORWARD.get(type(model))
-    if own is not None and not head.weight.is_meta:
-        backbone = getattr(model, model.base_model_prefix)
+    if own is None or head.weight.is_meta:
+        return fields
+    backbone = getattr(model, model.base_model_prefix)
+    try:
         check_head(model, fields, lambda ids: (backbone(input_ids=ids, use_cache=False)
                                                .last_hidden_state, head.weight, head.bias),
                    own_forward=own)
+    except ValueError:
+        raise
+    except Exception as e:   # noqa: BLE001  (whatever stops the model's own forward here)
+        warnings.warn(f"rlfuse: the output head of {type(model).__name__} is taken from its "
+                      f"config ({fields}) without the check against its own logits, whose "
+                      f"forward failed on a short input here: {type(e).__name__}: {e}")
     return fields
 
 
