@@ -26,9 +26,9 @@ $(VENV)/.installed: $(VENV)/.demo-installed
 setup: $(VENV)/.installed
 
 # RLFUSE_REQUIRE_INTEGRATIONS: the TRL and verl tests fail, not skip, if a package is missing.
-# Two workers (pytest-xdist), each taking whole files.
+# Two workers (pytest-xdist), each taking whole files; the slowest tests listed at the end.
 test: setup
-	TRITON_INTERPRET=1 RLFUSE_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+	TRITON_INTERPRET=1 RLFUSE_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -614,11 +614,11 @@ def _fsdp_on_the_cpu() -> None:
     AcceleratorState.__init__ = __init__
 
 
-def _distributed_worker(out_dir: str, engine: str, kind: str) -> None:
-    """One process of ``torchrun --nproc_per_node 2 tests/test_trl.py DIR ENGINE KIND``: two
-    training steps (SGD: the parameters move by the gradients themselves) of TRL's trainer or
-    rlfuse's (``kind``) under ``engine`` (through accelerate, gloo), each
-    rank on its own prompts; rank 0 writes the whole parameters, the logs and what it saw.
+def _distributed_worker(out_dir: str, engine: str) -> None:
+    """One process of ``torchrun --nproc_per_node 2 tests/test_trl.py DIR ENGINE``: two
+    training steps (SGD: the parameters move by the gradients themselves) of TRL's trainer,
+    then of rlfuse's, under ``engine`` (through accelerate, gloo), each rank on its own
+    prompts; rank 0 writes each one's whole parameters, logs and what it saw.
     ``engine``: a key of ``ENGINES`` (DDP, FSDP2, DeepSpeed ZeRO-3)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
@@ -626,44 +626,51 @@ def _distributed_worker(out_dir: str, engine: str, kind: str) -> None:
     if engine.startswith("fsdp"):
         _fsdp_on_the_cpu()
     kw = config(out_dir, loss_type="dapo", epsilon_high=0.28, optim="sgd", **ENGINES[engine])
-    trainer = (trl.GRPOTrainer(model=eos_model(), reward_funcs=reward, train_dataset=dataset(16),
-                               processing_class=tokenizer(), args=trl.GRPOConfig(**kw))
-               if kind == "trl" else
-               RLFuseGRPOTrainer(model=eos_model(), reward_funcs=reward, train_dataset=dataset(16),
-                                 processing_class=tokenizer(),
-                                 args=RLFuseGRPOConfig(**kw, rlfuse_loss="ppo")))
-    trainer.train()
-    wrapped = trainer.model_wrapped
-    # gathered whole on rank 0 (from ZeRO-3's engine, which holds the partitions)
-    state = trainer.accelerator.get_state_dict(wrapped if engine == "zero3" else trainer.model)
-    local = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-    ranks = trainer.accelerator.gather(local[None]) if engine == "ddp" else local[None]
-    if trainer.accelerator.is_main_process:
-        torch.save({k: v.detach().cpu() for k, v in state.items()},
-                   os.path.join(out_dir, f"{engine}-{kind}.pt"))
-        with open(os.path.join(out_dir, f"{engine}-{kind}.json"), "w") as f:
-            json.dump({"processes": trainer.accelerator.num_processes,
-                       "wrapper": "ddp" if isinstance(wrapped, DistributedDataParallel) else
-                       "fsdp2" if isinstance(trainer.model, FSDPModule) else
-                       "zero3" if getattr(wrapped, "zero_optimization_stage", int)() == 3 else
-                       type(wrapped).__name__,
-                       "rank_spread": (ranks - ranks[0]).abs().sum().item(),
-                       "logs": trainer.state.log_history}, f)
+    for kind in ("trl", "rlfuse"):
+        trainer = (trl.GRPOTrainer(model=eos_model(), reward_funcs=reward,
+                                   train_dataset=dataset(16), processing_class=tokenizer(),
+                                   args=trl.GRPOConfig(**kw))
+                   if kind == "trl" else
+                   RLFuseGRPOTrainer(model=eos_model(), reward_funcs=reward,
+                                     train_dataset=dataset(16), processing_class=tokenizer(),
+                                     args=RLFuseGRPOConfig(**kw, rlfuse_loss="ppo")))
+        trainer.train()
+        wrapped = trainer.model_wrapped
+        # gathered whole on rank 0 (from ZeRO-3's engine, which holds the partitions)
+        state = trainer.accelerator.get_state_dict(wrapped if engine == "zero3" else
+                                                   trainer.model)
+        local = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        ranks = trainer.accelerator.gather(local[None]) if engine == "ddp" else local[None]
+        if trainer.accelerator.is_main_process:
+            torch.save({k: v.detach().cpu() for k, v in state.items()},
+                       os.path.join(out_dir, f"{engine}-{kind}.pt"))
+            with open(os.path.join(out_dir, f"{engine}-{kind}.json"), "w") as f:
+                json.dump({"processes": trainer.accelerator.num_processes,
+                           "wrapper": "ddp" if isinstance(wrapped, DistributedDataParallel)
+                           else "fsdp2" if isinstance(trainer.model, FSDPModule) else
+                           "zero3" if getattr(wrapped, "zero_optimization_stage", int)() == 3
+                           else type(wrapped).__name__,
+                           "rank_spread": (ranks - ranks[0]).abs().sum().item(),
+                           "logs": trainer.state.log_history}, f)
+        trainer.accelerator.wait_for_everyone()
     # an orderly teardown: a process that exits with gloo's threads alive may abort
-    trainer.accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()
 
 
-def _run_distributed(tmp_path, engine: str, kind: str):
+def _run_distributed(tmp_path, engine: str):
+    """Both trainers' results under ``engine``: ``[(trl's run, its parameters), (rlfuse's ...)]``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")   # DeepSpeed over gloo
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--standalone", __file__, str(tmp_path), engine, kind],
-        env=env, capture_output=True, text=True, timeout=600)
+         "--standalone", __file__, str(tmp_path), engine],
+        env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / f"{engine}-{kind}.json").read_text())
-    assert result["processes"] == 2 and result["wrapper"] == engine, result
-    return result, torch.load(tmp_path / f"{engine}-{kind}.pt")
+    runs = []
+    for kind in ("trl", "rlfuse"):
+        result = json.loads((tmp_path / f"{engine}-{kind}.json").read_text())
+        assert result["processes"] == 2 and result["wrapper"] == engine, result
+        runs.append((result, torch.load(tmp_path / f"{engine}-{kind}.pt")))
+    return runs
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero3"])
@@ -676,8 +683,7 @@ def test_engines_train_as_trl(engine, tmp_path):
     metrics (TRL's means over every process's tokens). Under DDP the loss runs inside the
     wrapped model's forward, so DDP averages the gradients and the ranks hold the same
     parameters after each step (a loss outside that forward would leave them drifting)."""
-    theirs, want = _run_distributed(tmp_path, engine, "trl")
-    ours, got = _run_distributed(tmp_path, engine, "rlfuse")
+    (theirs, want), (ours, got) = _run_distributed(tmp_path, engine)
     if engine == "ddp":
         assert ours["rank_spread"] == 0, ours
     lengths = [s["completions/mean_length"] for s in theirs["logs"] if "grad_norm" in s]
