@@ -5,6 +5,7 @@ Examples::
 
     python -m bench                                  # the full grid (on a GPU)
     python -m bench --op token_logprobs,gppo_logits --N 16384 --V 151936
+    python -m bench --headline                       # the GPU check's cases
     TRITON_INTERPRET=1 python -m bench --quick       # CPU smoke through the Triton interpreter
 
 The byte counts and the SASS counts of the same cases are development tools:
@@ -41,6 +42,11 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+# --headline: every op on logits or a LinearHead, in this order (a time budget, which drops the
+# compiled reference's cases first, keeps those of the first ops)
+_FIRST = ("token_logprobs", "gppo_logits", "gppo_head")
+HEADLINE_OPS = _FIRST + tuple(name for name, op in cases.OPS.items()
+                              if op.from_logits and name not in _FIRST)
 
 
 def _split(values, convert=str):
@@ -62,6 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--N", action="append", help="tokens B*T (default 16384,4096; B = 16)")
     p.add_argument("--V", action="append", help="vocabulary (default 151936,128256,32000)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a CPU smoke run")
+    p.add_argument("--headline", action="store_true",
+                   help="the headline cases only (what the GPU check runs): N 16384, V 151936, "
+                        "bf16, fwd and fwd+bwd, every op on logits or a LinearHead (H 4096), "
+                        "token_logprobs, gppo_logits and gppo_head first; --N/--V/--dtype/--op/"
+                        "--mode still override")
     p.add_argument("--out", help="directory for the results (default: bench/results, or $OUT "
                                  "when set; on the CPU a temporary directory)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -78,6 +89,11 @@ def parse_args(argv=None):
     p.add_argument("--no-report", action="store_true", help="write the JSON only")
     p.add_argument("--commit", help="commit to record (default: $RLFUSE_COMMIT, else git)")
     args = p.parse_args(argv)
+    if args.headline:
+        args.op = args.op or [",".join(HEADLINE_OPS)]
+        args.mode = args.mode or ["fwd,fwd+bwd"]
+        args.N, args.V = args.N or ["16384"], args.V or ["151936"]
+        args.dtype = args.dtype or ["bf16"]
     args.op = _split(args.op) or list(cases.OPS)
     for name in args.op:
         if name not in cases.OPS:
@@ -170,8 +186,16 @@ def run(args, checkpoint=None) -> dict:
     plan.sort(key=lambda case: case[2] == "compiled")
 
     bandwidth = measure.copy_bandwidth_GBps(device)
-    matmul = {str(dt).replace("torch.", ""): measure.matmul_TFLOPs(device, dt)
-              for dt in dict.fromkeys(s.dtype for s in shapes if s.V is not None)}
+    timing = dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, cpu_reps=args.cpu_reps)
+    gemms = {}       # "rows x H x V dtype" -> ms of the plain GEMMs of a head's step
+
+    def gemm_ms(shape, rows: int) -> float:
+        key = f"{rows}x{shape.hidden}x{shape.V} {str(shape.dtype).replace('torch.', '')}"
+        if key not in gemms:
+            gemms[key] = measure.head_gemms_ms(rows, shape.hidden, shape.V, shape.dtype, device,
+                                               **timing)
+        return gemms[key]
+
     rows, truncated = [], False
 
     def results():
@@ -180,7 +204,7 @@ def run(args, checkpoint=None) -> dict:
             "triton": _triton_version(), "rlfuse": rlfuse.__version__,
             "commit": args.commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "copy_bandwidth_GBps": bandwidth, "matmul_TFLOPs": matmul,
+            "copy_bandwidth_GBps": bandwidth, "head_gemms_ms": gemms,
             "missing_impls": missing,
             "fused_backend": _fused_backend(device),
             "layout": {"B": shapes[0].batch, "group_size": shapes[0].group_size,
@@ -215,8 +239,8 @@ def run(args, checkpoint=None) -> dict:
                 continue
             where = f"{op.name} {impl} {mode} at {shape}"
             try:
-                row = _measure(args, device, bandwidth, matmul, shape, op, impl, mode, forward,
-                               int(x.mask.sum()))
+                row = _measure(timing, device, bandwidth, gemm_ms, shape, op, impl, mode,
+                               forward, int(x.mask.sum()))
             except OOM:
                 notes.append(f"{where}: out of memory, skipped")
                 _free(device)
@@ -236,20 +260,20 @@ def run(args, checkpoint=None) -> dict:
     return results()
 
 
-def _measure(args, device, bandwidth, matmul, shape, op, impl, mode, forward, actor_rows
+def _measure(timing, device, bandwidth, gemm_ms, shape, op, impl, mode, forward, actor_rows
              ) -> dict:
     step = measure.make_step(forward, mode)
-    ms, p20, p80 = measure.time_ms(step, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                                   cpu_reps=args.cpu_reps)
+    ms, p20, p80 = measure.time_ms(step, device, **timing)
     peak = measure.peak_memory(step, device)
     dtype = str(shape.dtype).replace("torch.", "")
 
     def floor(rows):
         """(bytes, flops, ms): the minimal HBM bytes over the copy bandwidth, or for the
-        LinearHead ops the minimal matmul FLOPs over the measured matmul rate."""
+        LinearHead ops the time of the plain GEMMs of their matmuls (``rows`` of the head)."""
         nbytes, flops = op.bytes(shape, mode, rows), op.flops(shape, mode, rows)
-        return nbytes, flops, (flops / (matmul[dtype] * 1e12) if flops is not None
-                               else nbytes / (bandwidth * 1e9)) * 1e3
+        if flops is None:
+            return nbytes, flops, nbytes / (bandwidth * 1e9) * 1e3
+        return nbytes, flops, gemm_ms(shape, shape.N if rows is None else rows)
 
     # the floor of the actor rows (masked rows: one write of zeros), and the dense one (every
     # row read and written as an actor's)
@@ -261,7 +285,10 @@ def _measure(args, device, bandwidth, matmul, shape, op, impl, mode, forward, ac
             "fraction_of_floor": floor_ms / ms if ms > 0 else None, "bytes": nbytes,
             "flops": flops, "floor_ms_dense": dense_ms,
             "fraction_of_floor_dense": dense_ms / ms if ms > 0 else None,
-            "bytes_dense": dense_bytes}
+            "bytes_dense": dense_bytes,
+            # the floor's bytes (or FLOPs) over the time: the effective rate of the step
+            "GBps": nbytes / (ms * 1e6) if ms > 0 else None,
+            "TFLOPs": flops / (ms * 1e9) if flops is not None and ms > 0 else None}
 
 
 def _free(device):

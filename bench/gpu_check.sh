@@ -1,88 +1,143 @@
 #!/usr/bin/env bash
-# The GPU check: what a session lent a GPU runs, from the repo root, in one command (< 9.5 min
-# on one H200). The machine has no internet and its own python3 with torch + triton (+ pytest,
-# hypothesis, matplotlib), not our .venv.
-#   1. rlfuse installed editable without deps (PYTHONPATH=. as well, should pip refuse);
-#      Liger-Kernel installed from wheels/ when a wheel was carried there;
-#   2. the GPU-only tests first (-m gpu: races, devices, streams, real sizes, CUDA graphs),
-#      then the rest of the suite, natively on CUDA (TRITON_INTERPRET unset) -> $OUT/pytest.txt
-#   3. python -m bench on the full grid (time budget BENCH_BUDGET s)   -> $OUT/bench.txt and
-#      $OUT/<gpu>-<commit>.json, .md (table of every mode), .png (time vs V)
-#   4. bench/sweep.sh: the single pass's launch configurations (RLFUSE_SINGLE_PASS) timed at the
-#      headline shape, ranked -> $OUT/sweep.json, $OUT/sweep.md (the best named), $OUT/sweep/;
-#      it gets what is left of CHECK_BUDGET s (at most SWEEP_BUDGET), so the whole check stays
-#      under 9.5 min; with too little left it is skipped: run `bash bench/sweep.sh` on its own
+# The GPU check: what a session lent a GPU runs, from the repo root, in one command, within
+# CHECK_DEADLINE (530 s) on one H200 (the device tool allows 600 s a command: the margin of a
+# rerun is the session's other 15-minute budget). The machine has no internet and its own
+# python3 with torch + triton (+ pytest), not our .venv. Phases, each capped by its own budget
+# and by the deadline:
+#   0. (background, from t = 0) Triton's cache warmed: python -m tools.gpu_compile --jobs J
+#      compiles every kernel variant the public API launches for this GPU's arch, J processes
+#      at once; meanwhile the environment is recorded and rlfuse (and a carried Liger wheel)
+#      installed. The tests start when the warm-up ends or at WARMUP_S (90 s).
+#   1. the GPU tests (-m gpu, -v, each test failed after TEST_TIMEOUT s)   -> pytest.txt
+#   2. the tests whose kernels run natively and whose results differ on a GPU (GPU math),
+#      CUDA_TESTS, within CUDA_TESTS_S                                      -> pytest.txt
+#   3. the headline benchmarks (python -m bench --headline: N 16384, V 151936, bf16, every op
+#      on logits and on a LinearHead at H 4096; fused, eager reference, Liger, then
+#      torch.compile(reference); the floor, GB/s, TFLOP/s beside the plain GEMMs of the same
+#      shapes timed in the run), within BENCH_S     -> <gpu>-<commit>.json, .md, .png
+#   4. the single-pass sweep in one process (python -m bench.sweep: each configuration's loss
+#      and gradient checked against the default before it is timed), with what is left
+#                                                   -> sweep.json, sweep.md
+# Everything else (environment, warm-up, exit codes) goes to bench.txt: 7 files in $OUT.
 #
-# Liger-Kernel (the peer in the tables) cannot be downloaded on that machine. On the dev
-# machine, once (wheels/ is git-ignored):
-#     pip download liger-kernel --no-deps -d wheels/
-# then call the device tool's `run` with carry=["wheels"] and the command
-#     RLFUSE_COMMIT=<short sha> bash bench/gpu_check.sh
-# (the copy of the tree there has no .git, so write the commit into the command). Without the
-# wheel, Liger is listed under "missing_impls" and has no rows. Afterwards, on the dev machine:
-# copy the JSON into bench/results/ and `python -m bench.report --readme docs/performance.md`.
+# On the dev machine, once (wheels/ is git-ignored):   pip download liger-kernel --no-deps -d wheels/
+# then the device tool's `run` with carry=["wheels"], timeout_s=600 and the command
+#     RLFUSE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_check.sh
+# (write the commit into the command: the copy there has no .git). Afterwards copy the JSON files
+# into bench/results/ and run `python -m bench.report --readme docs/performance.md`.
+#
+# GPU_CHECK_CPU=1: a dry run on a CPU (tests/test_gpu_check.py): the interpreter, tiny shapes,
+# no warm-up and no installs; every phase runs and writes its files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
-GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-120}  # seconds for the tests marked gpu
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-180}   # seconds for the rest of the suite
-BENCH_BUDGET=${BENCH_BUDGET:-150}       # seconds after which the bench starts no new case
-BENCH_ARGS=${BENCH_ARGS:-}              # more python -m bench options, e.g. "--op token_logprobs"
-CHECK_BUDGET=${CHECK_BUDGET:-500}       # seconds by which the sweep starts no new configuration
-SWEEP_BUDGET=${SWEEP_BUDGET:-120}       # seconds of configurations at most (bench/sweep.sh)
-export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET                  # the real kernels, on the GPU
-
-{
-    echo "== environment"
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-    "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch",
-        torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
-    "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . \
-        || echo "pip install -e . failed: using PYTHONPATH=$PWD"
-    if compgen -G "wheels/*.whl" > /dev/null; then
-        "$PY" -m pip install --quiet --no-deps wheels/*.whl || echo "installing wheels/ failed"
-    else
-        echo "no wheels/*.whl: Liger-Kernel will be reported missing"
-    fi
-} 2>&1 | tee "$OUT/bench.txt"
-
-# Compiling the kernels' variants is most of the suite's time there: spread it over the CPUs.
-XDIST=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 8")
-echo "== pytest -m gpu (timeout ${GPU_TESTS_TIMEOUT}s)" | tee -a "$OUT/bench.txt"
-timeout "$GPU_TESTS_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests 2>&1 \
-    | tee "$OUT/pytest.txt"
-gpu_rc=${PIPESTATUS[0]}
-echo "== pytest, the rest (timeout ${PYTEST_TIMEOUT}s)" | tee -a "$OUT/bench.txt"
-timeout "$PYTEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider $XDIST -m "not gpu" tests 2>&1 \
-    | tee -a "$OUT/pytest.txt"
-rest_rc=${PIPESTATUS[0]}
-pytest_rc=$((gpu_rc != 0 || rest_rc != 0))
-echo "pytest exit codes: gpu $gpu_rc, rest $rest_rc" | tee -a "$OUT/bench.txt"
-
-echo "== python -m bench (budget ${BENCH_BUDGET}s)" | tee -a "$OUT/bench.txt"
-# The hard timeout is a last resort: the JSON is checkpointed after every case.
-timeout $((BENCH_BUDGET + 60)) "$PY" -m bench --out "$OUT" --budget-s "$BENCH_BUDGET" \
-    --rep-ms 50 --warmup-ms 10 $BENCH_ARGS 2>&1 | tee -a "$OUT/bench.txt"
-bench_rc=${PIPESTATUS[0]}
-echo "bench exit code: $bench_rc" | tee -a "$OUT/bench.txt"
-
-# A vocabulary split needs more than one GPU to time; on one, what it would send is computed.
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-echo "== vocabulary split: $gpus GPU(s); bytes per call (computed)" | tee -a "$OUT/bench.txt"
-"$PY" -m tools.traffic --comm 2>&1 | tee -a "$OUT/bench.txt"
-
-# The sweep's last configuration may start at its budget's end and run SWEEP_RUN_TIMEOUT (60 s).
-left=$((CHECK_BUDGET - SECONDS))
-sweep_rc=0
-if ((left >= 30)); then
-    OUT="$OUT" PYTHON="$PY" SWEEP_BUDGET=$((left < SWEEP_BUDGET ? left : SWEEP_BUDGET)) \
-        bash bench/sweep.sh
-    sweep_rc=$?
-    echo "sweep exit code: $sweep_rc" | tee -a "$OUT/bench.txt"
+CPU=${GPU_CHECK_CPU:-0}
+CHECK_DEADLINE=${CHECK_DEADLINE:-530}   # seconds: no phase runs past it
+WARMUP_S=${WARMUP_S:-90}                # the tests wait for the warm-up this long at most
+WARMUP_JOBS=${WARMUP_JOBS:-12}
+GPU_TESTS_S=${GPU_TESTS_S:-150}
+CUDA_TESTS_S=${CUDA_TESTS_S:-60}
+BENCH_S=${BENCH_S:-150}                 # the bench starts no case after BENCH_S - 30 s
+TEST_TIMEOUT=${TEST_TIMEOUT:-60}        # seconds a test may take (tests/conftest.py)
+GPU_TESTS=${GPU_TESTS:-tests}           # where the gpu-marked tests are collected
+CUDA_TESTS=${CUDA_TESTS:-"tests/test_numerics.py tests/test_heads.py tests/test_token_logprobs.py"}
+if [[ $CPU == 1 ]]; then
+    export TRITON_INTERPRET=1
+    BENCH_ARGS=${BENCH_ARGS:-"--quick --N 16 --V 300 --impls fused,reference --cpu-reps 1"}
+    SWEEP_ARGS=${SWEEP_ARGS:-"--quick --N 16 --V 300"}
+    SWEEP_CONFIGS=${SWEEP_CONFIGS:-"default evict=1,block_v=64"}
 else
-    echo "== single-pass sweep skipped: ${left}s left of CHECK_BUDGET; run bench/sweep.sh alone" \
-        | tee -a "$OUT/bench.txt"
+    unset TRITON_INTERPRET              # the real kernels, on the GPU
+    BENCH_ARGS=${BENCH_ARGS:-"--rep-ms 50 --warmup-ms 10"}
+    SWEEP_ARGS=${SWEEP_ARGS:-}
+    SWEEP_CONFIGS=${SWEEP_CONFIGS:-}
 fi
-exit $((pytest_rc != 0 || bench_rc != 0 || sweep_rc != 0))
+export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG="$OUT/bench.txt"
+left() { echo $((CHECK_DEADLINE - SECONDS)); }
+# a phase's seconds: its own cap, or what is left before the deadline
+cap() { local l; l=$(left); echo $(( $1 < l ? $1 : (l > 0 ? l : 1) )); }
+phase() { echo "== [${SECONDS}s] $*" | tee -a "$LOG"; }
+
+warmup_log=$(mktemp)
+if [[ $CPU == 1 ]]; then
+    warmup_pid=
+else
+    arch=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)')
+    timeout "$WARMUP_S" "$PY" -m tools.gpu_compile --arch "$arch" --jobs "$WARMUP_JOBS" \
+        > "$warmup_log" 2>&1 &
+    warmup_pid=$!
+fi
+
+phase "environment"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+        || echo "no nvidia-smi"
+    "$PY" -c 'import os, sys, torch, triton; print("python", sys.version.split()[0], "torch",
+        torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+        "cpus", os.cpu_count())'
+    if [[ $CPU != 1 ]]; then
+        "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . \
+            || echo "pip install -e . failed: using PYTHONPATH=$PWD"
+        if compgen -G "wheels/*.whl" > /dev/null; then
+            "$PY" -m pip install --quiet --no-deps wheels/*.whl || echo "installing wheels/ failed"
+        else
+            echo "no wheels/*.whl: Liger-Kernel will be reported missing"
+        fi
+    fi
+} 2>&1 | tee -a "$LOG"
+
+if [[ -n $warmup_pid ]]; then
+    wait "$warmup_pid"
+    phase "warm-up: tools.gpu_compile exit code $? (124: stopped at ${WARMUP_S}s)"
+    tail -n 5 "$warmup_log" | tee -a "$LOG"
+fi
+rm -f "$warmup_log"
+
+# The tests: -p no:cacheprovider writes nothing into the tree; RLFUSE_TEST_TIMEOUT fails a
+# test that runs past it (a hang is still stopped by the phase's timeout).
+tests() {
+    local seconds=$1; shift
+    RLFUSE_TEST_TIMEOUT=$TEST_TIMEOUT timeout "$(cap "$seconds")" "$PY" -m pytest \
+        -p no:cacheprovider -rs "$@" 2>&1 | tee -a "$OUT/pytest.txt"
+    return "${PIPESTATUS[0]}"
+}
+phase "pytest -v -m gpu (${GPU_TESTS_S}s)"
+# shellcheck disable=SC2086  # a list of paths
+tests "$GPU_TESTS_S" -v -m gpu $GPU_TESTS
+gpu_rc=$?
+phase "pytest -m 'not gpu' $CUDA_TESTS (${CUDA_TESTS_S}s)"
+# shellcheck disable=SC2086  # a list of files
+tests "$CUDA_TESTS_S" -q -m "not gpu" $CUDA_TESTS
+cuda_rc=$?
+echo "pytest exit codes: gpu $gpu_rc, cuda $cuda_rc (124: stopped at its time)" | tee -a "$LOG"
+
+bench_s=$(cap "$BENCH_S")
+phase "python -m bench --headline (${bench_s}s)"
+# The JSON is checkpointed after every case: the hard timeout keeps what was measured.
+# shellcheck disable=SC2086  # option lists
+timeout "$bench_s" "$PY" -m bench --headline --out "$OUT" --budget-s $((bench_s > 40 ?
+    bench_s - 30 : bench_s / 2)) $BENCH_ARGS 2>&1 | tee -a "$LOG"
+bench_rc=${PIPESTATUS[0]}
+echo "bench exit code: $bench_rc" | tee -a "$LOG"
+
+phase "vocabulary split: bytes per call (computed; one GPU cannot time a split)"
+timeout "$(cap 20)" "$PY" -m tools.traffic --comm 2>&1 | tee -a "$LOG"
+
+sweep_s=$(($(left) - 5))
+if ((sweep_s >= 20)); then
+    phase "python -m bench.sweep (${sweep_s}s)"
+    configs=()
+    [[ -n $SWEEP_CONFIGS ]] && configs=(--configs "$SWEEP_CONFIGS")
+    # shellcheck disable=SC2086  # option lists
+    timeout "$sweep_s" "$PY" -m bench.sweep --out "$OUT" --budget-s $((sweep_s - 15)) \
+        $SWEEP_ARGS "${configs[@]}" 2>&1 | tee -a "$LOG"
+    sweep_rc=${PIPESTATUS[0]}
+else
+    phase "single-pass sweep skipped: ${sweep_s}s left; python -m bench.sweep runs alone"
+    sweep_rc=1
+fi
+echo "sweep exit code: $sweep_rc" | tee -a "$LOG"
+phase "done: $(find "$OUT" -maxdepth 1 -type f | wc -l) files in \$OUT"
+exit $((gpu_rc != 0 || cuda_rc != 0 || bench_rc != 0 || sweep_rc != 0))

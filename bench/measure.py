@@ -1,4 +1,5 @@
-"""How the benchmark measures: the timed step of each mode, time, peak memory, copy bandwidth."""
+"""How the benchmark measures: the timed step of each mode, time, peak memory, copy bandwidth,
+the plain GEMMs of a head."""
 from __future__ import annotations
 
 import time
@@ -69,14 +70,23 @@ def peak_memory(step: Callable, device: torch.device) -> Optional[int]:
     return int(torch.cuda.max_memory_allocated() - before)
 
 
-def matmul_TFLOPs(device: torch.device, dtype: torch.dtype) -> float:
-    """Dense matmul throughput in ``dtype`` (a 4096^3 product on CUDA, 256^3 on the CPU): the
-    rate against which the LinearHead ops' FLOP floor is timed."""
-    n = 4096 if device.type == "cuda" else 256
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    ms, _, _ = time_ms(lambda: a @ b, device, cpu_reps=5)
-    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+def head_gemms_ms(rows: int, hidden: int, vocab: int, dtype: torch.dtype,
+                  device: torch.device, **timing) -> float:
+    """The median ms of the three plain GEMMs (cuBLAS on CUDA) a ``LinearHead`` training step
+    needs at least, in ``dtype``: the logits ``[rows, H] x [H, V]``, then with their gradient
+    ``dhidden = dlogits [rows, V] x [V, H]`` and ``dweight = dlogits^T x hidden`` ``[V, H]``."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+    w = torch.randn(vocab, hidden, device=device, generator=gen).to(dtype)
+    g = torch.randn(rows, vocab, device=device, generator=gen).to(dtype)
+
+    def step():
+        h @ w.t()
+        g @ w
+        g.t() @ h
+
+    ms, _, _ = time_ms(step, device, **timing)
+    return ms
 
 
 def copy_bandwidth_GBps(device: torch.device, nbytes: Optional[int] = None) -> float:

@@ -36,6 +36,14 @@ def _mib(nbytes: Optional[int]) -> str:
     return "—" if nbytes is None else f"{nbytes / 2**20:,.0f}"
 
 
+def _rate(row) -> str:
+    if not row:
+        return "—"
+    if row.get("TFLOPs") is not None:
+        return f"{row['TFLOPs']:.3g} TFLOP/s"
+    return "—" if row.get("GBps") is None else f"{row['GBps']:,.0f} GB/s"
+
+
 def _impls(rows) -> list:
     seen = {r["impl"] for r in rows}
     return [i for i in IMPL_ORDER if i in seen] + sorted(seen - set(IMPL_ORDER))
@@ -47,6 +55,8 @@ def summary_line(header: dict) -> str:
             f"{header['copy_bandwidth_GBps']:,.0f} GB/s")
     if header.get("missing_impls"):
         line += " · not installed: " + ", ".join(header["missing_impls"])
+    for gemm, ms in (header.get("head_gemms_ms") or {}).items():
+        line += f" · plain GEMMs {gemm}: {_ms(ms)} ms"
     return line
 
 
@@ -68,7 +78,7 @@ def markdown(results: dict, modes: Optional[Iterable[str]] = None) -> str:
     peers = [p for p in ("reference", "compiled", "liger") if p in impls]
 
     cols = ["op", "mode", "dtype", "N", "V", "floor ms"] + [f"{i} ms" for i in impls]
-    cols += [f"fused vs {p}" for p in peers] + ["fused % of floor"]
+    cols += [f"fused vs {p}" for p in peers] + ["fused % of floor", "fused GB/s or TFLOP/s"]
     cols += [f"peak MiB {i}" for i in impls] if has_mem else []
     lines = [summary_line(header), "", "| " + " | ".join(cols) + " |",
              "|" + "|".join("---" if i < 3 else "---:" for i in range(len(cols))) + "|"]
@@ -86,6 +96,7 @@ def markdown(results: dict, modes: Optional[Iterable[str]] = None) -> str:
         dense = fused and fused.get("fraction_of_floor_dense")
         cells.append(("—" if frac is None or not fused else f"{frac:.0%}")
                      + (f" ({dense:.0%})" if dense is not None and fused else ""))
+        cells.append(_rate(fused))
         if has_mem:
             cells += [_mib(by_impl[i]["peak_mem_bytes"]) if i in by_impl else "—" for i in impls]
         lines.append("| " + " | ".join(cells) + " |")
@@ -93,9 +104,10 @@ def markdown(results: dict, modes: Optional[Iterable[str]] = None) -> str:
               "over the measured copy bandwidth — each actor row read as often as the op "
               "must, every row's gradient written once (a masked row's: zeros); in "
               "parentheses the dense floor, every row counted as an actor's — for the `_head` "
-              "ops (LinearHead, H = 4096) its minimal matmul FLOPs over the actor rows over "
-              "the measured matmul rate; fused vs X: X's time over fused's; peak: bytes "
-              "allocated during one step beyond its inputs."]
+              "ops (LinearHead, H = 4096) the time of the three plain GEMMs (cuBLAS) of the "
+              "same shapes, timed in the same run; fused vs X: X's time over fused's; GB/s: "
+              "the floor's bytes over fused's time, TFLOP/s (the `_head` ops): the GEMMs' "
+              "FLOPs over it; peak: bytes allocated during one step beyond its inputs."]
     if header.get("truncated"):
         lines.append("The run hit its time budget: some cases are missing.")
     return "\n".join(lines) + "\n"

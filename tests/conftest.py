@@ -1,5 +1,5 @@
 """Shared test configuration: the tolerances, the three-way check, the implementations under test,
-output poisoning, and the guard that the kernels really run.
+output poisoning, the guard that the kernels really run, and a per-test time limit.
 
 The suite runs the real Triton kernels on the CPU through the interpreter (``TRITON_INTERPRET=1``
 must be set before triton is imported; ``make test`` does, and so does this file when it is
@@ -7,6 +7,8 @@ first). Tests marked ``gpu`` need CUDA.
 """
 import importlib
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -211,6 +213,28 @@ def impl(request):
     """The implementation under test: ``rlfuse`` (the kernels) or ``rlfuse.reference`` (plain
     torch), the same functions with the same signatures."""
     return rlfuse if request.param == "fused" else rlfuse.reference
+
+
+@pytest.fixture(autouse=True)
+def time_limit():
+    """With ``RLFUSE_TEST_TIMEOUT=S`` (the GPU check sets it) a test still running after S
+    seconds fails, and the run goes on to the next (a call that never returns to Python is
+    left to the caller's own timeout)."""
+    seconds = int(os.environ.get("RLFUSE_TEST_TIMEOUT", "0") or 0)
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the test ran past RLFUSE_TEST_TIMEOUT={seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)

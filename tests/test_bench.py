@@ -15,10 +15,11 @@ from bench import cases, report
 
 ROOT = Path(__file__).resolve().parent.parent
 
-HEADER_KEYS = {"gpu", "torch", "triton", "commit", "date", "copy_bandwidth_GBps", "missing_impls"}
+HEADER_KEYS = {"gpu", "torch", "triton", "commit", "date", "copy_bandwidth_GBps", "missing_impls",
+               "head_gemms_ms"}
 ROW_KEYS = {"op", "impl", "mode", "dtype", "N", "V", "ms", "ms_p20", "ms_p80", "peak_mem_bytes",
             "floor_ms", "fraction_of_floor", "bytes", "flops", "actor_rows", "floor_ms_dense",
-            "fraction_of_floor_dense", "bytes_dense"}
+            "fraction_of_floor_dense", "bytes_dense", "GBps", "TFLOPs"}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,13 @@ def test_results_schema(quick_run):
         assert row["ms_p20"] <= row["ms"] <= row["ms_p80"]
         assert row["fraction_of_floor"] == pytest.approx(row["floor_ms"] / row["ms"])
         assert row["fraction_of_floor_dense"] == pytest.approx(row["floor_ms_dense"] / row["ms"])
+        assert row["GBps"] == pytest.approx(row["bytes"] / row["ms"] / 1e6)
+        head = cases.OPS[row["op"]].matmuls is not None
+        assert (row["TFLOPs"] is not None) == head
+        if head:     # the floor: the plain GEMMs of the same shapes, timed in the run
+            assert row["TFLOPs"] == pytest.approx(row["flops"] / row["ms"] / 1e9)
+            gemm = f"{row['actor_rows']}x{cases.QUICK_HIDDEN}x{row['V']} {row['dtype']}"
+            assert row["floor_ms"] == header["head_gemms_ms"][gemm]
         # masked rows: read by no op; the dense floor counts them as actor rows
         assert 0 < row["actor_rows"] < row["N"]
         logits = cases.OPS[row["op"]].floor[row["mode"]][0] > 0 and row["V"] is not None

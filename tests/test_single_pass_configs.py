@@ -229,15 +229,15 @@ def test_launch_parameters():
 # --------------------------------------------------------------------------------------------
 
 def test_sweep_end_to_end(tmp_path):
-    """bench/sweep.sh with tiny shapes through the interpreter: one bench run per configuration,
-    then the ranking, which names a best configuration."""
+    """``python -m bench.sweep`` with a tiny shape through the interpreter: in one process each
+    configuration checked against the default, then timed, then the ranking, which names a
+    best configuration; a configuration whose gradient differs is listed as failed, untimed."""
     configs = ["default", "evict=1,programs_per_sm=1,block_v=64"]
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
-               TRITON_INTERPRET="1", SWEEP_BUDGET="60", SWEEP_CONFIGS=" ".join(configs),
-               SWEEP_SHAPE="--quick --N 16 --V 300 --dtype bf16",
-               SWEEP_ARGS="--op gppo_logits --mode fwd+bwd --impls fused --cpu-reps 1")
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "sweep.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.sweep", "--out", str(tmp_path), "--quick", "--N", "16",
+         "--V", "300", "--configs", " ".join(configs)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "sweep.json").read_text())
     (case,) = summary["cases"]
@@ -245,7 +245,29 @@ def test_sweep_end_to_end(tmp_path):
     assert sorted(e["config"] for e in case["ranking"]) == sorted(configs)
     assert case["best"] == case["ranking"][0]["config"] in configs
     times = [e["ms"] for e in case["ranking"]]
-    assert times == sorted(times) and all("fraction_of_floor" in e for e in case["ranking"])
+    assert times == sorted(times) and all(e["fraction_of_floor"] > 0 for e in case["ranking"])
+    assert [e["max_grad_diff"] for e in case["ranking"] if e["config"] == "default"] == [0.0]
     table = (tmp_path / "sweep.md").read_text()
     assert f"best: `{case['best']}`" in table and all(f"`{c}`" in table for c in configs)
-    assert (tmp_path / "sweep.txt").exists() and not summary["failed"]
+    assert not summary["failed"]
+
+
+def test_sweep_refuses_a_configuration_that_differs(tmp_path, monkeypatch):
+    """A configuration whose gradient is not the default's gets no time."""
+    from bench import sweep
+
+    real = sweep._step_results
+
+    def skewed(forward):
+        outs, grads = real(forward)
+        if single_pass.current().evict:        # the configuration under test computes wrong
+            grads = [g * 1.1 for g in grads]
+        return outs, grads
+
+    monkeypatch.setattr(sweep, "_step_results", skewed)
+    code = sweep.main(["--out", str(tmp_path), "--quick", "--N", "16", "--V", "300",
+                       "--configs", "default evict=1"])
+    summary = json.loads((tmp_path / "sweep.json").read_text())
+    assert code == 1
+    assert [e["config"] for e in summary["cases"][0]["ranking"]] == ["default"]
+    assert "gradient differs from the default's" in summary["failed"]["evict=1"]

@@ -10,7 +10,7 @@ kernel with its registers and local (spill) memory, read from the cubin by ``cuo
 for a kernel with a stack, the local-memory accesses inside its vocabulary loops (``tools.sass``:
 the inner loops that load from global memory).
 
-    python -m tools.gpu_compile [--arch 90] [--json out.json]
+    python -m tools.gpu_compile [--arch 90] [--json out.json] [--jobs 8]
 
 It must run in a process of its own, without ``TRITON_INTERPRET=1`` (``tests/test_gpu_compile.py``
 starts it). Exit status 1 if a kernel failed to compile, or accesses local memory inside a
@@ -83,10 +83,14 @@ class CompileOnlyDriver:
 
 COMPILED = {}     # (kernel name, hash) -> (compiled kernel, its constexpr arguments)
 FAILED = []       # (kernel, error)
+SHARD = [0, 1, 0]   # [this process's share, the number of shares, launches so far]
 
 
 def _compile_only(run):
     def compile_run(self, *args, grid, warmup, **kwargs):
+        launch, SHARD[2] = SHARD[2], SHARD[2] + 1
+        if launch % SHARD[1] != SHARD[0]:      # another process's share (--jobs)
+            return None
         try:
             kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as e:  # noqa: BLE001  (recorded, the drive goes on)
@@ -274,7 +278,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
     p.add_argument("--json", help="write the per-kernel table here")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="compile in this many processes at once (each drives every call and "
+                        "compiles every jobs-th launch; the GPU check's warm-up of Triton's "
+                        "cache); the report and the checks are each process's own share")
+    p.add_argument("--job", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.jobs > 1 and args.job is None:
+        procs = [subprocess.Popen([sys.executable, "-m", "tools.gpu_compile", "--arch",
+                                   str(args.arch), "--jobs", str(args.jobs), "--job", str(i)])
+                 for i in range(args.jobs)]
+        return max(proc.wait() for proc in procs)
+    SHARD[:2] = [args.job or 0, args.jobs]
 
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
     JITFunction.run = _compile_only(JITFunction.run)
@@ -285,7 +300,8 @@ def main(argv=None) -> int:
     _drive()
     kernels = {obj.fn.__name__ for module in KERNEL_MODULES for obj in vars(module).values()
                if isinstance(obj, JITFunction) and obj.fn.__name__.endswith("_kernel")}
-    for name in sorted(kernels - {name for name, _ in COMPILED} - {name for name, _ in FAILED}):
+    launched = {name for name, _ in COMPILED} | {name for name, _ in FAILED}
+    for name in sorted(kernels - launched if args.jobs == 1 else ()):
         FAILED.append((name, "never launched by the drive: add a call that reaches it"))
     rows = []
     for (name, _), (kernel, constexprs) in sorted(COMPILED.items(), key=lambda item: item[0]):

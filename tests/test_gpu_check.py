@@ -1,0 +1,59 @@
+"""The GPU check (``bench/gpu_check.sh``) dry-run on the CPU (``GPU_CHECK_CPU=1``: the
+interpreter, tiny shapes, no warm-up and no installs): every phase runs within its budget and
+``$OUT`` holds the run's files, at most 8 (what the device tool returns); the per-test time
+limit the check sets fails a test that overruns, and the run goes on."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = {"bench.txt", "pytest.txt", "sweep.json", "sweep.md"}
+
+
+def test_dry_run_writes_its_files(tmp_path):
+    env = dict(os.environ, GPU_CHECK_CPU="1", OUT=str(tmp_path), PYTHON=sys.executable,
+               RLFUSE_COMMIT="dryrun", GPU_TESTS="tests/test_gpu.py",
+               CUDA_TESTS="tests/test_numerics.py::test_exp_accurate")
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    names = {p.name for p in tmp_path.iterdir()}
+    assert all(p.is_file() for p in tmp_path.iterdir())
+    plot = {"cpu-dryrun.png"} if importlib.util.find_spec("matplotlib") else set()
+    assert names == FILES | {"cpu-dryrun.json", "cpu-dryrun.md"} | plot, names
+    assert len(names) <= 8
+    text = (tmp_path / "bench.txt").read_text()
+    for phase in ("environment", "pytest -v -m gpu", "python -m bench --headline",
+                  "vocabulary split", "python -m bench.sweep", f"done: {len(names)} files"):
+        assert phase in text, phase
+    assert "pytest exit codes: gpu 0, cuda 0" in text and "bench exit code: 0" in text
+    results = json.loads((tmp_path / "cpu-dryrun.json").read_text())
+    ops = [r["op"] for r in results["rows"]]
+    assert ops[0] == "token_logprobs" and {"gppo_logits", "gppo_head"} <= set(ops)
+    assert {r["mode"] for r in results["rows"]} == {"fwd", "fwd+bwd"}
+    assert {r["N"] for r in results["rows"]} == {16} and results["header"]["head_gemms_ms"]
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert not sweep["failed"] and len(sweep["cases"][0]["ranking"]) == 2
+    pytest_log = (tmp_path / "pytest.txt").read_text()
+    assert "SKIPPED" in pytest_log and "2 passed" in pytest_log     # gpu: skipped; cuda: ran
+
+
+def test_a_test_past_its_time_limit_fails(tmp_path):
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_slow():\n    time.sleep(30)\n\ndef test_fast():\n    pass\n")
+    suite = str(ROOT / "tests" / "conftest.py")
+    (tmp_path / "conftest.py").write_text(   # the suite's fixture, under another module name
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('suite', {suite!r})\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
+        "time_limit = suite.time_limit\n")
+    env = dict(os.environ, RLFUSE_TEST_TIMEOUT="2", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "RLFUSE_TEST_TIMEOUT=2" in proc.stdout and "1 failed, 1 passed" in proc.stdout
