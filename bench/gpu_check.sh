@@ -22,8 +22,8 @@
 #
 # On the dev machine, once (wheels/ is git-ignored):   pip download liger-kernel --no-deps -d wheels/
 # then the device tool's `run` with carry=["wheels"], timeout_s=600 and the command
-#     RLFUSE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_check.sh
-# (write the commit into the command: the copy there has no .git). Afterwards copy the JSON files
+#     RLFUSE_COMMIT=<git rev-parse --short HEAD> bash bench/gpu_check.sh
+# (the commit written into the command: the copy there has no .git). Afterwards copy the JSON files
 # into bench/results/ and run `python -m bench.report --readme docs/performance.md`.
 #
 # GPU_CHECK_CPU=1: a dry run on a CPU (tests/test_gpu_check.py): the interpreter, tiny shapes,

@@ -28,12 +28,23 @@ def case(device, dtype=torch.bfloat16, *, seed=0, vocab=V, batch=B, time=T, scal
     return {k: v.to(device) for k, v in x.items()}
 
 
-def every_op(x, *, inplace=False):
-    """{name: (outputs, gradient w.r.t. the logits)} of every op from logits."""
+def unaligned_copy(t):
+    """``t`` copied into a buffer one element past an allocation's start: its rows stay where
+    no vectorised access may assume 16-byte alignment (``clone`` would realign them)."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = storage[1:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 != 0
+    return out
+
+
+def every_op(x, *, inplace=False, leaf_of=torch.clone):
+    """{name: (outputs, gradient w.r.t. the logits)} of every op from logits; ``leaf_of``: the
+    copy of the logits each op differentiates."""
     results = {}
 
     def run(name, fn):
-        leaf = x["logits"].clone().requires_grad_(True)
+        leaf = leaf_of(x["logits"]).requires_grad_(True)
         outs = fn(leaf)
         outs = outs if isinstance(outs, tuple) else (outs,)
         (grad,) = torch.autograd.grad(sum(o.sum() for o in outs if o.requires_grad), leaf)
@@ -111,15 +122,87 @@ def test_non_default_stream():
     assert_equal_results(got, want)
 
 
-def test_unaligned_logits():
-    """Logits at an element offset (not 16-byte aligned: no vectorised access may assume it)
-    equal an aligned copy."""
+@pytest.mark.parametrize("inplace", [False, True])
+def test_unaligned_logits(inplace):
+    """Logits one element past an allocation's start, as every op differentiates them (each
+    row unaligned; in place, the gradient written into them too) equal aligned ones."""
     x = case("cuda")
-    storage = torch.empty(x["logits"].numel() + 1, dtype=x["logits"].dtype, device="cuda")
-    unaligned = storage[1:].view(x["logits"].shape)
-    unaligned.copy_(x["logits"])
-    assert unaligned.data_ptr() % 16 != 0
-    assert_equal_results(every_op(dict(x, logits=unaligned)), every_op(x))
+    assert_equal_results(every_op(x, inplace=inplace, leaf_of=unaligned_copy),
+                         every_op(x, inplace=inplace))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_every_single_pass_candidate_at_the_real_vocabulary(inplace):
+    """Each launch configuration the GPU sweep times (``single_pass.CANDIDATES``), at
+    V = 151936 in bf16, in place and not: a configuration that changes only the launch
+    (eviction hints, a persistent grid, the block order) gives the default's results bit for
+    bit; one that changes the blocks, warps or pipelining holds the three-way rule against
+    float64 as the default does."""
+    from rlfuse.kernels.single_pass import CANDIDATES, parse, single_pass_config
+
+    x = case("cuda", vocab=151936, batch=4, time=5, seed=2)
+    losses = {"gppo": lambda lib, p, old, adv: lib.gppo_loss(p, old, adv, x["mask"],
+                                                            geometry="kl", topology="binary"),
+              "ppo": lambda lib, p, old, adv: lib.ppo_loss(p, old, adv, x["mask"])}
+
+    def run(lib, dtype=None, in_place=False):
+        """{loss: (value, gradient w.r.t. the logits)} of ``lib`` on the logits in ``dtype``."""
+        results = {}
+        for name, loss in losses.items():
+            leaf = x["logits"].to(dtype or x["logits"].dtype).clone().requires_grad_(True)
+            out = loss(lib, rlfuse.Logits(leaf, x["targets"], 0.9, in_place),
+                       x["old"].to(leaf.dtype if dtype else torch.float32),
+                       x["adv"].to(leaf.dtype if dtype else torch.float32))
+            results[name] = (out.loss.detach(), torch.autograd.grad(out.loss, leaf)[0])
+        return results
+
+    with single_pass_config("default"):
+        want = run(rlfuse, in_place=inplace)
+    ref64, ref = run(reference, torch.float64), run(reference)
+    for text in CANDIDATES:
+        config = parse(text)
+        with single_pass_config(config):
+            got = run(rlfuse, in_place=inplace)
+        launch_only = config.block_v is None and config.num_warps is None and \
+            config.num_stages is None
+        for name in want:
+            if launch_only:
+                assert torch.equal(got[name][0], want[name][0]), (text, name)
+                assert torch.equal(got[name][1], want[name][1]), (text, name)
+            else:
+                assert_three_way(got[name][0], ref[name][0], ref64[name][0], f"{text} {name}")
+                assert_three_way(got[name][1].float(), ref[name][1].float(), ref64[name][1],
+                                 f"{text} {name} gradient", atol_dtype=torch.bfloat16)
+
+
+def test_backward_and_row_scaling_past_2_31_elements():
+    """``B*T*V`` beyond 2**31 through the two kernels the single pass does not cover: the
+    ``token_logprobs`` backward (its dlogits of rows past element 2**31) and the row scaling
+    that an upstream gradient other than 1 applies to the single pass's dlogits. The last rows
+    are checked against the float64 reference on those rows alone."""
+    Bn, Tn, Vn = 2, 8200, 151936
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(Bn, Tn, Vn, device="cuda", dtype=torch.bfloat16, generator=gen)
+    assert logits.numel() > 2 ** 31
+    targets = torch.randint(0, Vn, (Bn, Tn), device="cuda", generator=gen)
+    mask = torch.ones(Bn, Tn, dtype=torch.bool, device="cuda")
+    weights = torch.randn(Bn, Tn, device="cuda", generator=gen)
+    rows = slice(Tn - 3, Tn)
+    leaf = logits.requires_grad_(True)
+    (grad,) = torch.autograd.grad((rlfuse.token_logprobs(leaf, targets) * weights).sum(), leaf)
+    sub = leaf.detach()[:, rows].double().requires_grad_(True)
+    (ref_grad,) = torch.autograd.grad(
+        (reference.token_logprobs(sub, targets[:, rows]) * weights[:, rows].double()).sum(), sub)
+    torch.testing.assert_close(grad[:, rows].double(), ref_grad, **TOL["bf16_grad"])
+    del grad
+    old = torch.full((Bn, Tn), -12.0, device="cuda")
+    adv = torch.tensor([1.0, -1.0], device="cuda")
+    out = rlfuse.gppo_loss(rlfuse.Logits(leaf, targets), old, adv, mask, num_tokens=float(Bn * Tn))
+    (grad,) = torch.autograd.grad(out.loss * 0.375, leaf)      # the row-scaling kernel
+    ref = reference.gppo_loss(rlfuse.Logits(sub, targets[:, rows]), old[:, rows].double(),
+                              adv.double(), mask[:, rows], num_tokens=float(Bn * Tn))
+    (ref_grad,) = torch.autograd.grad(ref.loss * 0.375, sub)
+    torch.testing.assert_close(grad[:, rows].double(), ref_grad, **TOL["bf16_grad"])
 
 
 def test_real_size_single_pass_int64_offsets():

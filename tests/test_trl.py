@@ -658,7 +658,7 @@ def _distributed_worker(out_dir: str, engine: str) -> None:
 
 
 def _run_distributed(tmp_path, engine: str):
-    """Both trainers' results under ``engine``: ``[(trl's run, its parameters), (rlfuse's ...)]``."""
+    """Both trainers' results under ``engine``: ``[(TRL's run, its parameters), (rlfuse's)]``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")   # DeepSpeed over gloo
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

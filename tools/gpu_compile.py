@@ -274,35 +274,14 @@ def _local_in_loops(kernel) -> int:
                if loop.inner and loop.loads for ins in loop.instructions)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
-    p.add_argument("--json", help="write the per-kernel table here")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="compile in this many processes at once (each drives every call and "
-                        "compiles every jobs-th launch; the GPU check's warm-up of Triton's "
-                        "cache); the report and the checks are each process's own share")
-    p.add_argument("--job", type=int, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.jobs > 1 and args.job is None:
-        procs = [subprocess.Popen([sys.executable, "-m", "tools.gpu_compile", "--arch",
-                                   str(args.arch), "--jobs", str(args.jobs), "--job", str(i)])
-                 for i in range(args.jobs)]
-        return max(proc.wait() for proc in procs)
-    SHARD[:2] = [args.job or 0, args.jobs]
-
-    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
+def _compile_share(arch: int) -> dict:
+    """This process's share of the launches compiled: ``{"kernels": rows, "failed": [...],
+    "launched": names}``."""
+    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
     JITFunction.run = _compile_only(JITFunction.run)
     rlfuse._dispatch.INTERPRET = True          # CPU tensors take the kernel path
     utils.OUTPUT_FILL = 0                      # the launches write nothing
-
-    t0 = time.monotonic()
     _drive()
-    kernels = {obj.fn.__name__ for module in KERNEL_MODULES for obj in vars(module).values()
-               if isinstance(obj, JITFunction) and obj.fn.__name__.endswith("_kernel")}
-    launched = {name for name, _ in COMPILED} | {name for name, _ in FAILED}
-    for name in sorted(kernels - launched if args.jobs == 1 else ()):
-        FAILED.append((name, "never launched by the drive: add a call that reaches it"))
     rows = []
     for (name, _), (kernel, constexprs) in sorted(COMPILED.items(), key=lambda item: item[0]):
         res = _resources(kernel)
@@ -312,23 +291,73 @@ def main(argv=None) -> int:
                      "constexprs": constexprs})
         print(f"{name:28s} warps {kernel.metadata.num_warps:2d} " +
               " ".join(f"{k} {v:4d}" for k, v in res.items()) + "  " +
-              " ".join(f"{k}={v}" for k, v in constexprs.items()))
+              " ".join(f"{k}={v}" for k, v in constexprs.items()), flush=True)
+    launched = {name for name, _ in COMPILED} | {name for name, _ in FAILED}
+    return {"kernels": rows, "failed": list(FAILED), "launched": sorted(launched)}
+
+
+def _compile_in_processes(arch: int, jobs: int) -> dict:
+    """The shares of ``jobs`` processes, each driving every call and compiling every jobs-th
+    launch, merged."""
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"job{i}.json") for i in range(jobs)]
+        procs = [subprocess.Popen([sys.executable, "-m", "tools.gpu_compile", "--arch", str(arch),
+                                   "--jobs", str(jobs), "--job", str(i), "--json", path])
+                 for i, path in enumerate(paths)]
+        for proc in procs:
+            proc.wait()
+        merged = {"kernels": [], "failed": [], "launched": set()}
+        for i, (proc, path) in enumerate(zip(procs, paths)):
+            if not os.path.exists(path):
+                merged["failed"].append((f"job {i}", f"exit code {proc.returncode}, no report"))
+                continue
+            with open(path) as f:
+                share = json.load(f)
+            merged["kernels"] += share["kernels"]
+            merged["failed"] += [tuple(x) for x in share["failed"]]
+            merged["launched"] |= set(share["launched"])
+    return merged
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
+    p.add_argument("--json", help="write the per-kernel table here")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="compile in this many processes at once, each driving every call and "
+                        "compiling every jobs-th launch (the GPU check's warm-up of Triton's "
+                        "cache); the report and the checks are over all of them")
+    p.add_argument("--job", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    if args.job is not None:           # one share of --jobs: its report, no checks
+        SHARD[:2] = [args.job, args.jobs]
+        with open(args.json, "w") as f:
+            json.dump(_compile_share(args.arch), f)
+        return 0
+    report = _compile_in_processes(args.arch, args.jobs) if args.jobs > 1 else \
+        _compile_share(args.arch)
+    rows, failed = report["kernels"], list(report["failed"])
+    kernels = {obj.fn.__name__ for module in KERNEL_MODULES for obj in vars(module).values()
+               if isinstance(obj, JITFunction) and obj.fn.__name__.endswith("_kernel")}
+    for name in sorted(kernels - set(report["launched"])):
+        failed.append((name, "never launched by the drive: add a call that reaches it"))
     # A spill in a vocabulary loop of a float64 kernel (a testing dtype) is reported; in the
     # others it fails. One outside the loops, once per row, is reported.
     stacked = [r for r in rows if (r.get("local", 0) or r.get("stack", 0))
                and r["constexprs"].get("ACC") != "fp64"]
     spilling = [r for r in stacked if r["local_in_loops"]]
     print(f"\n{len(rows)} kernels compiled for sm_{args.arch} with triton {triton.__version__} "
-          f"in {time.monotonic() - t0:.0f} s; {len(FAILED)} failed; {len(spilling)} non-fp64 "
-          f"kernels use local memory in a vocabulary loop ({len(stacked) - len(spilling)} "
-          f"outside the loops only)")
-    for name, error in FAILED:
+          f"in {time.monotonic() - t0:.0f} s ({args.jobs} process(es)); {len(failed)} failed; "
+          f"{len(spilling)} non-fp64 kernels use local memory in a vocabulary loop "
+          f"({len(stacked) - len(spilling)} outside the loops only)")
+    for name, error in failed:
         print(f"FAILED {name}: {error}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": args.arch, "triton": triton.__version__, "kernels": rows,
-                       "failed": FAILED}, f, indent=1)
-    return 1 if FAILED or spilling or not rows else 0
+                       "failed": failed}, f, indent=1)
+    return 1 if failed or spilling or not rows else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The single pass reads each logits row twice: the logsumexp pass, then the pass t
 dlogits. The second read costs nothing only while the row is still in L2. On an H200 (132 SMs,
 50 MB of L2, a bf16 row of V = 151936 is 304 KB) that depends on how many rows are in flight and
 on what the cache is told about them, which only a GPU can measure: each lever is a switch here,
-swept by ``bench/sweep.sh``. The default is the launch used so far.
+swept by ``python -m bench.sweep``. The default is the launch used so far.
 
     evict            0 | 1         1: the first pass's loads ask L2 to keep the row (evict_last),
                                    the second pass's loads and the dlogits stores go first
@@ -189,7 +189,7 @@ def parse(text: str) -> SinglePassConfig:
                          f"(or 'default'), keys and values: {keys}") from None
 
 
-# What a GPU run chooses from: the launch configurations ``bench/sweep.sh`` times at the headline
+# What a GPU run chooses from: the launch configurations ``bench.sweep`` times at the headline
 # shape (bf16, V = 151936: the table's 8192-wide blocks and 16 warps), the default first, then
 # from the likeliest winners down (a time budget cuts the tail). Rows in flight between the two
 # reads of a row: one program per row keeps 2-4 rows an SM in flight (264-528 rows of 304 KB on
