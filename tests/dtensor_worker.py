@@ -143,12 +143,23 @@ def check_rank_rows(name, d, mesh, rank, world):
     for key in want:
         close(got[key], want[key], f"own rows {name} {key} (rank {rank})")
     sum((got[k] * weights[k]).sum() for k in weights).backward()
-    if name == "policy_logprobs":     # the reference's path for these rows (a CPU fallback's)
+    if name == "policy_logprobs":
+        # the reference's path for these rows (a CPU fallback's)
         local = local_policy(rlfuse.LinearHead(own["hidden"], shards[0], own["targets"],
                                                shards[1]))
         for x, y in zip(rlfuse.reference.policy_logprobs(local, return_entropy=True),
                         (want["logp"], want["entropy"])):
             close(x, y, f"own rows, the reference (rank {rank})")
+        # a window of a longer output (a prompt row first: offset 1), and packed rows
+        prompt = torch.randn(B + rank, 1, H, dtype=DTYPE)
+        window = rlfuse.LinearHead(torch.cat([prompt, own["hidden"]], 1), shards[0],
+                                   own["targets"], shards[1], offset=1)
+        close(rlfuse.policy_logprobs(window), want["logp"], f"own rows, offset (rank {rank})")
+        n = own["targets"].numel()
+        packed = rlfuse.LinearHead(own["hidden"].reshape(n, H), shards[0],
+                                   own["targets"].reshape(n), shards[1], index=torch.arange(n))
+        close(rlfuse.policy_logprobs(packed), want["logp"].reshape(n),
+              f"own rows, packed (rank {rank})")
     close(hidden.grad, want_hidden.grad * world, f"own rows {name} dhidden (rank {rank})",
           GRAD_TOL)
     for shard, whole in zip(shards, head):
