@@ -16,7 +16,10 @@ FILES = {"bench.txt", "pytest.txt", "sweep.json", "sweep.md"}
 def test_dry_run_writes_its_files(tmp_path):
     env = dict(os.environ, GPU_CHECK_CPU="1", OUT=str(tmp_path), PYTHON=sys.executable,
                RLFUSE_COMMIT="dryrun", GPU_TESTS="tests/test_gpu.py",
-               CUDA_TESTS="tests/test_numerics.py::test_exp_accurate")
+               CUDA_TESTS="tests/test_numerics.py::test_exp_accurate",
+               # the headline's first ops (test_headline_cases: all of them)
+               BENCH_ARGS="--quick --N 16 --V 300 --impls fused,reference --cpu-reps 1 "
+                          "--op token_logprobs,gppo_logits,gppo_head")
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
@@ -57,3 +60,18 @@ def test_a_test_past_its_time_limit_fails(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert "RLFUSE_TEST_TIMEOUT=2" in proc.stdout and "1 failed, 1 passed" in proc.stdout
+
+
+def test_headline_cases():
+    """``python -m bench --headline``: N 16384, V 151936, bf16, fwd and fwd+bwd, every op on
+    logits or a LinearHead, token_logprobs, gppo_logits and gppo_head first."""
+    import torch
+
+    from bench import __main__ as bench_main, cases
+
+    args = bench_main.parse_args(["--headline"])
+    assert (args.N, args.V, args.dtype, args.mode) == ([16384], [151936], [torch.bfloat16],
+                                                       ["fwd", "fwd+bwd"])
+    assert args.op[:3] == ["token_logprobs", "gppo_logits", "gppo_head"]
+    assert sorted(args.op) == sorted(n for n, op in cases.OPS.items() if op.from_logits)
+    assert bench_main.parse_args(["--headline", "--N", "4096"]).N == [4096]
