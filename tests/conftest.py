@@ -1,6 +1,5 @@
 """Shared test configuration: the tolerances, the three-way check, the implementations under test,
-output poisoning, the guard that the kernels really run, a per-test time limit, and the order in
-which files are collected (the slow ones first).
+output poisoning, the guard that the kernels really run, and a per-test time limit.
 
 The suite runs the real Triton kernels on the CPU through the interpreter (``TRITON_INTERPRET=1``
 must be set before triton is imported; ``make test`` does, and so does this file when it is
@@ -250,16 +249,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (real sizes, speed smoke)")
 
 
-# The files that take minutes (processes of their own: process groups, the compiler, the
-# benchmark), collected first: with two workers taking whole files in collection order, a long
-# file started last would leave one worker running it alone at the end.
-SLOW_FILES = ("test_gpu_compile.py", "test_vocab_split.py", "test_trl.py", "test_bench.py",
-              "test_dtensor.py", "test_gpu_check.py", "test_fuzz.py", "test_demo.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    first = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: first.get(item.path.name, len(SLOW_FILES)))   # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
