@@ -13,8 +13,10 @@ verl's mode computes, read from the same config fields (``clip_ratio*``, ``tau_p
 ``actor/rlfuse_overflow`` where the objective can overflow. ``rlfuse_gppo`` is
 ``rlfuse.gppo_loss`` with the seed's region (chi2 / atomic / delta 0.04); :func:`register_gppo`
 registers other regions under other names. :func:`kl_penalty` is verl's ``kl_penalty`` by
-``rlfuse.kl_penalty``. verl's log-probs are ``[B, T]`` tensors, so the log-prob path of the
-kernels runs (the logits stay verl's).
+``rlfuse.kl_penalty``. The losses take verl's ``[B, T]`` log-probs; the import also makes
+``fused_kernels_backend="rlfuse"`` a backend of verl's fused-kernel forward, which computes
+those log-probs and the entropy from the last hidden state (``_verl_backend``), and
+:func:`linear_cross_entropy` is verl's tensor-parallel call over rlfuse's vocabulary split.
 
 Where verl draws at random (``clip_cov``), rlfuse draws the same numbers from the same
 generator (torch's default one): a run seeded as verl's takes verl's choice. ``bypass_mode``

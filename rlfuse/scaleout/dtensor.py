@@ -10,8 +10,8 @@ the same mesh (their local tensors are used) or plain tensors.
 
 A ``LinearHead``'s hidden states say whose rows they are: a DTensor (replicated) holds the same
 rows on every rank of the group (tensor parallelism); a plain tensor holds this rank's own rows
-(data parallelism, as FSDP2 runs): ``scaleout.rows_over_group`` then gathers the rows (never the
-head) and each rank gets its own rows' results.
+(data parallelism, as FSDP2 runs): ``scaleout.rank_rows`` then gathers the rows (never the head)
+and each rank gets its own rows' results.
 
 Every check reads metadata only (placements, shapes, the mesh), the same on every rank: a bad
 layout raises on every rank before any collective, so nothing hangs.
@@ -81,8 +81,8 @@ def _sharded_like(name: str, x, weight, mesh_dim: int):
 
 def local_policy(policy):
     """``policy`` with plain tensors: a ``Logits`` / ``LinearHead`` holding DTensors becomes its
-    local shards and ``vocab_parallel_group`` (and, for a head whose hidden states are this
-    rank's own rows, ``rows_over_group``); anything else is returned as it is."""
+    local shards and ``vocab_parallel_group`` (a ``RankRowsHead`` for a head whose hidden states
+    are this rank's own rows); anything else is returned as it is."""
     if is_dtensor(policy):
         raise ValueError("policy: a DTensor: pass logits sharded on the vocabulary as "
                          "rlfuse.Logits(logits, targets), or log-probs as a plain tensor "

@@ -102,11 +102,10 @@ def rank_rows_logprobs(policy: RankRowsHead, mask: Optional[Tensor],
     hidden = rows.hidden[:, rows.offset:rows.offset + T]
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), rows.targets.reshape(-1)
     sizes, rank = _sizes(targets.shape[0], group, targets.device), dist.get_rank(group)
-    whole = LinearHead(_GatherRows.apply(hidden, sizes, rank, group).unsqueeze(0), rows.weight,
-                       _gather(targets, sizes, group).unsqueeze(0), rows.bias,
-                       temperature=rows.temperature, chunk_tokens=rows.chunk_tokens,
-                       vocab_parallel_group=group, logit_scale=rows.logit_scale,
-                       softcap=rows.softcap, head_dtype=rows.head_dtype)
+    # the same head over every rank's rows: a plain LinearHead, the window already taken
+    whole = LinearHead(*rows)._replace(
+        hidden=_GatherRows.apply(hidden, sizes, rank, group).unsqueeze(0),
+        targets=_gather(targets, sizes, group).unsqueeze(0), offset=0)
     whole_mask = None if rows_mask is None else \
         _gather(rows_mask.reshape(-1), sizes, group).unsqueeze(0)
 
