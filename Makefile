@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch (a plain `pip install torch` would fetch a multi-GB CUDA build).
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup test demo clean
+.PHONY: setup test check demo clean
 
 # The venv with torch (CPU build unless one is there) and the package with the train extra.
 $(VENV)/.demo-installed: setup.py
@@ -27,8 +27,15 @@ setup: $(VENV)/.installed
 
 # RLFUSE_REQUIRE_INTEGRATIONS: the TRL and verl tests fail, not skip, if a package is missing.
 # Two workers (pytest-xdist), each taking whole files; the slowest tests listed at the end.
+# `make test` leaves out the few tests marked slow (minutes each); `make check` (CI) runs all.
+PYTEST := TRITON_INTERPRET=1 RLFUSE_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q -n 2 \
+	--dist loadfile --durations=15
+
 test: setup
-	TRITON_INTERPRET=1 RLFUSE_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(PYTEST) -m "not slow" tests
+
+check: setup
+	$(PYTEST) tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -247,6 +247,8 @@ def poison_outputs():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (real sizes, speed smoke)")
+    config.addinivalue_line("markers", "slow: minutes on a 2-core CPU; left out of `make test`, "
+                                       "run by `make check` (CI)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,7 @@
 """Every kernel compiles for a GPU (CUDA sm_90) without register spills: ``tools.gpu_compile``
-in processes of its own (two at once, as the GPU check's warm-up runs it: each compiles every
-other launch, and the checks are over both), since this one runs the kernels through the Triton
-interpreter."""
+in processes of its own (two at once, as the GPU check's warm-up runs it: each compiles its share
+of the kernel variants, and the checks are over both), since this one runs the kernels through
+the Triton interpreter."""
 import os
 import subprocess
 import sys
@@ -21,6 +21,7 @@ def _nvidia_backend():
     return "nvidia" in backends
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs them")
 def test_every_kernel_compiles_for_sm90(tmp_path):

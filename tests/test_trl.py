@@ -673,7 +673,8 @@ def _run_distributed(tmp_path, engine: str):
     return runs
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero3"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2",
+                                    pytest.param("zero3", marks=pytest.mark.slow)])
 def test_engines_train_as_trl(engine, tmp_path):
     """DDP, FSDP2 (fully_shard: the head's weight sharded, gathered by FSDP inside the model's
     forward, where the loss runs) and DeepSpeed ZeRO-3 (every parameter partitioned, the

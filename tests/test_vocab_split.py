@@ -35,6 +35,7 @@ def run_workers(world: int, *args: str, worker: str = WORKER.name) -> None:
         assert f"rank {rank}: ok" in out, out[-4000:]
 
 
+@pytest.mark.slow
 def test_vocab_parallel_two_ranks_every_form_and_loss():
     """fp64: the split equals the whole vocabulary to 1e-10 in every loss, policy form and
     metric, the fused path and the reference; compiled equal to eager; bad input raises on both

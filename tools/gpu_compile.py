@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+import zlib
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     sys.exit("tools.gpu_compile: unset TRITON_INTERPRET (the kernels must be compiled, not "
@@ -83,14 +84,26 @@ class CompileOnlyDriver:
 
 COMPILED = {}     # (kernel name, hash) -> (compiled kernel, its constexpr arguments)
 FAILED = []       # (kernel, error)
-SHARD = [0, 1, 0]   # [this process's share, the number of shares, launches so far]
+SHARD = [0, 1]    # [this process's share, the number of shares]
+
+
+def _share(name: str, args: tuple, kwargs: dict) -> int:
+    """The share (of ``--jobs``) a launch belongs to, from what its compiled variant depends on
+    (the kernel, its tensors' dtypes, its constexpr and launch options; not the runtime values):
+    every launch of one variant falls in one share, so no variant is compiled twice."""
+    def kind(key, v):
+        if isinstance(v, torch.Tensor):
+            return str(v.dtype)
+        return repr(v) if key.isupper() or key.startswith("num_") else type(v).__name__
+    parts = [name] + [kind("", v) for v in args] + [f"{k}={kind(k, v)}"
+                                                    for k, v in sorted(kwargs.items())]
+    return zlib.crc32(" ".join(parts).encode()) % SHARD[1]
 
 
 def _compile_only(run):
     def compile_run(self, *args, grid, warmup, **kwargs):
-        launch, SHARD[2] = SHARD[2], SHARD[2] + 1
-        if launch % SHARD[1] != SHARD[0]:      # another process's share (--jobs)
-            return None
+        if SHARD[1] > 1 and _share(self.fn.__name__, args, kwargs) != SHARD[0]:
+            return None                        # another process's share (--jobs)
         try:
             kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as e:  # noqa: BLE001  (recorded, the drive goes on)
@@ -297,8 +310,8 @@ def _compile_share(arch: int) -> dict:
 
 
 def _compile_in_processes(arch: int, jobs: int) -> dict:
-    """The shares of ``jobs`` processes, each driving every call and compiling every jobs-th
-    launch, merged."""
+    """The shares of ``jobs`` processes, each driving every call and compiling the variants of
+    its share (``_share``), merged."""
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"job{i}.json") for i in range(jobs)]
         procs = [subprocess.Popen([sys.executable, "-m", "tools.gpu_compile", "--arch", str(arch),
@@ -325,13 +338,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the per-kernel table here")
     p.add_argument("--jobs", type=int, default=1,
                    help="compile in this many processes at once, each driving every call and "
-                        "compiling every jobs-th launch (the GPU check's warm-up of Triton's "
-                        "cache); the report and the checks are over all of them")
+                        "compiling its share of the kernel variants (the GPU check's warm-up of "
+                        "Triton's cache); the report and the checks are over all of them")
     p.add_argument("--job", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     t0 = time.monotonic()
     if args.job is not None:           # one share of --jobs: its report, no checks
-        SHARD[:2] = [args.job, args.jobs]
+        SHARD[:] = [args.job, args.jobs]
         with open(args.json, "w") as f:
             json.dump(_compile_share(args.arch), f)
         return 0
