@@ -126,8 +126,9 @@ def check_weights(weights, info: PolicyInfo, mask, validate: bool) -> Optional[t
 
 def _check_surrogate_args(policy, old_logprobs, advantages, mask, region, *, agg, weights,
                           dual_clip, loss_scale, num_tokens, num_sequences, validate,
-                          ratio_level="token") -> SurrogateArgs:
-    """``region``: ``(geometry, topology, (low, high))``, checked by the caller."""
+                          clamp=math.inf) -> SurrogateArgs:
+    """``region``: ``(geometry, topology, (low, high))``, checked by the caller; ``clamp``: of
+    the log-ratio (``Objective``)."""
     info, mask = _loss_policy(policy, mask, {"old_logprobs": old_logprobs}, validate)
     advantages = check_advantages(advantages, info, mask, validate)
     weights = check_weights(weights, info, mask, validate)
@@ -137,8 +138,7 @@ def _check_surrogate_args(policy, old_logprobs, advantages, mask, region, *, agg
     check_policy_targets(policy, mask, mask.shape, validate)
     geometry, topology, (low, high) = region
     objective = Objective("clip", geometry, topology, low, high,
-                          (check_dual_clip(dual_clip), math.inf),
-                          VERL_LOG_RATIO_CLAMP if ratio_level == "token" else math.inf)
+                          (check_dual_clip(dual_clip), math.inf), clamp)
     return SurrogateArgs(info, mask, advantages, weights, objective,
                          check_loss_scale(loss_scale), num_tokens, num_sequences)
 
@@ -162,7 +162,8 @@ def check_ppo_args(policy, old_logprobs, advantages, mask, *, clip, dual_clip, r
     return _check_surrogate_args(
         policy, old_logprobs, advantages, mask, region, agg=agg, weights=weights,
         dual_clip=dual_clip, loss_scale=loss_scale, num_tokens=num_tokens,
-        num_sequences=num_sequences, validate=validate, ratio_level=ratio_level)
+        num_sequences=num_sequences, validate=validate,
+        clamp=VERL_LOG_RATIO_CLAMP if ratio_level == "token" else math.inf)
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
                                   std_eps)
     eps_low, eps_high = check_sides("eps", eps, check_positive)
     objective = Objective("clip", "ppo_clip", "mc", eps_low, eps_high, (math.inf, math.inf),
-                          VERL_LOG_RATIO_CLAMP)
+                          math.inf)
     if advantages is not None:
         if isinstance(advantages, torch.Tensor) and tuple(advantages.shape) == (batch, 1):
             advantages = advantages[:, 0]
@@ -285,9 +286,13 @@ def _check_agg(agg, spec: ObjectiveSpec) -> str:
 
 def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *, agg, weights,
                            ref_logprobs, kl, entropy, entropy_mask, off_policy_mask,
-                           loss_scale, num_tokens, num_sequences, validate) -> PolicyLossArgs:
+                           loss_scale, num_tokens, num_sequences, generator,
+                           validate) -> PolicyLossArgs:
     """The checks of ``policy_loss``."""
     spec = objective_spec(objective)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None; got "
+                        f"{type(generator).__name__}")
     kl = _check_term("kl", kl, KLPenalty)
     entropy = _check_term("entropy", entropy, EntropyBonus)
     entropy_mask = _check_term("entropy_mask", entropy_mask, TopEntropyMask)

@@ -165,7 +165,8 @@ def check_token_tensors(mask, tensors: Mapping[str, torch.Tensor], *, shape: Seq
     Shapes, devices and dtypes are always checked (metadata only). With ``validate`` the values
     are checked too: the mask holds only 0/1 and every tensor is finite at the actor positions
     (masked positions may hold anything: NaN, -inf, padding), and the log-probs among them
-    (``LOGPROB_INPUTS``) are <= 0 there.
+    (``LOGPROB_INPUTS``) are <= 0 there; ``sampling_logprobs`` may be NaN there (a token the
+    inference engine could not score: the off-policy mask counts it as 0, as TRL does).
     """
     if validate:
         mask = check_mask(mask, shape, device)
@@ -175,13 +176,15 @@ def check_token_tensors(mask, tensors: Mapping[str, torch.Tensor], *, shape: Seq
     for name, x in tensors.items():
         check_tensor(name, x, shape=shape, device=device, floating=True)
         if validate:
-            check_finite(name, x, mask)
+            check_finite(name, torch.where(x.isnan(), 0.0, x) if name in NAN_AS_ZERO else x,
+                         mask)
             if name in LOGPROB_INPUTS:
                 check_logprobs(name, x, mask)
     return mask
 
 
 LOGPROB_INPUTS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "sampling_logprobs")
+NAN_AS_ZERO = ("sampling_logprobs",)
 
 
 def check_logprobs(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:

@@ -67,7 +67,8 @@ class GPPO:
         check_choice("topology", self.topology, TOPOLOGIES)
         low, high = check_sides("delta", self.delta, check_positive)
         return _spec(self, "clip", self.geometry, low, high,
-                     (check_dual_clip(self.dual_clip), math.inf), topology=self.topology)
+                     (check_dual_clip(self.dual_clip), math.inf), topology=self.topology,
+                     clamp=math.inf)
 
 
 @dataclasses.dataclass(frozen=True)

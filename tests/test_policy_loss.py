@@ -190,6 +190,68 @@ def test_objectives_bind():
             assert metrics[name] > 0, (objective, name)
 
 
+@pytest.mark.parametrize("form", ["logprobs", "logits"])
+def test_clip_clamps_the_log_ratio_as_verl(form, impl, device):
+    """Clip (no dual clip) at log-ratios past +-20, both signs of A: verl's vanilla formula,
+    max(-A r, -A clip(r, lo, hi)) with r = exp(clamp(lp - old, -20, 20)) (the value at the
+    clamp, no gradient past it), in float64; GPPO clamps nothing (r A unclamped)."""
+    dev = device if impl is rlfuse else "cpu"
+    case = make_case(4)
+    log_ratio = torch.tensor([30.0, -30.0, 25.0, -25.0, 0.1, -0.1], dtype=torch.float64)
+    adv = torch.tensor([[-1.0, 1.0, -0.5, 0.5, 1.0, -1.0]], dtype=torch.float64).expand(B, T)
+    mask = torch.ones(B, T, dtype=torch.bool, device=dev)
+    # a negative log-ratio of 30 needs a log-prob below -30: the target's logit at -50 there
+    logits = case["logits"].clone()
+    low = (log_ratio < 0).expand(B, T)
+    logits[low, case["targets"][low]] = -50.0
+    case = dict(case, mask=mask, logits=logits,
+                lp=torch.log_softmax(logits, -1).gather(-1, case["targets"][..., None])[..., 0])
+    leaf, policy = policy_of(case, form, torch.float64, dev)
+    lp = leaf if form == "logprobs" else \
+        torch.log_softmax(leaf, -1).gather(-1, case["targets"].to(dev)[..., None])[..., 0]
+    old = lp.detach() - log_ratio.to(dev)
+    assert old.max() < 0
+    adv = adv.to(dev)
+
+    def oracle(clamp):
+        r = torch.exp((lp - old).clamp(-clamp, clamp))
+        return torch.maximum(-adv * r, -adv * r.clamp(1 - X(0.2), 1 + X(0.28))).mean()
+
+    for objective, clamp in ((O.Clip(clip=(X(0.2), X(0.28))), 20.0),
+                             (O.GPPO("chi2", "atomic", delta=X(1e6)), math.inf)):
+        out = impl.policy_loss(policy, old, adv, mask, objective)
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        if clamp == math.inf:          # GPPO's region: wider than any ratio here, so r A
+            expected = (-adv * torch.exp(lp - old)).mean()
+        else:
+            expected = oracle(clamp)
+        (grad_expected,) = torch.autograd.grad(expected, leaf, retain_graph=True)
+        torch.testing.assert_close(out.loss, expected, **TOL["fp64"])
+        torch.testing.assert_close(grad, grad_expected, **TOL["fp64_grad"])
+
+
+def test_unscored_sampling_tokens_count_as_zero(impl, device):
+    """Tokens vLLM could not score carry NaN sampling log-probs: the off-policy mask takes their
+    sampling - lp as 0, as TRL's get_off_policy_mask does, with validate=True too."""
+    GRPOTrainer = integration("trl.trainer.grpo_trainer").GRPOTrainer
+    dev = device if impl is rlfuse else "cpu"
+    case = make_case(5)
+    mask = case["mask"]
+    lp = torch.where(mask, case["lp"], 0.0).float()
+    sampling = torch.where(mask, case["sampling"], 0.0).float()
+    sampling[0, 0] = sampling[2, 0] = math.nan       # actor tokens (column 0 always is)
+    adv = -case["adv"].abs().float()                 # negative: the mask decides every row
+    for threshold in (0.05, 0.5, 5.0):
+        keep = GRPOTrainer.get_off_policy_mask(adv[:, None], lp, sampling, mask.float(),
+                                               threshold)[:, 0]
+        x = lp.to(dev).requires_grad_(True)
+        out = impl.policy_loss(x, lp.to(dev), adv.to(dev), mask.to(dev), "clip",
+                               off_policy_mask=K.OffPolicyMask(threshold, sampling.to(dev)))
+        assert out.metrics["off_policy_mask_frac"].item() == pytest.approx(
+            (keep[:, None] * mask).sum().item() / mask.sum().item()), threshold
+        assert torch.isfinite(out.loss)
+
+
 def test_terms_metrics(device):
     case = make_case(3)
     out = run(rlfuse, case, "logits", torch.float32, device, "clip",
@@ -494,6 +556,14 @@ def bad_calls(case):
          r"entropy_mask.quantile: expected a value in \[0, 1\]"),
         (lambda f: f(lp, old, adv, mask, off_policy_mask=K.OffPolicyMask(0.0)), ValueError,
          "off_policy_mask.threshold"),
+        (lambda f: f(lp, old, adv, mask, off_policy_mask=K.OffPolicyMask(
+            0.5, torch.where(mask, -math.inf, 0.0))), ValueError,
+         "sampling_logprobs: expected finite values"),
+        (lambda f: f(lp, old, adv, mask, off_policy_mask=K.OffPolicyMask(
+            0.5, torch.where(mask, 0.5, 0.0))), ValueError,
+         r"sampling_logprobs: expected log-probabilities \(<= 0\)"),
+        (lambda f: f(lp, old, adv, mask, generator=123), TypeError,
+         "generator: expected a torch.Generator or None; got int"),
         (lambda f: f(lp, old, adv, mask, "sapo", agg="token-mean"), ValueError,
          "agg: objective 'sapo' aggregates by 'seq-mean-token-mean'"),
         (lambda f: f(lp, old, adv, mask, agg="mean"), ValueError, "agg: expected one of"),

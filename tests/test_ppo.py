@@ -175,10 +175,12 @@ def test_empty_responses_count_as_zero(agg, impl, device):
 
 @pytest.mark.parametrize("form", ["logprobs", "logits"])
 def test_a_zero_weight_does_not_hide_an_overflow(form, impl, device):
-    """A token whose unclipped r A overflows (lp - old = 100, A < 0) under a weight of 0 (TRL's
-    vLLM importance-sampling masks set such weights): the weight multiplies the token's
-    objective, as in TRL, so the overflow stays one: with validate=True the loss raises, with
-    validate=False it is NaN (inf times 0, TRL's own result) and the overflow metric says so."""
+    """A token whose unclipped r A overflows (lp - old = 100, A < 0; GPPO's clip, which clamps
+    nothing) under a weight of 0 (TRL's vLLM importance-sampling masks set such weights): the
+    weight multiplies the token's objective, as in TRL, so the overflow stays one: with
+    validate=True the loss raises, with validate=False it is NaN (inf times 0, TRL's own
+    result) and the overflow metric says so. ppo_loss clamps the log-ratio at +-20 as verl:
+    no overflow there."""
     dev = device if impl is rlfuse else "cpu"
     mask = torch.ones(1, 3, dtype=torch.bool, device=dev)
     old = torch.full((1, 3), -101.0, device=dev)
@@ -193,9 +195,11 @@ def test_a_zero_weight_does_not_hide_an_overflow(form, impl, device):
         policy = torch.tensor([[-1.0, -0.5, -0.5]], device=dev, requires_grad=True)
         old[0, 1:] = -0.6
     with pytest.raises(ValueError, match="overflow"):
-        impl.ppo_loss(policy, old, adv, mask, weights=weights)
-    out = impl.ppo_loss(policy, old, adv, mask, weights=weights, validate=False)
+        impl.gppo_loss(policy, old, adv, mask, weights=weights)
+    out = impl.gppo_loss(policy, old, adv, mask, weights=weights, validate=False)
     assert torch.isnan(out.loss) and out.metrics["overflow"] == 1
+    out = impl.ppo_loss(policy, old, adv, mask, weights=weights)
+    assert torch.isfinite(out.loss) and out.metrics["overflow"] == 0
 
 
 def test_gppo_and_gr_opd_options(impl, device):

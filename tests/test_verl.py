@@ -227,14 +227,21 @@ def test_kl_penalty_is_verls(kind, device):
     close(gx, gy, "gradient")
 
 
+def extreme_batch(device, dtype=torch.float32):
+    """The test batch with log-ratios of +-30 at three actor tokens, advantages of both signs
+    there (past verl's clamp of +-20 in its losses and in ``ppo_kl``)."""
+    old, lp, adv, mask, weights = (x.to(dtype) for x in batch(50, device))
+    adv = adv.clone()
+    for (b, t), (o, p), a in (((0, 1), (-31.0, -1.0), -1.0), ((1, 2), (-0.5, -30.5), 1.0),
+                              ((2, 0), (-30.25, -0.25), 0.5), ((4, 3), (-0.75, -28.0), -1.5)):
+        old[b, t], lp[b, t], mask[b, t], adv[b, t] = o, p, 1.0, a
+    return old, lp, adv, mask, weights
+
+
 @pytest.mark.parametrize("mode", VERL_MODES)
 def test_every_mode_at_extreme_log_ratios(mode, device):
-    """Log-ratios of +-30 (past verl's clamp of +-20 in its losses and in ``ppo_kl``): the same
-    loss, gradient and metrics as verl's."""
-    old, lp, adv, mask, weights = batch(50, device)
-    for (b, t), (o, p) in (((0, 1), (-31.0, -1.0)), ((1, 2), (-0.5, -30.5)),
-                           ((2, 0), (-30.25, -0.25))):
-        old[b, t], lp[b, t], mask[b, t] = o, p, 1.0
+    """Log-ratios of +-30: the same loss, gradient and metrics as verl's."""
+    old, lp, adv, mask, weights = extreme_batch(device)
     cfg = mode_config(mode)
     for agg in ("token-mean", "seq-mean-token-mean"):
         torch.manual_seed(51)
@@ -242,3 +249,21 @@ def test_every_mode_at_extreme_log_ratios(mode, device):
         torch.manual_seed(51)
         theirs = losses(mode, old, lp, adv, mask, agg, cfg, weights)
         assert_same(ours, theirs)
+
+
+# sapo and geo_mean divide by a row's tokens + 1e-8 whatever the aggregation (a 1e-9 relative
+# difference that fp64 shows; the fp32 test above covers them)
+@pytest.mark.parametrize("mode", [m for m in VERL_MODES if m not in ("sapo", "geo_mean")])
+def test_every_mode_at_extreme_log_ratios_in_float64(mode, device):
+    """In float64, where fp32 rounding hides nothing: verl's clamp of the log-ratio (the value
+    at +-20, no gradient past it) exactly where verl clamps, so the loss and every gradient are
+    verl's to fp64 rounding (a gradient verl leaves at 0 is 0)."""
+    old, lp, adv, mask, weights = extreme_batch(device, torch.float64)
+    cfg = mode_config(mode)
+    for agg in ("token-mean", "token-sum"):       # (seq-mean-token-mean: verl's + 1e-8)
+        torch.manual_seed(51)
+        ours = losses(f"rlfuse_{mode}", old, lp, adv, mask, agg, cfg, weights)
+        torch.manual_seed(51)
+        theirs = losses(mode, old, lp, adv, mask, agg, cfg, weights)
+        torch.testing.assert_close(ours[0], theirs[0], **TOL["fp64_sum"])
+        torch.testing.assert_close(ours[1], theirs[1], **TOL["fp64_relative"])

@@ -118,10 +118,11 @@ class HeadGradients:
 
     def results(self, hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """The three gradients in their tensors' dtypes (the hidden states' summed over the
-        group first: one all-reduce), a new empty tensor for each one not computed (an op's
-        outputs alias nothing)."""
+        group first: one all-reduce, once however often this is called), a new empty tensor for
+        each one not computed (an op's outputs alias nothing)."""
         if self.group_name and self.dhidden is not None:
             vocab.group_sum(self.dhidden, self.group_name)
+            self.group_name = ""
         dhidden = None if self.dhidden is None else self.dhidden.view(hidden.shape).to(hidden.dtype)
         return (hidden.new_empty(0) if dhidden is None else dhidden,
                 weight.new_empty(0) if self.dweight is None else self.dweight.to(weight.dtype),

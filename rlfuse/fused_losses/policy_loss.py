@@ -42,7 +42,7 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
         policy, old_logprobs, advantages, mask, objective, agg=agg, weights=weights,
         ref_logprobs=ref_logprobs, kl=kl, entropy=entropy, entropy_mask=entropy_mask,
         off_policy_mask=off_policy_mask, loss_scale=loss_scale, num_tokens=num_tokens,
-        num_sequences=num_sequences, validate=validate)
+        num_sequences=num_sequences, generator=generator, validate=validate)
     spec, mask, cdt = args.spec, args.mask, args.info.compute_dtype
     old, adv, ref = _detached(old_logprobs), args.advantages.detach(), _detached(ref_logprobs)
     weights = _detached(args.weights)

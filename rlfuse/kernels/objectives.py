@@ -42,7 +42,7 @@ N_SUM_COLS = tl.constexpr(len(SUM_COLUMNS))
 
 
 @triton.jit
-def _clip(log_ratio, adv, lo, hi, dual_clip, cap):
+def _clip(log_ratio, adv, lo, hi, dual_clip, cap, clamp):
     """PPO's clipped surrogate over ``[lo, hi]``, with the dual clip ``c = p0`` (verl's
     ``clip_ratio_c``) and the cap ``p1`` of the unclipped ratio (TRL's ``delta``), inf for none:
 
@@ -55,9 +55,12 @@ def _clip(log_ratio, adv, lo, hi, dual_clip, cap):
     first, as the reference holds them: a bound beyond the dtype's range is inf, so its branch
     is never the clipped one. Flags: clipped low (A < 0 and min(r, cap) < lo), clipped high
     (A > 0 and min(r, cap) > hi), dual-clipped (A < 0 and the value before the dual clip
-    exceeds c A's ratio).
+    exceeds c A's ratio). ``clamp``: the whole of it is taken at the log-ratio clamped to
+    +-clamp, with no gradient past the clamp (verl's ``exp(clamp(log r, -20, 20))``; inf: none).
     """
     dtype = log_ratio.dtype
+    within_clamp = tl.abs(log_ratio) <= clamp
+    log_ratio = tl.minimum(tl.maximum(log_ratio, -clamp), clamp)
     lo = lo.to(dtype)
     hi = hi.to(dtype)
     cap = tl.cast(cap, dtype)
@@ -79,8 +82,9 @@ def _clip(log_ratio, adv, lo, hi, dual_clip, cap):
     dual = negative & (log_q > tl.log(dual_clip))
     active = tl.where(positive, pos_active, negative & neg_active & ~dual)
     bound = tl.where(positive, pos_bound, tl.where(dual, dual_clip, neg_bound))
-    dj = tl.where(active, exp_accurate(tl.where(active, log_ratio, 0.0)) * adv, 0.0)
-    j = tl.where(active, dj, tl.where(adv != 0, bound * adv, 0.0))
+    value = exp_accurate(tl.where(active, log_ratio, 0.0)) * adv
+    j = tl.where(active, value, tl.where(adv != 0, bound * adv, 0.0))
+    dj = tl.where(active & within_clamp, value, 0.0)
     capped_ratio = tl.minimum(log_ratio, log_cap)
     low = negative & (capped_ratio < log_lo)
     high = positive & (capped_ratio > log_hi)
@@ -165,7 +169,7 @@ def token_objective(log_ratio, lp, old, adv, lo, hi, p0, p1, p2, p3, clamp,
     f1 = false
     f2 = false
     if OBJECTIVE == CLIP:
-        j, dj, f0, f1, f2 = _clip(log_ratio, adv, lo, hi, p0, p1)
+        j, dj, f0, f1, f2 = _clip(log_ratio, adv, lo, hi, p0, p1, clamp)
     elif OBJECTIVE == CISPO:
         j, dj, f0, f1 = _cispo(log_ratio, lp, adv, lo, hi, clamp)
     elif OBJECTIVE == SAPO:

@@ -46,9 +46,11 @@ def clip(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective
     log-ratio is safe there; elsewhere ``J = r A``. For A > 0 the value is ``min(r, hi, cap) A``;
     for A < 0 ``min(c, max(r, lo)) A`` when r <= cap, ``min(c, max(cap, clip(r, lo, hi))) A``
     past the cap. Flags: clipped low (A < 0, min(r, cap) < lo), clipped high (A > 0,
-    min(r, cap) > hi), dual-clipped (A < 0, the value before the dual clip beyond c).
+    min(r, cap) > hi), dual-clipped (A < 0, the value before the dual clip beyond c). All of it
+    at the log-ratio clamped to +-clamp (verl's), no gradient past the clamp.
     """
     dual_clip, cap = params
+    log_ratio = _clamped(log_ratio, clamp)
     with torch.no_grad():
         log_lo, log_hi = lo.log(), hi.log()
         log_cap, log_c = math.log(cap), math.log(dual_clip)
