@@ -205,10 +205,9 @@ def test_clip_clamps_the_log_ratio_as_verl(form, impl, device):
     low = (log_ratio < 0).expand(B, T)
     logits[low, case["targets"][low]] = -50.0
     case = dict(case, mask=mask, logits=logits,
-                lp=torch.log_softmax(logits, -1).gather(-1, case["targets"][..., None])[..., 0])
+                lp=reference.token_logprobs(logits, case["targets"]))
     leaf, policy = policy_of(case, form, torch.float64, dev)
-    lp = leaf if form == "logprobs" else \
-        torch.log_softmax(leaf, -1).gather(-1, case["targets"].to(dev)[..., None])[..., 0]
+    lp = leaf if form == "logprobs" else reference.token_logprobs(leaf, case["targets"].to(dev))
     old = lp.detach() - log_ratio.to(dev)
     assert old.max() < 0
     adv = adv.to(dev)

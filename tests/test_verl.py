@@ -228,8 +228,8 @@ def test_kl_penalty_is_verls(kind, device):
 
 
 def extreme_batch(device, dtype=torch.float32):
-    """The test batch with log-ratios of +-30 at three actor tokens, advantages of both signs
-    there (past verl's clamp of +-20 in its losses and in ``ppo_kl``)."""
+    """The test batch with log-ratios of +-28 to +-31 at four actor tokens, advantages of both
+    signs there (past verl's clamp of +-20 in its losses and in ``ppo_kl``)."""
     old, lp, adv, mask, weights = (x.to(dtype) for x in batch(50, device))
     adv = adv.clone()
     for (b, t), (o, p), a in (((0, 1), (-31.0, -1.0), -1.0), ((1, 2), (-0.5, -30.5), 1.0),

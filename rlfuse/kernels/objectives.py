@@ -42,6 +42,14 @@ N_SUM_COLS = tl.constexpr(len(SUM_COLUMNS))
 
 
 @triton.jit
+def clamped_log_ratio(log_ratio, clamp):
+    """``(the log-ratio clamped to +-clamp, whether it lies within)``: where verl exponentiates
+    a clamped log-ratio, a token past the clamp has no gradient."""
+    within = (log_ratio >= -clamp) & (log_ratio <= clamp)
+    return tl.minimum(tl.maximum(log_ratio, -clamp), clamp), within
+
+
+@triton.jit
 def _clip(log_ratio, adv, lo, hi, dual_clip, cap, clamp):
     """PPO's clipped surrogate over ``[lo, hi]``, with the dual clip ``c = p0`` (verl's
     ``clip_ratio_c``) and the cap ``p1`` of the unclipped ratio (TRL's ``delta``), inf for none:
@@ -59,8 +67,7 @@ def _clip(log_ratio, adv, lo, hi, dual_clip, cap, clamp):
     +-clamp, with no gradient past the clamp (verl's ``exp(clamp(log r, -20, 20))``; inf: none).
     """
     dtype = log_ratio.dtype
-    within_clamp = tl.abs(log_ratio) <= clamp
-    log_ratio = tl.minimum(tl.maximum(log_ratio, -clamp), clamp)
+    log_ratio, within_clamp = clamped_log_ratio(log_ratio, clamp)
     lo = lo.to(dtype)
     hi = hi.to(dtype)
     cap = tl.cast(cap, dtype)
@@ -102,7 +109,7 @@ def _cispo(log_ratio, lp, adv, lo, hi, clamp):
     below = log_ratio < tl.log(lo)
     above = log_ratio > tl.log(hi)
     inside = ~(below | above)
-    clamped = tl.minimum(tl.maximum(log_ratio, -clamp), clamp)
+    clamped, _ = clamped_log_ratio(log_ratio, clamp)
     coef = tl.where(below, lo, tl.where(above, hi, exp_accurate(tl.where(inside, clamped, 0.0))))
     dj = coef * adv
     return dj * lp, dj, ~inside, above & (adv > 0)
@@ -122,11 +129,10 @@ def _sapo(log_ratio, adv, tau_pos, tau_neg, clamp):
     formed as ``exp(log r - softplus(x))``: finite for any ratio."""
     dtype = log_ratio.dtype
     tau = tl.where(adv > 0, tl.cast(tau_pos, dtype), tl.cast(tau_neg, dtype))
-    clamped = tl.minimum(tl.maximum(log_ratio, -clamp), clamp)
+    clamped, inside = clamped_log_ratio(log_ratio, clamp)
     x = tau * (exp_accurate(clamped) - 1.0)
     gate = 1.0 / (1.0 + tl.exp(-x))
     j = gate * (4.0 / tau) * adv
-    inside = (log_ratio >= -clamp) & (log_ratio <= clamp)
     dj = tl.where(inside, 4.0 * adv * gate * exp_accurate(clamped - _softplus(x)), 0.0)
     return j, dj
 
@@ -143,7 +149,8 @@ def _dppo(log_ratio, lp, old, adv, delta_low, delta_high, truncation, clamp,
     dropped (verl's ``pg_clipfrac``), kept and truncated (r > c, verl's
     ``pg_clipfrac_lower``)."""
     dtype = log_ratio.dtype
-    ratio = exp_accurate(tl.minimum(tl.maximum(log_ratio, -clamp), clamp))
+    clamped, _ = clamped_log_ratio(log_ratio, clamp)
+    ratio = exp_accurate(clamped)
     truncation = tl.cast(truncation, dtype)
     p = tl.exp(lp)
     mu = tl.exp(old)

@@ -32,7 +32,8 @@ from . import single_pass
 from .kl import NO_KL, kl_codes, kl_term
 from .objectives import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FLAG1, SUM_FLAG2,
                          SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW, SUM_RATIO,
-                         objective_args, objective_params, token_objective)
+                         clamped_log_ratio, objective_args, objective_params,
+                         token_objective)
 from .regions import region_bounds
 from .rows import (at, head_args, head_scalars, load_target_logit, program_token,
                    row_logsumexp, row_write_dlogits, row_write_zeros, target_column,
@@ -140,7 +141,8 @@ def _surrogate_fwd_kernel(
         flag1 += (actor & f1).to(ACC)
         flag2 += (actor & f2).to(ACC)
         ratio += tl.where(actor, exp_accurate(log_ratio), 0.0)
-        neg_log_ratio -= tl.minimum(tl.maximum(lp - old, -clamp), clamp)
+        clamped, _ = clamped_log_ratio(lp - old, clamp)
+        neg_log_ratio -= clamped
         overflow += (actor & bad).to(ACC)
     row_scale = tl.load(row_scale_ptr + b).to(ACC)
     out = sums_ptr + b * N_SUM_COLS
@@ -291,7 +293,8 @@ def _surrogate_logits_row(
         tl.store(out + SUM_FLAG1, f1.to(ACC))
         tl.store(out + SUM_FLAG2, f2.to(ACC))
         tl.store(out + SUM_RATIO, exp_accurate(log_ratio))
-        tl.store(out + SUM_NEG_LOG_RATIO, -tl.minimum(tl.maximum(log_ratio, -clamp), clamp))
+        clamped, _ = clamped_log_ratio(log_ratio, clamp)
+        tl.store(out + SUM_NEG_LOG_RATIO, -clamped)
         tl.store(out + SUM_OVERFLOW, bad.to(ACC))
         tl.store(out + SUM_KL, kl)
         tl.store(out + SUM_ENTROPY, entropy)
