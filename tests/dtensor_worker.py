@@ -86,6 +86,12 @@ def gspo_call(policy, d):      # a sequence-level ratio: the two passes
 CALLS = {"policy_logprobs": logprobs_call, "policy_loss": loss_call, "gspo": gspo_call}
 
 
+# the head's options over the split (a logit scale alone is the case whose units differ from
+# the raw logits', Cohere's 0.0625)
+HEADS = {"head": {}, "scaled_head": dict(logit_scale=0.0625, temperature=0.7),
+         "softcapped_head": dict(softcap=2.0, temperature=1.3)}
+
+
 def check_call(name, form, d, mesh, rank):
     call = CALLS[name]
     if form == "logits":
@@ -97,10 +103,12 @@ def check_call(name, form, d, mesh, rank):
         pairs = [(shard, whole)]
     else:
         wholes = [leaf(d[k]) for k in ("hidden", "weight", "bias")]
-        want = call(rlfuse.LinearHead(wholes[0], wholes[1], d["targets"], wholes[2]), d)
+        want = call(rlfuse.LinearHead(wholes[0], wholes[1], d["targets"], wholes[2],
+                                      **HEADS[form]), d)
         shards = [dleaf(d["hidden"], mesh, [Replicate()]), dleaf(d["weight"], mesh, [Shard(0)]),
                   dleaf(d["bias"], mesh, [Shard(0)])]
-        got = call(rlfuse.LinearHead(shards[0], shards[1], d["targets"], shards[2]), d)
+        got = call(rlfuse.LinearHead(shards[0], shards[1], d["targets"], shards[2],
+                                     **HEADS[form]), d)
         pairs = list(zip(shards, wholes))
     assert set(got) == set(want), (set(got), set(want))
     for key in want:
@@ -195,7 +203,7 @@ def check_fsdp2_head(d, rank, world):
 def check_linear_cross_entropy(d, group, rank, world):
     """verl's Megatron-style call: each rank its ``[V_local, H]`` rows of the output layer,
     labels global ids, flat results; equal to the whole vocabulary, gradients too."""
-    from rlfuse.integrations.verl import linear_cross_entropy
+    from rlfuse.integrations.verl import linear_cross_entropy, log_probs_and_entropy
 
     hidden, weight = leaf(d["hidden"]), leaf(d["weight"])
     want = linear_cross_entropy(hidden, weight, d["targets"], 0.7)
@@ -214,6 +222,13 @@ def check_linear_cross_entropy(d, group, rank, world):
           f"linear_cross_entropy dweight (rank {rank})", GRAD_TOL)
     total = linear_cross_entropy(h2, w2, d["targets"], 0.7, "sum", group)[0]
     close(total, want[0].sum(), f"linear_cross_entropy sum (rank {rank})")
+    # the backend's call with the model's head options (a scaled head, Cohere's) over the split
+    for head in ({"logit_scale": 0.0625}, {"logit_scale": 0.5, "softcap": 3.0}):
+        want = log_probs_and_entropy(d["hidden"], d["weight"], d["targets"], 0.7, **head)
+        got = log_probs_and_entropy(d["hidden"], d["weight"][rank * V_LOCAL:(rank + 1) * V_LOCAL],
+                                    d["targets"], 0.7, group=group, **head)
+        for g, w, what in zip(got, want, ("logprobs", "entropy")):
+            close(g, w, f"log_probs_and_entropy {head} {what} (rank {rank})")
 
 
 def raises(fn, match, rank):
@@ -260,8 +275,9 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     d = make_data(world)
     for name in CALLS:
-        for form in ("logits", "head"):
-            check_call(name, form, d, mesh, rank)
+        for form in ("logits", *HEADS):
+            if form in ("logits", "head") or name != "gspo":
+                check_call(name, form, d, mesh, rank)
         check_rank_rows(name, d, mesh, rank, world)
     check_fsdp2_head(d, rank, world)
     check_linear_cross_entropy(d, mesh.get_group(0), rank, world)

@@ -44,11 +44,14 @@ def test_vocab_parallel_two_ranks_every_form_and_loss():
 
 
 def test_vocab_parallel_two_ranks_bf16():
-    # bf16 through the row kernels of both forms (packed rows: the float64 and 4-rank runs)
+    # bf16 through the row kernels of both forms (packed rows: the float64 and 4-rank runs),
+    # every head option; randomised heads (fp64 and fp32) over the split
     run_workers(2, "--dtype", "bfloat16", "--impls", "fused", "--forms",
-                 "logits,head,capped_head")
+                 "logits,head,scaled_head,softcapped_head,capped_head,fp32_head",
+                 "--random-heads", "24")
 
 
 def test_vocab_parallel_four_ranks():
     run_workers(4, "--dtype", "float32", "--impls", "fused",
-                 "--forms", "logits,packed_head", "--calls", "policy_logprobs,ggpo,gppo,gspo")
+                 "--forms", "logits,packed_head,scaled_head",
+                 "--calls", "policy_logprobs,ggpo,gppo,gspo", "--random-heads", "12")

@@ -1,7 +1,8 @@
 """One rank of the vocabulary-split tests (``tests/test_vocab_split.py`` starts W of them with
 ``torch.distributed.run`` over ``gloo``): every loss and ``policy_logprobs``, in every policy
 form (``Logits`` with a whole output and ``offset``, ``LinearHead``, both packed, a
-``LinearHead`` with a logit scale and softcap), with the
+``LinearHead`` with a logit scale, a softcap, both, an fp32 ``head_dtype``, and randomised
+heads), with the
 vocabulary split over the group, against the same call on the whole vocabulary in this process
 — values, metrics, the shard's gradient, a ``LinearHead``'s full hidden-state gradient — for the
 fused path and the reference; the split under ``torch.compile(fullgraph=True)`` equal to eager
@@ -10,7 +11,8 @@ data-parallel counts; bad input raised on every rank.
 
     python -m torch.distributed.run --standalone --nproc_per_node W tests/vocab_split_worker.py
         [--dtype float64] [--impls fused,reference]
-        [--forms logits,head,packed,packed_head,capped_head]
+        [--forms logits,head,packed,packed_head,scaled_head,softcapped_head,capped_head,fp32_head]
+        [--random-heads N]
 """
 import argparse
 import datetime
@@ -73,11 +75,19 @@ def policy(lib, form, d, leaves, group):
         return lib.Logits(leaves[0], d["packed_targets"], index=d["index"], **kw)
     targets = d["packed_targets"] if form == "packed_head" else d["targets"]
     extra = dict(index=d["index"]) if form == "packed_head" else dict(offset=P)
-    if form == "capped_head":   # a model's logit scale and softcap after the matmul
-        extra.update(logit_scale=1.5, softcap=1.25)
+    extra.update(HEAD_OPTIONS.get(form, {}))
     return lib.LinearHead(leaves[0], leaves[1], targets, leaves[2], chunk_tokens=3, **kw,
                           **extra)
 
+
+# A model's head after its matmul: a logit scale (Cohere's 0.0625, Granite's), a softcap (Gemma),
+# both, each with a temperature; the head's matmul in fp32 from the weight's dtype.
+HEAD_OPTIONS = {
+    "scaled_head": dict(logit_scale=0.0625, temperature=0.7),
+    "softcapped_head": dict(softcap=1.25, temperature=1.3),
+    "capped_head": dict(logit_scale=1.5, softcap=1.25),
+    "fp32_head": dict(head_dtype=torch.float32, temperature=0.8),
+}
 
 CALLS = {
     "policy_logprobs": lambda lib, pol, d: lib.policy_logprobs(pol, return_entropy=True),
@@ -99,7 +109,7 @@ CALLS = {
 
 # the head's scale and softcap ride in the row kernels that every split LinearHead call shares:
 # the log-probs (their backward) and one loss suffice
-CALLS_OF = {"capped_head": ("policy_logprobs", "policy_terms")}
+CALLS_OF = {form: ("policy_logprobs", "policy_terms") for form in HEAD_OPTIONS}
 
 
 def scalar(out, d):
@@ -143,6 +153,48 @@ def check_case(lib, form, name, d, group, rank, world, dtype):
         torch.testing.assert_close(b.double(), a.double(), rtol=0,
                                    atol=GRAD_TOL[dtype] * scale,
                                    msg=lambda m: f"{where} gradient {i}: {m}")
+
+
+def check_random_heads(group, rank, world, draws: int):
+    """Randomised heads over the split, the same draws on every rank: a shard width, a batch,
+    a logit scale (or none), a softcap (or none), a temperature, a bias (or none), fp64 or
+    fp32; the split's log-probs, entropy and every gradient equal to the whole head's."""
+    g = torch.Generator().manual_seed(99)
+    pick = lambda *xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    uniform = lambda lo, hi: lo + (hi - lo) * float(torch.rand((), generator=g))  # noqa: E731
+    for draw in range(draws):
+        dtype = pick(torch.float64, torch.float32)
+        v_local, h, b, t = (int(torch.randint(lo, hi, (1,), generator=g))
+                            for lo, hi in ((2, 12), (2, 9), (1, 4), (1, 6)))
+        head = dict(logit_scale=pick(1.0, uniform(0.05, 3.0)), softcap=pick(None, uniform(0.5, 30)),
+                    temperature=pick(1.0, uniform(0.3, 2.0)))
+        V = v_local * world
+        hidden = torch.randn(b, t, h, generator=g, dtype=torch.float64).to(dtype)
+        weight = (4 * torch.randn(V, h, generator=g, dtype=torch.float64) / h ** 0.5).to(dtype)
+        bias = pick(None, torch.randn(V, generator=g, dtype=torch.float64).to(dtype))
+        targets = torch.randint(0, V, (b, t), generator=g)
+        upstream = torch.randn(2, b, t, generator=g, dtype=torch.float64).to(dtype)
+        lo, hi = rank * v_local, (rank + 1) * v_local
+        results = []
+        for w, bb, grp in ((weight, bias, None),
+                           (weight[lo:hi], None if bias is None else bias[lo:hi], group)):
+            leaves = [x.detach().clone().requires_grad_() for x in (hidden, w) +
+                      (() if bb is None else (bb,))]
+            policy = rlfuse.LinearHead(leaves[0], leaves[1], targets, *leaves[2:],
+                                       chunk_tokens=pick(2, 64), vocab_parallel_group=grp,
+                                       **head)
+            logp, entropy = rlfuse.policy_logprobs(policy, return_entropy=True)
+            grads = torch.autograd.grad((logp * upstream[0] + entropy * upstream[1]).sum(),
+                                        leaves)
+            results.append((logp, entropy, *grads))
+        whole, split = results
+        whole = whole[:3] + tuple(x[lo:hi] for x in whole[3:])   # this rank's rows of the head
+        where = f"rank {rank}/{world} draw {draw} {dtype} V_l={v_local} {head} bias={bias is not None}"
+        for i, (a, c) in enumerate(zip(whole, split)):
+            scale = max(1.0, a.double().abs().max().item())
+            torch.testing.assert_close(c.double(), a.double(), rtol=0,
+                                       atol=SPLIT_GRAD_TOL[dtype] * scale,
+                                       msg=lambda m: f"{where} output {i}: {m}")
 
 
 def check_bad_input(group, rank, world):
@@ -334,8 +386,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="float64")
     p.add_argument("--impls", default="fused,reference")
-    p.add_argument("--forms", default="logits,head,packed,packed_head,capped_head")
+    p.add_argument("--forms", default="logits,head,packed,packed_head,scaled_head,"
+                                      "softcapped_head,capped_head")
     p.add_argument("--calls", default=",".join(CALLS))
+    p.add_argument("--random-heads", type=int, default=0,
+                   help="that many randomised heads over the split (check_random_heads)")
     p.add_argument("--compile", action="store_true",
                    help="also torch.compile the split and opcheck its ops")
     args = p.parse_args()
@@ -350,6 +405,7 @@ def main():
             for name in args.calls.split(","):
                 if name in CALLS_OF.get(form, (name,)):
                     check_case(libs[impl], form, name, d, group, rank, world, dtype)
+    check_random_heads(group, rank, world, args.random_heads)
     check_collectives(d, group, rank, world)
     check_traffic(d, group, rank, world)
     if args.compile:

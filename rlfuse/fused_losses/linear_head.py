@@ -27,6 +27,7 @@ from .._math import head_logits
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.objectives import SUM_COLUMNS
+from ..kernels.rows import row_inv_temp
 from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd
@@ -135,11 +136,13 @@ def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
 
 def _target_logit(logits: Tensor, targets: Tensor, logit_scale: float,
                   softcap: float) -> Tensor:
-    """``[C, 1]`` logit of each row's target through the head (before the temperature, as the
-    row kernels keep their statistics) of a chunk's ``logits [C, 1, V]``, in the compute
-    dtype."""
+    """``[C, 1]`` logit of each row's target of a chunk's ``logits [C, 1, V]`` in the compute
+    dtype, in the units the row kernels keep their statistics in (``rows.row_inv_temp``): the
+    softcapped logit of a head that softcaps, else the matmul's own."""
     x_y = logits.gather(-1, targets.view(-1, 1, 1)).view(-1, 1)
-    return head_logits(x_y, logit_scale, softcap or None).to(compute_dtype(logits.dtype))
+    if softcap:
+        return head_logits(x_y, logit_scale, softcap)
+    return x_y.to(compute_dtype(logits.dtype))
 
 
 def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, temperature: float,
@@ -155,7 +158,8 @@ def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, temperature:
                                            softcap=softcap)
     x_y = _target_logit(logits, local.clamp_min(0), logit_scale, softcap)
     logp, entropy, stats = vocab.whole_rows(x_y, stats, entropy, targets, logits.shape[-1], mask,
-                                            temperature, with_entropy, group_name)
+                                            row_inv_temp(temperature, logit_scale, softcap),
+                                            with_entropy, group_name)
     entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(stats[:, 0])
     return local, torch.stack([logp.reshape(-1), stats[:, 0], stats[:, 1], entropy], -1)
 
@@ -178,8 +182,8 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
                        target_logit: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window
     (``logit_scale`` and ``softcap``, 0: none, as in ``LinearHead``); with ``target_logit`` the
-    first output is the target's logit, through the head, before the temperature instead (what
-    a shard of a split vocabulary contributes, ``scaleout.vocab``)."""
+    first output is the target's logit in the units of the row statistics (``_target_logit``)
+    instead (what a shard of a split vocabulary contributes, ``scaleout.vocab``)."""
     acc = compute_dtype(hidden.dtype)
     B, T = targets.shape
     # rows left out of the chunks (masked, when gathering) have log-prob 0, entropy 0

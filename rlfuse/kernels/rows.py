@@ -51,16 +51,25 @@ _NO_HINT = tl.constexpr("")
 _TANH_SMALL = tl.constexpr(0.625)
 
 
+def row_inv_temp(temperature: float, logit_scale: float = 1.0, softcap: float = 0.0) -> float:
+    """The factor that turns the logit ``x`` the row kernels keep their statistics in into
+    ``z = x * row_inv_temp``: without a softcap ``x`` is the raw logit and the scale folds in
+    (``logit_scale / temperature``); with one ``x`` is ``softcap(logit_scale logit)``
+    (``1 / temperature``). A row's max, and every logit compared with it, is in those units."""
+    return (1.0 if softcap else float(logit_scale)) / float(temperature)
+
+
 def head_args(temperature: float, logit_scale: float = 1.0, softcap: float = 0.0):
     """``(scalars, SOFTCAP)`` of a head that turns a logit x into ``z = softcap(logit_scale x)
     / temperature``, ``softcap(y) = cap tanh(y / cap)`` (``softcap`` 0: none, and the scale
     folds into ``inv_temp``): the six float arguments of the row kernels, ``inv_temp``,
     ``cap`` and ``cap_in`` each as an fp64 ``hi + lo`` (``utils.fp64_parts``; ``head_scalars``
     sums them in the kernel)."""
+    inv_temp = row_inv_temp(temperature, logit_scale, softcap)
     if softcap:
-        values, softcapped = (1.0 / temperature, softcap, logit_scale / softcap), True
+        values, softcapped = (inv_temp, softcap, logit_scale / softcap), True
     else:
-        values, softcapped = (logit_scale / temperature, 1.0, 1.0), False
+        values, softcapped = (inv_temp, 1.0, 1.0), False
     return tuple(part for value in values for part in fp64_parts(float(value))), softcapped
 
 

@@ -10,9 +10,11 @@ One all-gather of these ``[N, 4]`` statistics gives every rank the whole row's
     log p_y = (x_y - m_o) / tau + (m_o - M) / tau - log S              (o: the target's rank)
     H = sum_r pi_r (H_r - log pi_r),   log pi_r = lse_r - lse   (the chain rule of entropy)
 
-every difference of logits taken before the temperature.
+every difference of logits taken before the temperature. Here ``1 / tau`` stands for the factor
+that turns the logits the row kernels keep (the raw logits, or a head's softcapped ones) into z:
+``kernels.rows.row_inv_temp``, with a head's logit scale folded in when it does not softcap.
 
-and the gradient of rank r's shard needs only ``(M, log S, H)``, the upstream gradients and
+The gradient of rank r's shard needs only ``(M, log S, H)``, the upstream gradients and
 its own logits: the backward moves no data between ranks (a ``LinearHead``'s hidden-state
 gradient is summed over the group, one all-reduce). The reference instead gathers the shards
 into whole rows (``GatherVocab``), the definition.
@@ -56,7 +58,7 @@ def combine_shards(stats: Tensor, owner: Tensor, inv_temp: float,
                    group) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(logp, max, log_sum, entropy)`` ``[N]`` of whole rows from each rank's shard
     statistics ``stats [N, SHARD_COLUMNS]`` (one all-gather); ``owner [N]``: the rank that holds
-    each row's target; ``inv_temp``: 1 / tau."""
+    each row's target; ``inv_temp``: what turns the statistics' logits into z (``whole_rows``)."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
@@ -97,15 +99,15 @@ def group_sum(x: Tensor, group_name: str) -> None:
     dist.all_reduce(x, group=group_of(group_name))
 
 def whole_rows(x_y: Tensor, stats: Tensor, entropy: Tensor, targets: Tensor, vocab_local: int,
-               mask: Optional[Tensor], temperature: float, with_entropy: bool,
+               mask: Optional[Tensor], inv_temp: float, with_entropy: bool,
                group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, stats [N, 2])`` of the whole rows from this shard's target
-    logit ``x_y`` (through the head, before the temperature; read where this rank holds the
-    target), its row statistics ``stats [N, 2]`` (max, log-sum) and entropy
-    (``combine_shards``)."""
+    logit ``x_y`` (read where this rank holds the target), its row statistics ``stats [N, 2]``
+    (max, log-sum) and entropy (``combine_shards``). ``x_y`` and the max are in the units the
+    row kernels keep them in, which ``inv_temp`` turns into ``z`` (``kernels.rows.row_inv_temp``:
+    a head's logit scale folds into it unless the head softcaps)."""
     local, owner = shard_targets(targets, vocab_local, group_name)
     mine = (local >= 0).reshape(-1)
-    inv_temp = 1.0 / temperature
     shift = torch.where(mine, (x_y.reshape(-1) - stats[:, 0]) * inv_temp, 0.0)
     shard_entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(shift)
     shard = torch.stack([shift, stats[:, 0], stats[:, 1], shard_entropy], -1)
