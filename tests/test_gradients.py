@@ -65,14 +65,15 @@ def test_upstream_scale_from_logits(name, dtype, scale, device):
         assert tiny.any() and (fused[tiny] != 0).all()
 
 
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("name", ["gppo", "gr_opd"])
-def test_single_pass_backward_runs_once(name, device):
-    """The single pass hands its gradient buffer out in the first backward; a second backward
-    raises instead of returning a wrongly scaled gradient, and the gradient the caller holds
-    is left as it was."""
+def test_single_pass_backward_runs_once(name, inplace, device):
+    """The single pass hands its gradient buffer out in the first backward (a buffer of its
+    own, or the logits' in place); a second backward raises instead of returning a wrongly
+    scaled gradient, and the gradient the caller holds is left as it was."""
     case = on(make_case(2), device)
     leaf = case["logits"].float().requires_grad_(True)
-    loss = LOSSES[name](rlfuse, rlfuse.Logits(leaf, case["targets"]), case).loss
+    loss = LOSSES[name](rlfuse, rlfuse.Logits(leaf, case["targets"], 1.0, inplace), case).loss
     (first,) = torch.autograd.grad(loss, leaf, retain_graph=True)
     held = first.clone()
     with pytest.raises(RuntimeError, match="backpropagated twice"):

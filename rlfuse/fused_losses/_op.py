@@ -14,7 +14,7 @@ import collections
 import contextlib
 import functools
 import inspect
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,6 +47,11 @@ def custom_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable:
         return op
 
     return register
+
+
+def input_names(op) -> Tuple[str, ...]:
+    """The names of ``op``'s inputs, in order."""
+    return _INPUTS[op]._fields
 
 
 def register_autograd(op, backward: Callable, setup_context: Callable) -> None:

@@ -37,7 +37,8 @@ from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_f
 from ..scaleout.layout import as_one_token_rows
 from ..scaleout.rank_rows import RankRowsHead
 from ..scaleout.vocab import check_shard_sizes
-from ._op import custom_op, kl_fields, kl_of, objective_fields, objective_of, register_autograd
+from ._op import (custom_op, input_names, kl_fields, kl_of, objective_fields, objective_of,
+                  register_autograd)
 from .kl import kl_penalty_op
 from .linear_head import chunk_tokens_for, head_fields, linear_surrogate_op
 from .logprobs import batched_rows
@@ -113,6 +114,20 @@ register_autograd(surrogate_op, _surrogate_backward, _surrogate_setup)
 # The single pass from logits
 # --------------------------------------------------------------------------------------------
 
+def _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
+                 entropy_scale, temperature, objective, geometry, topology, delta_low,
+                 delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
+                 write_dlogits, dlogits, offset) -> Tuple[Optional[Tensor], Tensor]:
+    """``(dlogits or None, sums)`` of the single pass (``surrogate_logits_op``), the gradient
+    written into ``dlogits`` when given."""
+    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
+    kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
+    return surrogate_logits_fwd(
+        logits, targets, mask, old_lp, adv, weights, row_scale, spec, temperature=temperature,
+        write_dlogits=write_dlogits, dlogits=dlogits, offset=offset, ref_lp=ref_lp, kl=kl,
+        kl_scale=kl_scale, entropy_scale=entropy_scale)
+
+
 @custom_op("surrogate_logits")
 def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: Optional[Tensor],
                         adv: Tensor, weights: Optional[Tensor], row_scale: Tensor,
@@ -120,7 +135,7 @@ def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: O
                         entropy_scale: Optional[Tensor], temperature: float, objective: str,
                         geometry: str, topology: str, delta_low: float, delta_high: float,
                         params: List[float], clamp: float, kl_estimator: str, kl_straight: bool,
-                        kl_weighted: bool, kl_clamp: bool, write_dlogits: bool, inplace: bool,
+                        kl_weighted: bool, kl_clamp: bool, write_dlogits: bool,
                         offset: int) -> Tuple[Tensor, Tensor, Tensor]:
     """``(loss, sums [B*T, SUM_COLUMNS], dlogits)`` in one pass over ``logits [B, S, V]``, whose
     rows ``[offset, offset + T)`` predict ``targets [B, T]`` (``old_lp`` None: on policy, the
@@ -129,35 +144,26 @@ def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: O
     none), both with their coefficients.
 
     ``dlogits`` (for an upstream gradient of 1) is a new ``[B, S, V]`` buffer (zero rows outside
-    the window), or empty: without ``write_dlogits`` (the loss alone, one read of the logits) or
-    ``inplace``, where it is written into the logits' own buffer (``stride(-1) == 1`` required),
-    which the op does not return: an op's outputs never alias its inputs.
+    the window), or empty without ``write_dlogits`` (the loss alone, one read of the logits).
+    ``surrogate_logits_inplace_op`` writes it into the logits' own buffer instead.
     """
-    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
-    kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
-    dlogits, sums = surrogate_logits_fwd(
-        logits, targets, mask, old_lp, adv, weights, row_scale, spec, temperature=temperature,
-        write_dlogits=write_dlogits, dlogits=logits if inplace and write_dlogits else None,
-        offset=offset, ref_lp=ref_lp, kl=kl, kl_scale=kl_scale, entropy_scale=entropy_scale)
-    if dlogits is None or inplace:
-        dlogits = logits.new_empty(0)
-    return _loss(sums), sums, dlogits
+    dlogits, sums = _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp,
+                                 kl_scale, entropy_scale, temperature, objective, geometry,
+                                 topology, delta_low, delta_high, params, clamp, kl_estimator,
+                                 kl_straight, kl_weighted, kl_clamp, write_dlogits, None, offset)
+    return _loss(sums), sums, logits.new_empty(0) if dlogits is None else dlogits
 
 
 @surrogate_logits_op.register_fake
 def _(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale, entropy_scale,
       temperature, objective, geometry, topology, delta_low, delta_high, params, clamp,
-      kl_estimator, kl_straight, kl_weighted, kl_clamp, write_dlogits, inplace, offset):
-    dlogits_shape = logits.shape if write_dlogits and not inplace else (0,)
+      kl_estimator, kl_straight, kl_weighted, kl_clamp, write_dlogits, offset):
     return (row_scale.new_empty(()), row_scale.new_empty((targets.numel(), len(SUM_COLUMNS))),
-            logits.new_empty(dlogits_shape))
+            logits.new_empty(logits.shape if write_dlogits else (0,)))
 
 
 def _surrogate_logits_setup(ctx, inputs, output):
     _, sums, dlogits = output
-    # in place, the logits' buffer holds the gradient: kept unsaved (the caller bumps its
-    # version, which saving would turn against this very backward)
-    ctx.buffer = inputs.logits if inputs.inplace else None
     ctx.save_for_backward(dlogits, inputs.mask)
     ctx.mark_non_differentiable(sums, dlogits)
     ctx.set_materialize_grads(False)   # no zero-filled [B, S, V] "gradient" of dlogits
@@ -165,9 +171,11 @@ def _surrogate_logits_setup(ctx, inputs, output):
     ctx.backward_done = False
 
 
-def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
-    if grad_loss is None:
-        return None
+def _hand_out(ctx, grad_loss: Tensor) -> Tensor:
+    """The single pass's gradient buffer (saved with the mask) rescaled by the upstream
+    gradient, once: it is handed out, so a second backward (``retain_graph``) would rescale
+    what the caller holds. Checked before the saved tensors are read: the first backward's
+    rescale moved their version."""
     if ctx.backward_done:
         raise RuntimeError(
             "rlfuse: a surrogate loss (GPPO, GR-OPD, PPO) from Logits writes its gradient in the "
@@ -176,13 +184,63 @@ def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
             "backward.")
     ctx.backward_done = True
     dlogits, mask = ctx.saved_tensors
-    if ctx.buffer is not None:
-        dlogits, ctx.buffer = ctx.buffer, None
     scale_rows_op(dlogits, mask, grad_loss, ctx.offset)
+    return dlogits
+
+
+def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
+    if grad_loss is None:
+        return None
+    dlogits = _hand_out(ctx, grad_loss)
     return {"logits": dlogits.view(dlogits.shape)}
 
 
 register_autograd(surrogate_logits_op, _surrogate_logits_backward, _surrogate_logits_setup)
+
+
+@custom_op("surrogate_logits_", mutates_args=("logits",))
+def surrogate_logits_inplace_op(logits: Tensor, targets: Tensor, mask: Tensor,
+                                old_lp: Optional[Tensor], adv: Tensor, weights: Optional[Tensor],
+                                row_scale: Tensor, ref_lp: Optional[Tensor],
+                                kl_scale: Optional[Tensor], entropy_scale: Optional[Tensor],
+                                temperature: float, objective: str, geometry: str,
+                                topology: str, delta_low: float, delta_high: float,
+                                params: List[float], clamp: float, kl_estimator: str,
+                                kl_straight: bool, kl_weighted: bool, kl_clamp: bool,
+                                offset: int) -> Tuple[Tensor, Tensor]:
+    """``(loss, sums)`` of ``surrogate_logits_op`` with the gradient (for an upstream gradient
+    of 1) written over ``logits`` (``inplace_backward``; ``stride(-1) == 1`` required). An op
+    that mutates an input carries no autograd formula: ``InPlaceSinglePass`` holds it."""
+    _, sums = _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp,
+                           kl_scale, entropy_scale, temperature, objective, geometry, topology,
+                           delta_low, delta_high, params, clamp, kl_estimator, kl_straight,
+                           kl_weighted, kl_clamp, True, logits, offset)
+    return _loss(sums), sums
+
+
+@surrogate_logits_inplace_op.register_fake
+def _(logits, targets, *rest):
+    row_scale = rest[4]
+    return (row_scale.new_empty(()), row_scale.new_empty((targets.numel(), len(SUM_COLUMNS))))
+
+
+class InPlaceSinglePass(torch.autograd.Function):
+    """``surrogate_logits_inplace_op`` with its gradient: the logits' own buffer, which holds
+    the gradient after the forward, rescaled by the upstream gradient (``_hand_out``). The
+    op's declared write moves the logits' version, so a consumer that saved them before raises
+    in its backward rather than differentiate through overwritten values."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, mask, *rest):
+        loss, sums = surrogate_logits_inplace_op(logits, targets, mask, *rest)
+        ctx.save_for_backward(logits, mask)
+        ctx.mark_non_differentiable(sums)
+        ctx.offset, ctx.backward_done, ctx.inputs = rest[-1], False, 3 + len(rest)
+        return loss, sums
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_sums):
+        return (_hand_out(ctx, grad_loss),) + (None,) * (ctx.inputs - 1)
 
 
 @custom_op("scale_rows_", mutates_args=("x",))
@@ -202,7 +260,7 @@ def _(x, mask, scale, offset):
 # Every policy form
 # --------------------------------------------------------------------------------------------
 
-def _single_pass(policy, ratio: str) -> bool:
+def _in_one_pass(policy, ratio: str) -> bool:
     """Whether ``policy``'s loss runs in one pass over its logits (see the module)."""
     if ratio != "token" or not isinstance(policy, (Logits, LinearHead)) or \
             isinstance(policy, RankRowsHead) or \
@@ -255,7 +313,7 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     in its kernel; otherwise they are ops over the ``[B, T]`` log-probs. With ``validate`` an
     overflowing objective raises (one host sync)."""
     flat = objective_fields(objective)
-    single = _single_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
+    single = _in_one_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
     packed = policy.index if single and policy.index is not None else None
     batch, T = mask.shape
     if packed is not None:
@@ -286,14 +344,13 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     elif single:
         logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)
         write = policy.logits.requires_grad and torch.is_grad_enabled()
-        inplace = bool(policy.inplace_backward) and logits is policy.logits
-        loss, sums, _ = surrogate_logits_op(
-            logits, targets, **tokens, **terms_in, temperature=float(policy.temperature),
-            **flat, write_dlogits=write, inplace=inplace, offset=int(policy.offset))
-        if inplace and write:
-            # the logits now hold their gradient: a consumer that saved them raises in its
-            # backward rather than differentiate through overwritten values
-            torch.autograd.graph.increment_version(logits)
+        inputs = dict(logits=logits, targets=targets, **tokens, **terms_in,
+                      temperature=float(policy.temperature), **flat, offset=int(policy.offset))
+        if write and policy.inplace_backward and logits is policy.logits:
+            loss, sums = InPlaceSinglePass.apply(
+                *(inputs[name] for name in input_names(surrogate_logits_inplace_op)))
+        else:
+            loss, sums, _ = surrogate_logits_op(**inputs, write_dlogits=write)
         terms = {}
     else:
         if entropy_scale is not None:
