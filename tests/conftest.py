@@ -6,6 +6,7 @@ must be set before triton is imported; ``make test`` does, and so does this file
 first). Tests marked ``gpu`` need CUDA.
 """
 import importlib
+import math
 import os
 import signal
 import threading
@@ -160,17 +161,31 @@ def max_err(x: torch.Tensor, ref64: torch.Tensor) -> float:
 
 
 def assert_three_way(fused: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor, name: str = "",
-                     atol_dtype: torch.dtype = None, scale: float = None):
+                     atol_dtype: torch.dtype = None, scale: float = None, floor: float = 0.0):
     """The three-way rule above; ``atol_dtype`` defaults to the dtype of ``fused``. ``scale``
     replaces ``max(1, max|ref64|)`` for a result made of larger terms that cancel (a mean of
-    differences of log-probs is rounded at the log-probs' magnitude, not at its own)."""
+    differences of log-probs is rounded at the log-probs' magnitude, not at its own).
+    ``floor``: the least error the reference's yardstick stands for, bounded from the operation
+    itself (``matmul_rounding``): the reference's own error moves with the machine's BLAS and
+    vector units, and where it happens to be small it must not make the rule tighter than the
+    operation's rounding allows."""
     assert fused.shape == ref64.shape, f"{name}: shape {tuple(fused.shape)} != {tuple(ref64.shape)}"
     assert torch.isfinite(fused).all(), f"{name}: non-finite values"
     if scale is None:
         scale = max(1.0, ref64.abs().max().item()) if ref64.numel() else 1.0
-    bound = THREE_WAY_FACTOR * max_err(ref, ref64) + ATOL[atol_dtype or fused.dtype] * scale
+    yardstick = max(max_err(ref, ref64), floor)
+    bound = THREE_WAY_FACTOR * yardstick + ATOL[atol_dtype or fused.dtype] * scale
     err = max_err(fused, ref64)
     assert err <= bound, f"{name}: max error {err:.3e} vs float64 exceeds {bound:.3e}"
+
+
+def matmul_rounding(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rounding of each entry of ``a @ b`` computed in ``dtype`` (float64 inputs, the exact
+    operands), ``sqrt(K) u sum_k |a_ik| |b_kj|`` with K the inner size and u the unit roundoff:
+    the error a K-term dot product accumulates, whatever order a BLAS sums it in (the
+    error-relative rule of cut-cross-entropy's tests)."""
+    u = torch.finfo(dtype).eps / 2
+    return math.sqrt(a.shape[-1]) * u * (a.abs() @ b.abs())
 
 
 # --------------------------------------------------------------------------------------------
