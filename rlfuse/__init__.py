@@ -3,7 +3,7 @@ from . import objectives, reference, terms
 from ._api import (ggpo_loss, gppo_bounds, gppo_loss, gr_opd_advantages, gr_opd_loss,
                    kl_penalty, policy_logprobs, policy_loss, ppo_loss, token_logprobs)
 from ._dispatch import use_kernels
-from ._math import group_advantages           # plain torch on [B]-sized data: one for both
+from .shared.aggregation import group_advantages  # plain torch on [B]-sized data: one for both
 from ._types import LinearHead, Logits, LossOutput
 from .modules import GGPOLoss, GPPOLoss, GROPDLoss, PPOLoss
 from .scaleout.data_parallel import global_counts

@@ -8,7 +8,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ._policy import matmul_head, policy_device
+from .checks.policy import matmul_head, policy_device
 from .scaleout.dtensor import local_policy
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None

@@ -17,8 +17,8 @@ from typing import ClassVar, Dict, Optional, Tuple, Union
 
 from ._names import GEOMETRIES, OBJECTIVE_FLAGS, RATIO_LEVELS, TOPOLOGIES
 from ._specs import VERL_LOG_RATIO_CLAMP, Objective, ObjectiveSpec
-from ._validation import (check_choice, check_clip, check_dual_clip, check_number,
-                          check_positive, check_sides)
+from .checks.values import (check_choice, check_clip, check_dual_clip, check_number,
+                            check_positive, check_sides)
 
 Clip_ = Union[float, Tuple[float, float]]
 

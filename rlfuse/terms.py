@@ -21,7 +21,7 @@ import torch
 
 from ._names import AGGREGATIONS, KL_ALIASES, KL_ESTIMATORS
 from ._specs import KLTerm
-from ._validation import check_choice, check_nonnegative, check_number, check_positive
+from .checks.values import check_choice, check_nonnegative, check_number, check_positive
 
 
 def kl_estimator(name) -> tuple:

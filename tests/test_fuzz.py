@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import rlfuse
 from rlfuse import objectives, reference, terms
-from rlfuse._math import aggregation_weights
+from rlfuse.shared.aggregation import aggregation_weights
 from rlfuse._names import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
 from rlfuse.reference.objectives import clip as clipped_surrogate
 

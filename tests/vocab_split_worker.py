@@ -331,7 +331,7 @@ def check_opcheck(d, group, rank, world):
     over the split): schema, autograd registration, the fake
     implementation against the real one, AOT dispatch with dynamic shapes."""
     from rlfuse.fused_losses import linear_head
-    from rlfuse.scaleout import vocab_op
+    from rlfuse.fused_losses import vocab_split as vocab_op
     from rlfuse.scaleout.vocab import shard_targets
 
     name = group.group_name

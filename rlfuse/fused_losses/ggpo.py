@@ -7,9 +7,9 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._args import check_ggpo_args
+from ..api.args import check_ggpo_args
 from .._dispatch import falls_back_to
-from .._math import k3_kl_mean
+from ..shared.aggregation import k3_kl_mean
 from .._types import LossOutput, compute_dtype
 from ..kernels.ggpo import GROUP_COLUMNS, ggpo_bwd, ggpo_fwd
 from ._op import custom_op, register_autograd

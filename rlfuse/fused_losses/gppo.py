@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._args import check_bounds_args, check_gppo_args
+from ..api.args import check_bounds_args, check_gppo_args
 from .._dispatch import falls_back_to
 from .._types import LossOutput, compute_dtype
 from ..kernels.regions import gppo_bounds_fwd

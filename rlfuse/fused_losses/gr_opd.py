@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._args import check_advantage_inputs, check_gr_opd_args
+from ..api.args import check_advantage_inputs, check_gr_opd_args
 from .._dispatch import falls_back_to
-from .._math import aggregation_weights, clamped_feedback, masked_mean
+from ..shared.aggregation import aggregation_weights, clamped_feedback, masked_mean
 from .._types import LossOutput, compute_dtype
 from ..kernels.gr_opd import GROUP_COLUMNS, gr_opd_advantages_fwd
 from ._op import custom_op

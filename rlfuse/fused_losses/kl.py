@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._args import check_kl_penalty_args
+from ..api.args import check_kl_penalty_args
 from .._dispatch import falls_back_to
 from ..kernels.kl import kl_penalty_bwd, kl_penalty_fwd
 from ._op import custom_op, register_autograd

@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._math import head_logits
+from ..shared.head import head_logits
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.objectives import SUM_COLUMNS

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .. import reference
 from .._dispatch import falls_back_to
-from .._policy import check_logprob_args
+from ..checks.policy import check_logprob_args
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.utils import empty

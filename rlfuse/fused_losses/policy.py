@@ -2,7 +2,7 @@
 
 A ``Logits`` / ``LinearHead`` policy goes one way: its rows (packed rows as one batch of N,
 ``scaleout.layout.as_rows``), then the local row ops (``logprobs``, ``linear_head``) or, with a
-split vocabulary, the split ops (``scaleout.vocab_op``), then the loss layout (packed rows at
+split vocabulary, the split ops (``vocab_split``), then the loss layout (packed rows at
 their ``[B, T]`` positions).
 """
 from __future__ import annotations
@@ -13,9 +13,10 @@ from torch import Tensor
 
 from .. import reference
 from .._dispatch import falls_back_to
-from .._policy import check_policy, check_policy_targets, vocab_size
+from ..checks.policy import check_policy, check_policy_targets, vocab_size
 from .._types import LinearHead, Logits
-from ..scaleout import layout, vocab, vocab_op
+from ..scaleout import layout, vocab
+from .vocab_split import split_logprobs
 from ..scaleout.rank_rows import RankRowsHead, rank_rows_logprobs
 from .linear_head import chunk_tokens_for, head_fields, linear_logprobs_op
 from .logprobs import token_logprobs_op
@@ -58,7 +59,7 @@ def window_logprobs(policy, mask: Optional[Tensor], *, gather: bool, validate: b
     if validate and group is not None:
         vocab.check_shard_sizes(group, vocab_size(policy), policy.targets.device)
     rows, rows_mask = layout.as_rows(policy), layout.row_mask(policy, mask)
-    logprobs = _local_logprobs if group is None else vocab_op.split_logprobs
+    logprobs = _local_logprobs if group is None else split_logprobs
     logp, entropy = logprobs(rows, rows_mask, gather=gather, return_entropy=return_entropy)
     return (layout.to_loss_layout(policy, logp, mask),
             layout.to_loss_layout(policy, entropy, mask) if return_entropy else entropy)

@@ -16,10 +16,11 @@ from typing import Optional
 import torch
 
 from .. import reference
-from .._args import check_policy_loss_args
-from .._batch_objectives import BATCH_OBJECTIVES, apply_masks, entropy_weights
+from ..api.args import check_policy_loss_args
+from ..shared.batch_objectives import BATCH_OBJECTIVES
+from ..shared.masks import apply_masks, entropy_weights
 from .._dispatch import falls_back_to
-from .._math import aggregation_weights
+from ..shared.aggregation import aggregation_weights
 from .._types import LossOutput
 from .policy import learner_logprobs
 from .surrogate import surrogate_loss, surrogate_metrics, terms_apart

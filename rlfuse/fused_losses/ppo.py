@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from .. import reference
-from .._args import check_ppo_args
+from ..api.args import check_ppo_args
 from .._dispatch import falls_back_to
 from .._types import LossOutput
 from .surrogate import surrogate_family_loss

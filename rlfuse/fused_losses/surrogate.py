@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from .._specs import Objective
-from .._batch_objectives import term_ratio
-from .._math import aggregation_weights, sequence_shares
+from ..shared.masks import term_ratio
+from ..shared.aggregation import aggregation_weights, sequence_shares
 from .._names import OBJECTIVE_FLAGS
 from .._types import LinearHead, LossOutput, Logits
-from .._validation import raise_on_overflow
+from ..checks.values import raise_on_overflow
 from ..kernels.objectives import SUM_COLUMNS
 from ..kernels.scale_rows import scale_rows
 from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .._math import head_logits
+from ..shared.head import head_logits
 
 # config field -> how the logits use it (per model_type where families differ)
 _MULTIPLIERS = ("logit_scale", "lm_head_multiplier", "output_multiplier")

@@ -48,8 +48,8 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
 import rlfuse
 from rlfuse import objectives, terms
 from rlfuse._names import GEOMETRIES, TOPOLOGIES
-from rlfuse._validation import check_choice, check_chunk_tokens, check_dual_clip, \
-    check_positive, check_sides
+from rlfuse.checks.values import (check_choice, check_chunk_tokens, check_dual_clip,
+                                  check_positive, check_sides)
 from rlfuse.integrations._models import add_head_forward, model_head, router_loss_problems
 
 __all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]

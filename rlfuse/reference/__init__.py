@@ -2,7 +2,7 @@
 
 Same signatures and docstrings as the public API; autograd computes the gradients.
 """
-from .._math import group_advantages
+from ..shared.aggregation import group_advantages
 from .._types import LinearHead, Logits, LossOutput
 from ..scaleout.data_parallel import global_counts
 from ..scaleout.layout import packed_index

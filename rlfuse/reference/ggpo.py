@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from .._args import check_ggpo_args
+from ..api.args import check_ggpo_args
 from .._docs import documented
-from .._math import k3_kl_mean, masked_mean
+from ..shared.aggregation import k3_kl_mean, masked_mean
 from .._types import LossOutput
 from .logprobs import learner_logprobs
 

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._args import check_bounds_args, check_gppo_args
+from ..api.args import check_bounds_args, check_gppo_args
 from .._docs import documented
 from .._types import LossOutput, compute_dtype
 from .regions import region_bounds

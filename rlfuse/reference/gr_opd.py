@@ -5,9 +5,9 @@ from typing import Optional
 
 import torch
 
-from .._args import check_advantage_inputs, check_gr_opd_args
+from ..api.args import check_advantage_inputs, check_gr_opd_args
 from .._docs import documented
-from .._math import clamped_feedback, masked_mean
+from ..shared.aggregation import clamped_feedback, masked_mean
 from .._types import LossOutput, compute_dtype
 from .surrogate import overflow_metric, surrogate
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._args import check_kl_penalty_args
+from ..api.args import check_kl_penalty_args
 from .._docs import documented
 
 # verl's clamps of k3: the log-ratio to +-20, the value to +-10

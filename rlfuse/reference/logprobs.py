@@ -7,9 +7,9 @@ from typing import Optional
 import torch
 
 from .._docs import documented
-from .._math import head_logits
-from .._policy import (check_logprob_args, check_policy, check_policy_targets, matmul_head,
-                       vocab_size)
+from ..shared.head import head_logits
+from ..checks.policy import (check_logprob_args, check_policy, check_policy_targets,
+                             matmul_head, vocab_size)
 from .._types import LinearHead, Logits, compute_dtype
 from ..scaleout import layout, vocab
 from ..scaleout.rank_rows import RankRowsHead, rank_rows_logprobs

@@ -7,12 +7,13 @@ from typing import Optional
 
 import torch
 
-from .._args import check_policy_loss_args
-from .._batch_objectives import BATCH_OBJECTIVES, apply_masks, entropy_weights, term_ratio
+from ..api.args import check_policy_loss_args
+from ..shared.batch_objectives import BATCH_OBJECTIVES
+from ..shared.masks import apply_masks, entropy_weights, term_ratio
 from .._docs import documented
-from .._math import aggregation_weights, masked_mean
+from ..shared.aggregation import aggregation_weights, masked_mean
 from .._types import LinearHead, Logits, LossOutput
-from .._validation import raise_on_overflow
+from ..checks.values import raise_on_overflow
 from .kl import kl_estimate
 from .logprobs import learner_logprobs, window_logprobs
 from .surrogate import surrogate, surrogate_metrics

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .._args import check_ppo_args
+from ..api.args import check_ppo_args
 from .._docs import documented
 from .._types import LossOutput
 from .surrogate import surrogate, surrogate_metrics

@@ -7,9 +7,9 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .._specs import Objective
-from .._math import aggregation_weights, masked_mean, per_token, sequence_shares
+from ..shared.aggregation import aggregation_weights, masked_mean, per_token, sequence_shares
 from .._names import OBJECTIVE_FLAGS
-from .._validation import raise_on_overflow
+from ..checks.values import raise_on_overflow
 from .logprobs import learner_logprobs
 from .objectives import OBJECTIVES, TokenObjective
 from .regions import region_bounds

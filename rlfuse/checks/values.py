@@ -1,4 +1,4 @@
-"""The building blocks of the argument checks (``_policy`` and ``_args`` assemble them).
+"""The building blocks of the argument checks (``policy`` and ``losses`` assemble them).
 
 Every check reads only metadata and ``[B, T]``-sized data (never the logits' values) and raises
 a ``ValueError`` / ``TypeError`` that names the argument and what was expected. The checks of

@@ -1,19 +1,16 @@
-"""The ``[B, T]`` math of ``policy_loss`` that needs every log-prob of a sequence or of the batch
-first, shared by both implementations (each forms the log-probs its own way, then calls this):
-the batch-level objectives (GMPO's ``geo_mean``, TRL's ``vespo``, verl's ``clip_cov`` and
-``kl_cov``, written as those trainers write them), the masks that read the current policy (TRL's
-top-entropy quantile and off-policy sequence mask), and the ratio TRL's importance-weighted KL
-multiplies by.
+"""The batch-level objectives of ``policy_loss``, which need every log-prob of a sequence or of
+the batch first (GMPO's ``geo_mean``, TRL's ``vespo`` and sequence-level CISPO, verl's
+``clip_cov`` and ``kl_cov``, written as those trainers write them): ``[B, T]`` math shared by
+both implementations, each of which forms the log-probs its own way, then calls this.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
-from ._math import aggregation_weights
-from ._validation import check_clip, check_positive, check_sides
+from ..checks.values import check_clip, check_positive, check_sides
 
 Tensor = torch.Tensor
 
@@ -195,106 +192,3 @@ def cispo_trl(objective, lp, old, adv, mask, weights, row_scale, *, loss_scale, 
 
 BATCH_OBJECTIVES = {"geo_mean": geo_mean, "vespo": vespo, "clip_cov": clip_cov,
                     "kl_cov": kl_cov, "cispo_trl": cispo_trl}
-
-
-# --------------------------------------------------------------------------------------------
-# The masks that read the current policy, and the ratio of the importance-weighted KL
-# --------------------------------------------------------------------------------------------
-
-def top_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float, gather=None) -> Tensor:
-    """TRL's ``get_high_entropy_mask`` at ``1 - quantile``: the actor tokens whose entropy is at
-    least that quantile of the actor tokens' entropies (``gather``: a function that returns the
-    entropies of every process, 1-D)."""
-    with torch.no_grad():
-        values = entropy[mask].float()
-        if gather is not None:
-            values = gather(values)
-        if values.numel() == 0:
-            return torch.zeros_like(mask)
-        threshold = torch.quantile(values, 1.0 - quantile)
-        return (torch.where(mask, entropy, 0.0) >= threshold) & mask
-
-
-def off_policy_mask(lp: Tensor, sampling: Tensor, adv: Tensor, mask: Tensor,
-                    threshold: float) -> Tensor:
-    """TRL's ``get_off_policy_mask``: keeps a token if its advantage is >= 0 or its sequence's
-    mean of ``sampling - lp`` (NaN counted as 0) is at most ``threshold``."""
-    with torch.no_grad():
-        kl = torch.nan_to_num(sampling - lp.detach(), nan=0.0)
-        seq = torch.where(mask, kl, 0.0).sum(-1, keepdim=True) / \
-            mask.sum(-1, keepdim=True).clamp(min=1.0)
-        return ((adv >= 0) | (seq <= threshold)) & mask
-
-
-def term_ratio(lp: Tensor, old: Tensor, mask: Tensor, ratio: str) -> Tensor:
-    """The objective's ratio ``[B, T]`` (or ``[B, 1]``), differentiable: what TRL's
-    importance-weighted KL multiplies by (``ratio``: a name of ``_names.RATIO_MODES``)."""
-    log_ratio = torch.where(mask, lp - old, 0.0)
-    if ratio == "token":
-        return torch.exp(log_ratio)
-    seq = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-    if ratio == "sequence":
-        return torch.exp(seq)
-    return torch.exp(lp - lp.detach() + seq.detach().clamp(max=10.0))
-
-
-def gather_entropies(group: Optional[object]):
-    """The ``gather`` of ``top_entropy_mask`` over a process group (None: none)."""
-    if group is None:
-        return None
-    from .scaleout.data_parallel import gather_values
-
-    return lambda values: gather_values(values, group)
-
-
-# --------------------------------------------------------------------------------------------
-# policy_loss's shared steps: the masks into the weights, the entropy bonus's row weights
-# --------------------------------------------------------------------------------------------
-
-def apply_masks(args, lp: Tensor, entropy: Optional[Tensor], old: Optional[Tensor],
-                weights: Optional[Tensor]):
-    """``(weights, entropy mask, metrics)``: the objective's weights times the masks of
-    ``args`` (``_args.PolicyLossArgs``) that read the current policy, the actor tokens the
-    entropy bonus covers, and the share of actor tokens each mask keeps (and the entropy mask's
-    mean entropy, ``entropy_kept``)."""
-    mask = args.mask
-    dtype = lp.dtype
-    tokens = mask.sum().clamp_min(1)
-    keep = mask
-    entropy_mask = mask
-    metrics = {}
-    if args.entropy_mask is not None:
-        group = gather_entropies(args.entropy_mask.process_group)
-        entropy_mask = top_entropy_mask(entropy.detach(), mask, args.entropy_mask.quantile,
-                                        group)
-        keep = keep & entropy_mask
-        metrics["entropy_mask_frac"] = entropy_mask.sum().to(dtype) / tokens
-        kept = entropy_mask.sum().clamp_min(1)   # the mean entropy over the tokens it keeps
-        metrics["entropy_kept"] = torch.where(entropy_mask, entropy.detach(), 0.0).sum() / kept
-    if args.off_policy_mask is not None:
-        sampling = args.off_policy_mask.sampling_logprobs
-        sampling = (lp.detach() if old is None else old) if sampling is None else sampling
-        adv = args.advantages
-        adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
-        kept = off_policy_mask(lp, sampling.to(dtype), adv, mask,
-                               args.off_policy_mask.threshold)
-        keep = keep & kept
-        metrics["off_policy_mask_frac"] = kept.sum().to(dtype) / tokens
-    if keep is not mask:
-        weights = keep.to(dtype) if weights is None else weights.to(dtype) * keep
-    return weights, entropy_mask, metrics
-
-
-def entropy_weights(args, mask: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
-    """The entropy bonus's row weights ``[B]`` over ``mask`` (its coefficient and the loss
-    scale included), None without one."""
-    bonus = args.entropy
-    if bonus is None:
-        return None
-    if bonus.agg is None:
-        agg, counts = args.agg, dict(num_tokens=args.num_tokens,
-                                     num_sequences=args.num_sequences)
-    else:
-        agg, counts = bonus.agg, dict(num_tokens=bonus.num_tokens,
-                                      num_sequences=bonus.num_sequences)
-    return bonus.coef * args.loss_scale * aggregation_weights(mask, agg, dtype, **counts)

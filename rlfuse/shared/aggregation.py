@@ -10,20 +10,9 @@ from typing import Dict, Optional
 
 import torch
 
-from ._docs import documented
-from ._types import compute_dtype
-from ._validation import check_finite, check_group_size, check_positive, check_tensor
-
-
-def head_logits(x: torch.Tensor, logit_scale: float, softcap: Optional[float]) -> torch.Tensor:
-    """``softcap(logit_scale x)`` with ``softcap(y) = cap tanh(y / cap)`` (None: none) in the
-    compute dtype: what a ``LinearHead`` puts after its matmul, before the temperature."""
-    x = x.to(compute_dtype(x.dtype))
-    if logit_scale != 1.0:
-        x = x * logit_scale
-    if softcap is not None:
-        x = torch.tanh(x / softcap) * softcap
-    return x
+from .._docs import documented
+from .._types import compute_dtype
+from ..checks.values import check_finite, check_group_size, check_positive, check_tensor
 
 
 def per_token(x: torch.Tensor, shape) -> torch.Tensor:

@@ -13,10 +13,10 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ._types import LinearHead, Logits, compute_dtype
-from ._validation import (as_bool_mask, check_chunk_tokens, check_logits, check_mask,
+from .._types import LinearHead, Logits, compute_dtype
+from .values import (as_bool_mask, check_chunk_tokens, check_logits, check_mask,
                           check_no_overlap, check_positive, check_targets, check_tensor)
-from .scaleout.layout import check_index, packed_rows_mask
+from ..scaleout.layout import check_index, packed_rows_mask
 
 
 class PolicyInfo(NamedTuple):

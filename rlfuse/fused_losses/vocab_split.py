@@ -17,13 +17,13 @@ import torch
 from torch import Tensor
 
 from .._types import LinearHead, compute_dtype
-from ..fused_losses._op import custom_op, register_autograd
-from ..fused_losses.linear_head import (chunk_tokens_for, head_fields, head_gradients,
+from ._op import custom_op, register_autograd
+from .linear_head import (chunk_tokens_for, head_fields, head_gradients,
                                         linear_logprobs_backward_op, linear_logprobs_op)
-from ..fused_losses.logprobs import logits_backward, token_logprobs_op
+from .logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
 from ..kernels.rows import row_inv_temp
-from .vocab import shard_targets, whole_rows
+from ..scaleout.vocab import shard_targets, whole_rows
 
 
 def _fake_outputs(like: Tensor, targets: Tensor, with_entropy: bool):

@@ -11,17 +11,17 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ._math import per_token
-from ._names import AGGREGATIONS, GEOMETRIES, RATIO_LEVELS, TOPOLOGIES
-from ._types import LinearHead, Logits
-from ._policy import PolicyInfo, check_policy, check_policy_targets
-from ._specs import VERL_LOG_RATIO_CLAMP, KLTerm, Objective, ObjectiveSpec
-from ._validation import (check_actor_tokens, check_choice, check_clip, check_count,
+from ..shared.aggregation import per_token
+from .._names import AGGREGATIONS, GEOMETRIES, RATIO_LEVELS, TOPOLOGIES
+from .._types import LinearHead, Logits
+from ..checks.policy import PolicyInfo, check_policy, check_policy_targets
+from .._specs import VERL_LOG_RATIO_CLAMP, KLTerm, Objective, ObjectiveSpec
+from ..checks.values import (check_actor_tokens, check_choice, check_clip, check_count,
                           check_dual_clip, check_finite, check_group_size, check_loss_scale,
                           check_nonnegative, check_number, check_positive, check_sequence_tensor,
                           check_sides, check_tensor, check_token_tensors, check_unit_interval)
-from .objectives import objective_spec
-from .terms import EntropyBonus, KLPenalty, OffPolicyMask, TopEntropyMask, kl_estimator
+from ..objectives import objective_spec
+from ..terms import EntropyBonus, KLPenalty, OffPolicyMask, TopEntropyMask, kl_estimator
 
 
 def _loss_policy(policy, mask, tensors, validate: bool):
