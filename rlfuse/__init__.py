@@ -1,10 +1,10 @@
 """rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD reinforcement-learning losses."""
 from . import objectives, reference, terms
-from ._api import (ggpo_loss, gppo_bounds, gppo_loss, gr_opd_advantages, gr_opd_loss,
-                   kl_penalty, policy_logprobs, policy_loss, ppo_loss, token_logprobs)
-from ._dispatch import use_kernels
-from .shared.aggregation import group_advantages  # plain torch on [B]-sized data: one for both
+from ._dispatch import (ggpo_loss, gppo_bounds, gppo_loss, gr_opd_advantages, gr_opd_loss,
+                        kl_penalty, policy_logprobs, policy_loss, ppo_loss, token_logprobs,
+                        use_kernels)
 from ._types import LinearHead, Logits, LossOutput
+from .api import group_advantages             # plain torch on [B]-sized data: one for both
 from .modules import GGPOLoss, GPPOLoss, GROPDLoss, PPOLoss
 from .scaleout.data_parallel import global_counts
 from .scaleout.layout import packed_index    # plain torch, [B, T]-sized: one for both

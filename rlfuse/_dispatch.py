@@ -1,20 +1,29 @@
-"""Which implementation a call runs: the Triton kernels or the plain-torch reference."""
+"""Which implementation a call runs: the Triton kernels where they run on its tensors' device,
+the plain-torch reference elsewhere; and the public functions bound to that choice (what
+``rlfuse`` exports)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import inspect
 import os
-from typing import Callable, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
+from . import api, reference
+from .api import Implementation, bind
 from .checks.policy import matmul_head, policy_device
 from .scaleout.dtensor import local_policy
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-# `@triton.jit` picks the interpreter when the kernels are decorated, at their import right
-# after this one (``kernels.utils.INTERPRET`` records the same decision).
+# `@triton.jit` picks the interpreter when the kernels are decorated, at their import below
+# (``kernels.utils.INTERPRET`` records the same decision).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+if HAVE_TRITON:
+    from .fused_losses import FUSED
+else:  # a platform without Triton: the reference runs every call
+    FUSED = None
 
 
 def use_kernels(device: Union[torch.device, str]) -> bool:
@@ -37,47 +46,40 @@ def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(kind)
 
 
-def falls_back_to(reference_fn: Callable) -> Callable:
-    """Declares a public fused function's reference twin.
+class Dispatch(NamedTuple):
+    """The kernels (``fused``) where they run, else the reference."""
 
-    The decorated function is the kernel path only. The public function forwards every call,
-    unchanged, to ``reference_fn`` when the kernels do not run on the device of its first
-    argument (a policy, logits or log-probs; anything else goes to the reference, whose checks
-    name what was expected), a policy holding DTensors first made of its local tensors
-    (``scaleout.dtensor``). The two must have the same signature (checked here, at import)
-    and share the reference's docstring, written once.
-    """
-    def declare(kernel_fn: Callable) -> Callable:
-        signature = inspect.signature(kernel_fn)
-        if signature != inspect.signature(reference_fn):
-            raise TypeError(f"{kernel_fn.__name__}: signature {signature} differs from its "
-                            f"reference twin's {inspect.signature(reference_fn)}")
-        first = next(iter(signature.parameters))
+    fused: Optional[Implementation]
+    reference: Implementation
 
-        def with_policy(policy, args, kwargs):
-            return ((policy,) + args[1:], kwargs) if args else \
-                ((), dict(kwargs, **{first: policy}))
+    @contextlib.contextmanager
+    def on(self, x):
+        """``(implementation, x)`` for ``x``, a policy, logits or log-probs (anything else goes
+        to the reference, whose checks name what was expected), a policy holding DTensors first
+        made of its local tensors (``scaleout.dtensor``). On the kernels, a head's matmuls run
+        in its ``head_dtype``, else in autocast's dtype (as autocast runs a linear layer), and
+        the rest in the kernels' own precision (fp32 accumulation): autocast is off inside."""
+        x = local_policy(x)
+        device = policy_device(x)
+        if self.fused is None or device is None or not use_kernels(device):
+            yield self.reference, x
+            return
+        dtype = autocast_dtype(device)
+        x = matmul_head(x, dtype)
+        with contextlib.nullcontext() if dtype is None else \
+                torch.autocast(device.type, enabled=False):
+            yield self.fused, x
 
-        def public(*args, **kwargs):
-            policy = local_policy(args[0] if args else kwargs.get(first))
-            args, kwargs = with_policy(policy, args, kwargs)
-            device = policy_device(policy)
-            if device is None or not use_kernels(device):
-                return reference_fn(*args, **kwargs)
-            dtype = autocast_dtype(device)
-            # a head's matmuls in its head_dtype, else in autocast's dtype (as autocast runs a
-            # linear layer); the kernels' own precision (fp32 accumulation) for the rest
-            args, kwargs = with_policy(matmul_head(policy, dtype), args, kwargs)
-            if dtype is None:
-                return kernel_fn(*args, **kwargs)
-            with torch.autocast(device.type, enabled=False):
-                return kernel_fn(*args, **kwargs)
 
-        public.__name__, public.__qualname__ = kernel_fn.__name__, kernel_fn.__qualname__
-        public.__module__ = kernel_fn.__module__
-        public.__doc__ = reference_fn.__doc__
-        public.__signature__ = signature
-        public.reference = reference_fn
-        return public
+DISPATCH = Dispatch(FUSED, reference.REFERENCE)
 
-    return declare
+ggpo_loss = bind(api.ggpo_loss, DISPATCH)
+gppo_bounds = bind(api.gppo_bounds, DISPATCH)
+gppo_loss = bind(api.gppo_loss, DISPATCH)
+gr_opd_advantages = bind(api.gr_opd_advantages, DISPATCH)
+gr_opd_loss = bind(api.gr_opd_loss, DISPATCH)
+kl_penalty = bind(api.kl_penalty, DISPATCH)
+policy_logprobs = bind(api.policy_logprobs, DISPATCH)
+policy_loss = bind(api.policy_loss, DISPATCH)
+ppo_loss = bind(api.ppo_loss, DISPATCH)
+token_logprobs = bind(api.token_logprobs, DISPATCH)

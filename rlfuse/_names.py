@@ -10,16 +10,6 @@ TOPOLOGIES = ("mc", "atomic", "binary")
 REGION_GEOMETRIES = GEOMETRIES + ("ppo_clip", "ratio_range")
 MU_MIN = 1e-6  # GPPO's mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
 
-# Per-token objectives of the surrogate losses (``kernels.objectives``, ``reference.objectives``).
-OBJECTIVES = ("clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
-# The metrics of each objective's per-token flags (the kernels' columns flag0..flag2).
-OBJECTIVE_FLAGS = {
-    "clip": ("clip_frac_low", "clip_frac_high", "dual_clip_frac"),
-    "cispo": ("clip_frac", "clip_frac_high"),
-    "sapo": (), "gpg": (), "dro": (),
-    "dppo_tv": ("dropped_frac", "truncated_frac"),
-    "dppo_kl": ("dropped_frac", "truncated_frac"),
-}
 # How a surrogate kernel forms a token's ratio: its own, its sequence's (GSPO: differentiated
 # through the sequence's mean, TRL; or straight through to each token, verl).
 RATIO_MODES = ("token", "sequence", "sequence_straight")

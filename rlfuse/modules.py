@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from ._api import ggpo_loss, gppo_loss, gr_opd_loss, ppo_loss
+from ._dispatch import ggpo_loss, gppo_loss, gr_opd_loss, ppo_loss
 from ._types import LossOutput
 
 

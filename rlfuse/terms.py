@@ -15,13 +15,24 @@ or entropy terms (as TRL and verl do).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ._names import AGGREGATIONS, KL_ALIASES, KL_ESTIMATORS
-from ._specs import KLTerm
 from .checks.values import check_choice, check_nonnegative, check_number, check_positive
+
+
+class KLTerm(NamedTuple):
+    """A KL penalty to reference log-probs, checked (``KLPenalty.term``): an estimator of
+    ``_names.KL_ESTIMATORS``, its coefficient, verl's straight-through ``+`` form, TRL's
+    importance weighting and verl's clamps of k3."""
+
+    estimator: str
+    coef: float
+    straight: bool = False
+    weighted: bool = False
+    clamp: bool = True
 
 
 def kl_estimator(name) -> tuple:

@@ -16,7 +16,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 import rlfuse
-from rlfuse._dispatch import falls_back_to, use_kernels
+from rlfuse._dispatch import Dispatch, use_kernels
 from rlfuse.fused_losses import _op
 
 PACKAGE = Path(rlfuse.__file__).parent
@@ -55,9 +55,9 @@ def _arguments_section(doc: str) -> dict:
 
 @pytest.mark.parametrize("name", PUBLIC_FUNCTIONS)
 def test_the_docstring_documents_every_argument(name):
-    """Each public function's docstring (written once, in ``rlfuse._docs``, or beside a plain
-    torch function that both paths share) names every argument of its signature in its
-    ``Args:`` section, and no argument it does not take: the docs cannot drift from the code."""
+    """Each public function's docstring (written once, on its definition in ``rlfuse.api``)
+    names every argument of its signature in its ``Args:`` section, and no argument it does
+    not take: the docs cannot drift from the code."""
     fn = getattr(rlfuse, name)
     assert fn.__doc__ and "Args:" in fn.__doc__, name
     assert set(_arguments_section(fn.__doc__)) == set(inspect.signature(fn).parameters), name
@@ -70,39 +70,36 @@ def test_every_loss_documents_every_policy_form(name):
         assert form in text, (name, form)
 
 
-def test_a_signature_that_drifts_fails_at_import():
-    def twin(policy, *, beta=1.0):
-        """doc"""
+@pytest.mark.parametrize("name", [n for n in PUBLIC_FUNCTIONS if hasattr(rlfuse.api, n)])
+def test_one_definition_behind_both_implementations(name):
+    """``rlfuse.<name>`` and ``rlfuse.reference.<name>`` are one definition of ``rlfuse.api``
+    bound to two implementations: one signature, one docstring."""
+    fused, twin = getattr(rlfuse, name), getattr(rlfuse.reference, name)
+    definition = getattr(rlfuse.api, name)
+    assert inspect.signature(fused) == inspect.signature(twin)
+    assert fused.__doc__ == twin.__doc__ == definition.__doc__
+    if name != "group_advantages":   # no implementation: the same function in both
+        assert fused.__wrapped__ is twin.__wrapped__ is definition
 
-    with pytest.raises(TypeError, match="signature"):
-        @falls_back_to(twin)
-        def drifted(policy, *, beta=2.0):
-            pass
 
+def test_the_dispatch_picks_the_reference_off_the_kernels_devices(monkeypatch):
+    """The kernels run where ``use_kernels`` says, the reference for everything else (another
+    device, an argument that is no tensor or policy: the reference's checks name it)."""
+    dispatch = Dispatch(fused="kernels", reference="reference")
 
-def test_the_fallback_forwards_the_call_unchanged(monkeypatch):
-    """Off the kernel devices the public function is its reference twin, whatever the argument
-    form (positional, keyword, bad input)."""
-    calls = []
-
-    def twin(policy, old, *, delta=0.1):
-        """doc"""
-        calls.append((policy, old, delta))
-        return "reference"
-
-    @falls_back_to(twin)
-    def fused(policy, old, *, delta=0.1):
-        return "kernels"
+    def picked(x):
+        with dispatch.on(x) as (run, _):
+            return run
 
     monkeypatch.setattr(rlfuse._dispatch, "INTERPRET", False)
     x = torch.zeros(2, 3)
-    assert fused(x, 1, delta=0.5) == "reference" and calls[-1] == (x, 1, 0.5)
-    assert fused(policy=x, old=2) == "reference" and calls[-1] == (x, 2, 0.1)
-    assert fused([1, 2], 3) == "reference"               # bad input: the reference's checks
+    assert picked(x) == "reference" and picked([1, 2]) == "reference"
     monkeypatch.setattr(rlfuse._dispatch, "INTERPRET", True)
-    assert fused(x, 1) == "kernels"
-    assert fused(rlfuse.Logits(torch.zeros(1, 2, 3), torch.zeros(1, 2)), 1) == "kernels"
-    assert fused("not a tensor", 1) == "reference"
+    assert picked(x) == "kernels"
+    assert picked(rlfuse.Logits(torch.zeros(1, 2, 3), torch.zeros(1, 2))) == "kernels"
+    assert picked("not a tensor") == "reference"
+    with Dispatch(None, "reference").on(x) as (run, _):   # without Triton
+        assert run == "reference"
 
 
 def test_use_kernels_takes_a_device_or_its_name():
@@ -130,7 +127,7 @@ def test_without_triton_the_reference_runs_every_call():
     """A platform without Triton imports rlfuse and runs the reference (one guarded import)."""
     code = ("import sys; sys.modules['triton'] = None; import rlfuse, torch; "
             "assert not rlfuse.use_kernels('cuda'); "
-            "assert rlfuse.gppo_loss is rlfuse.reference.gppo_loss; "
+            "assert rlfuse._dispatch.FUSED is None; "
             "x = -torch.rand(2, 3, requires_grad=True); "
             "out = rlfuse.gppo_loss(x, x.detach(), torch.ones(2), torch.ones(2, 3, dtype=bool)); "
             "out.loss.backward(); print(rlfuse.GPPOLoss()(x, x.detach(), torch.ones(2), "
@@ -268,7 +265,7 @@ def test_the_layers():
         if module.startswith("rlfuse.reference"):
             assert not {i for i in imports if i.startswith(
                 ("rlfuse.kernels", "rlfuse.fused_losses", "rlfuse.integrations",
-                 "rlfuse._api"))}, module
+                 "rlfuse._dispatch"))}, module
         if module.startswith("rlfuse.kernels"):
             assert all(i.startswith(("rlfuse.kernels", "rlfuse._names", "rlfuse._types"))
                        for i in imports), (module, imports)
@@ -321,7 +318,7 @@ def test_the_reference_holds_only_math():
 def test_one_switch_for_a_missing_triton():
     """Only the kernels import Triton, every module imports the kernels at its top (no import
     inside a function guards a missing Triton), and one module decides whether the fused
-    modules are imported at all (``rlfuse._api``)."""
+    modules are imported at all (``rlfuse._dispatch``)."""
     modules = _modules()
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
@@ -340,4 +337,4 @@ def test_one_switch_for_a_missing_triton():
     importers = {name for name, imports in import_graph().items()
                  if any(i.startswith("rlfuse.fused_losses") for i in imports)
                  and not name.startswith("rlfuse.fused_losses")}
-    assert importers == {"rlfuse._api"}
+    assert importers == {"rlfuse._dispatch"}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlfuse
-from rlfuse.fused_losses import ggpo, gppo, gr_opd, kl, linear_head, logprobs, surrogate
+from rlfuse.fused_losses import ggpo, gr_opd, kl, linear_head, logprobs, regions, surrogate
 
 from conftest import TOL
 from vocab_split_worker import SPLIT_OPS
@@ -320,7 +320,7 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "surrogate_logits_": surrogate.surrogate_logits_inplace_op,
        "scale_rows_": surrogate.scale_rows_op,
        "ggpo": ggpo.ggpo_op, "ggpo_backward": ggpo.ggpo_backward_op,
-       "gppo_bounds": gppo.gppo_bounds_op, "gr_opd_advantages": gr_opd.gr_opd_advantages_op,
+       "gppo_bounds": regions.gppo_bounds_op, "gr_opd_advantages": gr_opd.gr_opd_advantages_op,
        "linear_logprobs": linear_head.linear_logprobs_op,
        "linear_logprobs_backward": linear_head.linear_logprobs_backward_op,
        "linear_surrogate": linear_head.linear_surrogate_op, "kl_penalty": kl.kl_penalty_op,

@@ -45,7 +45,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import rlfuse  # noqa: E402
 import rlfuse._dispatch  # noqa: E402
-import rlfuse._specs  # noqa: E402
 from rlfuse._names import GEOMETRIES, TOPOLOGIES  # noqa: E402
 from rlfuse.kernels import (ggpo, gr_opd, kl, logprobs, regions, rows,  # noqa: E402
                             scale_rows, single_pass, surrogate, utils)
@@ -114,6 +113,18 @@ def _compile_only(run):
         COMPILED.setdefault((self.fn.__name__, kernel.hash), (kernel, constexprs))
         return kernel
     return compile_run
+
+
+# The objectives whose records have no default for a parameter, with one
+REQUIRED = {"dro": dict(dro_beta=0.1)}
+
+
+def objective_examples():
+    """An instance of every objective of ``rlfuse.objectives.OBJECTIVES``: its defaults, or
+    ``REQUIRED``'s parameters where it has none."""
+    from rlfuse import objectives
+
+    return [cls(**REQUIRED.get(name, {})) for name, cls in objectives.OBJECTIVES.items()]
 
 
 def _drive():
@@ -207,19 +218,15 @@ def _drive():
 
     # policy_loss: every objective with each KL estimator and the entropy bonus, from log-probs,
     # logits and a LinearHead (the single pass's KL and entropy variants); kl_penalty.
-    from rlfuse import objectives, terms
+    from rlfuse import terms
     from rlfuse._names import KL_ESTIMATORS
 
     weight = torch.randn(V, 64, generator=g).to(torch.bfloat16)
     hidden = torch.randn(B, T, 64, generator=g).to(torch.bfloat16).requires_grad_()
-    # the kernels' objectives (the sequence- and batch-level ones run the log-prob kernels,
-    # driven above, and their [B, T] math in torch), one of those, and GSPO's ratio modes
-    needs = {"dro": objectives.DRO(dro_beta=0.1)}   # objectives with no default parameters
-    names = ("clip", "gppo", "cispo", "cispo_trl", "sapo", "sapo_trl", "gpg", "dro", "dppo_tv",
-             "dppo_kl", "gspo", "gspo_trl", "vespo")
-    for name in names:
-        objective = needs.get(name, name)
-        for estimator in (KL_ESTIMATORS + ("k3+",) if name == "clip" else ("k3",)):
+    # every objective of the registry (a token-local one's per-token function in the surrogate
+    # kernels; GSPO's ratio modes; the batch-level ones run the log-prob kernels)
+    for objective in objective_examples():
+        for estimator in (KL_ESTIMATORS + ("k3+",) if objective.name == "clip" else ("k3",)):
             kw = dict(ref_logprobs=teacher, validate=False,
                       kl=terms.KLPenalty(0.01, estimator, importance_weighted=estimator == "k1"))
             lp = old.clone().requires_grad_()
@@ -251,7 +258,7 @@ def _drive():
         surrogate.surrogate_logits_fwd(
             chunk, targets.reshape(-1, 1), mask.reshape(-1, 1), old.reshape(-1, 1), ones, None,
             ones, ("clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 20.0), temperature=0.7,
-            dlogits=chunk, ref_lp=teacher.reshape(-1, 1), kl=rlfuse._specs.KLTerm("k3", 0.01),
+            dlogits=chunk, ref_lp=teacher.reshape(-1, 1), kl=terms.KLTerm("k3", 0.01),
             kl_scale=ones, entropy_scale=ones, row_stats=row_stats)
 
     # The group kernels hold a whole group: large groups must not spill either.

@@ -6,22 +6,22 @@ checked: nothing reads a tensor's values, so nothing syncs with the host.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..shared.aggregation import per_token
-from .._names import AGGREGATIONS, GEOMETRIES, RATIO_LEVELS, TOPOLOGIES
+from .._names import AGGREGATIONS
 from .._types import LinearHead, Logits
 from ..checks.policy import PolicyInfo, check_policy, check_policy_targets
-from .._specs import VERL_LOG_RATIO_CLAMP, KLTerm, Objective, ObjectiveSpec
 from ..checks.values import (check_actor_tokens, check_choice, check_clip, check_count,
-                          check_dual_clip, check_finite, check_group_size, check_loss_scale,
-                          check_nonnegative, check_number, check_positive, check_sequence_tensor,
-                          check_sides, check_tensor, check_token_tensors, check_unit_interval)
-from ..objectives import objective_spec
-from ..terms import EntropyBonus, KLPenalty, OffPolicyMask, TopEntropyMask, kl_estimator
+                             check_finite, check_group_size, check_loss_scale,
+                             check_nonnegative, check_number, check_positive,
+                             check_sequence_tensor, check_tensor, check_token_tensors,
+                             check_unit_interval)
+from ..objectives import Clip, Objective, as_objective
+from ..shared.aggregation import per_token
+from ..terms import (EntropyBonus, KLPenalty, KLTerm, OffPolicyMask, TopEntropyMask,
+                     kl_estimator)
 
 
 def _loss_policy(policy, mask, tensors, validate: bool):
@@ -65,35 +65,8 @@ def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, cl
 
 
 # --------------------------------------------------------------------------------------------
-# The surrogate family: GPPO, PPO (GR-OPD below)
+# The surrogate losses' tensors
 # --------------------------------------------------------------------------------------------
-
-class SurrogateArgs(NamedTuple):
-    """The normalised arguments of the surrogate-family losses (GPPO, PPO)."""
-
-    info: PolicyInfo
-    mask: torch.Tensor             # bool
-    advantages: torch.Tensor       # [B] or [B, T]
-    weights: Optional[torch.Tensor]
-    objective: Objective
-    loss_scale: float
-    num_tokens: Optional[float]
-    num_sequences: Optional[float]
-
-
-def check_region(geometry: str, topology: str, delta) -> Tuple[float, float]:
-    """A known geometry and topology and ``delta > 0`` (or a pair of them, for the lower and
-    the upper side of the region); returns ``(delta_low, delta_high)``."""
-    check_choice("geometry", geometry, GEOMETRIES)
-    check_choice("topology", topology, TOPOLOGIES)
-    return check_sides("delta", delta, check_positive)
-
-
-def check_bounds_args(old_logprobs, geometry, topology, delta) -> Tuple[float, float]:
-    """The checks of ``gppo_bounds``; returns ``(delta_low, delta_high)``."""
-    check_tensor("old_logprobs", old_logprobs, floating=True)
-    return check_region(geometry, topology, delta)
-
 
 def check_advantages(advantages, info: PolicyInfo, mask, validate: bool) -> torch.Tensor:
     """``[B]``, ``[B, 1]`` or ``[B, T]`` advantages (finite at actor tokens with ``validate``);
@@ -122,48 +95,6 @@ def check_weights(weights, info: PolicyInfo, mask, validate: bool) -> Optional[t
             raise ValueError(f"weights: expected values >= 0 at actor (mask=True) positions; "
                              f"found {weights[bad][0].item()}")
     return weights
-
-
-def _check_surrogate_args(policy, old_logprobs, advantages, mask, region, *, agg, weights,
-                          dual_clip, loss_scale, num_tokens, num_sequences, validate,
-                          clamp=math.inf) -> SurrogateArgs:
-    """``region``: ``(geometry, topology, (low, high))``, checked by the caller; ``clamp``: of
-    the log-ratio (``Objective``)."""
-    info, mask = _loss_policy(policy, mask, {"old_logprobs": old_logprobs}, validate)
-    advantages = check_advantages(advantages, info, mask, validate)
-    weights = check_weights(weights, info, mask, validate)
-    check_choice("agg", agg, AGGREGATIONS)
-    num_tokens = check_count("num_tokens", num_tokens, info.device, validate)
-    num_sequences = check_count("num_sequences", num_sequences, info.device, validate)
-    check_policy_targets(policy, mask, mask.shape, validate)
-    geometry, topology, (low, high) = region
-    objective = Objective("clip", geometry, topology, low, high,
-                          (check_dual_clip(dual_clip), math.inf), clamp)
-    return SurrogateArgs(info, mask, advantages, weights, objective,
-                         check_loss_scale(loss_scale), num_tokens, num_sequences)
-
-
-def check_gppo_args(policy, old_logprobs, advantages, mask, *, geometry, topology, delta, agg,
-                    dual_clip, weights, loss_scale, num_tokens, num_sequences,
-                    validate) -> SurrogateArgs:
-    """The checks of ``gppo_loss``: PPO's clipped objective over GPPO's region."""
-    region = (geometry, topology, check_region(geometry, topology, delta))
-    return _check_surrogate_args(
-        policy, old_logprobs, advantages, mask, region, agg=agg, weights=weights,
-        dual_clip=dual_clip, loss_scale=loss_scale, num_tokens=num_tokens,
-        num_sequences=num_sequences, validate=validate)
-
-
-def check_ppo_args(policy, old_logprobs, advantages, mask, *, clip, dual_clip, ratio_level, agg,
-                   weights, loss_scale, num_tokens, num_sequences, validate) -> SurrogateArgs:
-    """The checks of ``ppo_loss``: the clipped objective over ``[1 - eps_low, 1 + eps_high]``."""
-    region = ("ppo_clip", "mc", check_clip("clip", clip))
-    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
-    return _check_surrogate_args(
-        policy, old_logprobs, advantages, mask, region, agg=agg, weights=weights,
-        dual_clip=dual_clip, loss_scale=loss_scale, num_tokens=num_tokens,
-        num_sequences=num_sequences, validate=validate,
-        clamp=VERL_LOG_RATIO_CLAMP if ratio_level == "token" else math.inf)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,26 +144,26 @@ def check_advantage_inputs(old_logprobs, teacher_logprobs, mask, *, group_size, 
 
 
 class GROPDArgs(NamedTuple):
-    info: PolicyInfo
-    mask: torch.Tensor             # bool
+    """GR-OPD's loss: its advantages' hyper-parameters, the advantages given (or None), and the
+    loss step, ``policy_loss`` of the clip over ``[1 - eps_low, 1 + eps_high]`` with no dual
+    clip and no clamp of the log-ratio, aggregated by ``seq-mean-token-mean`` (its advantages
+    filled in once known)."""
+
     hyper: AdvantageArgs
-    objective: Objective           # the clip over [1 - eps_low, 1 + eps_high], no dual clip
     advantages: Optional[torch.Tensor]   # [B]
-    loss_scale: float
-    num_sequences: Optional[float]
+    loss: "PolicyLossArgs"
 
 
 def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
                       eps, feedback_clip, adv_clip, std_eps, advantages, loss_scale,
                       num_sequences, validate) -> GROPDArgs:
+    """The checks of ``gr_opd_loss``."""
     info, mask = _loss_policy(policy, mask, {"old_logprobs": old_logprobs,
                                              "teacher_logprobs": teacher_logprobs}, validate)
     batch, device = info.shape[0], info.device
     hyper = _check_advantage_args(group_size, batch, gamma, lam, feedback_clip, adv_clip,
                                   std_eps)
-    eps_low, eps_high = check_sides("eps", eps, check_positive)
-    objective = Objective("clip", "ppo_clip", "mc", eps_low, eps_high, (math.inf, math.inf),
-                          math.inf)
+    objective = Clip(clip=check_clip("eps", eps), log_ratio_clamp=None)
     if advantages is not None:
         if isinstance(advantages, torch.Tensor) and tuple(advantages.shape) == (batch, 1):
             advantages = advantages[:, 0]
@@ -242,8 +173,9 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
     check_policy_targets(policy, mask, mask.shape, validate)
     if validate:
         check_actor_tokens(mask, 1, what="sequence")
-    return GROPDArgs(info, mask, hyper, objective, advantages, check_loss_scale(loss_scale),
-                     num_sequences)
+    loss = PolicyLossArgs(info, mask, advantages, None, objective, "seq-mean-token-mean", None,
+                          None, None, None, check_loss_scale(loss_scale), None, num_sequences)
+    return GROPDArgs(hyper, advantages, loss)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +189,7 @@ class PolicyLossArgs(NamedTuple):
     mask: torch.Tensor                  # bool
     advantages: torch.Tensor            # [B] or [B, T]
     weights: Optional[torch.Tensor]
-    spec: ObjectiveSpec
+    objective: Objective
     agg: str
     kl: Optional[KLTerm]
     entropy: Optional[EntropyBonus]
@@ -275,13 +207,13 @@ def _check_term(name: str, value, kind: type):
     return value
 
 
-def _check_agg(agg, spec: ObjectiveSpec) -> str:
-    if spec.agg is None:
+def _check_agg(agg, objective: Objective) -> str:
+    if objective.agg is None:
         return check_choice("agg", "token-mean" if agg is None else agg, AGGREGATIONS)
-    if agg is not None and agg != spec.agg:
-        raise ValueError(f"agg: objective {spec.source.name!r} aggregates by {spec.agg!r} "
+    if agg is not None and agg != objective.agg:
+        raise ValueError(f"agg: objective {objective.name!r} aggregates by {objective.agg!r} "
                          f"(got agg={agg!r}); leave agg unset")
-    return spec.agg
+    return objective.agg
 
 
 def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *, agg, weights,
@@ -289,7 +221,7 @@ def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *,
                            loss_scale, num_tokens, num_sequences, generator,
                            validate) -> PolicyLossArgs:
     """The checks of ``policy_loss``."""
-    spec = objective_spec(objective)
+    objective = as_objective(objective)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator or None; got "
                         f"{type(generator).__name__}")
@@ -311,7 +243,7 @@ def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *,
                              f"have; pass rlfuse.Logits or rlfuse.LinearHead")
     advantages = check_advantages(advantages, info, mask, validate)
     weights = check_weights(weights, info, mask, validate)
-    agg = _check_agg(agg, spec)
+    agg = _check_agg(agg, objective)
     num_tokens = check_count("num_tokens", num_tokens, info.device, validate)
     num_sequences = check_count("num_sequences", num_sequences, info.device, validate)
     if entropy is not None:
@@ -321,7 +253,7 @@ def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *,
     if entropy_mask is not None:
         entropy_mask.check()
     check_policy_targets(policy, mask, mask.shape, validate)
-    return PolicyLossArgs(info, mask, advantages, weights, spec, agg,
+    return PolicyLossArgs(info, mask, advantages, weights, objective, agg,
                           None if kl is None else kl.term(), entropy, entropy_mask,
                           off_policy_mask, check_loss_scale(loss_scale), num_tokens,
                           num_sequences)

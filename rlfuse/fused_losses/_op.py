@@ -18,7 +18,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .._specs import KLTerm, Objective
+from ..objectives import TokenSurrogate
+from ..terms import KLTerm
 
 _INPUTS: Dict[object, type] = {}   # op -> the namedtuple of its inputs
 
@@ -73,18 +74,18 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
     op.register_autograd(backward_all, setup_context=setup)
 
 
-def objective_fields(objective: Objective) -> dict:
-    """The ``Objective`` as a surrogate op's flat inputs (an op's schema takes no tuples)."""
-    name, geometry, topology, delta_low, delta_high, params, clamp = objective
-    return dict(objective=name, geometry=geometry, topology=topology,
+def surrogate_fields(surrogate: TokenSurrogate) -> dict:
+    """A ``TokenSurrogate`` as a surrogate op's flat inputs (an op's schema takes no tuples)."""
+    function, geometry, topology, delta_low, delta_high, params, clamp = surrogate
+    return dict(function=function, geometry=geometry, topology=topology,
                 delta_low=float(delta_low), delta_high=float(delta_high),
                 params=[float(p) for p in params], clamp=float(clamp))
 
 
-def objective_of(inputs) -> Objective:
-    """The ``Objective`` of a surrogate op's named inputs (``objective_fields``)."""
-    return Objective(inputs.objective, inputs.geometry, inputs.topology, inputs.delta_low,
-                     inputs.delta_high, tuple(inputs.params), inputs.clamp)
+def surrogate_of(inputs) -> TokenSurrogate:
+    """The ``TokenSurrogate`` of a surrogate op's named inputs (``surrogate_fields``)."""
+    return TokenSurrogate(inputs.function, inputs.geometry, inputs.topology, inputs.delta_low,
+                          inputs.delta_high, tuple(inputs.params), inputs.clamp)
 
 
 def kl_fields(kl: Optional[KLTerm]) -> dict:

@@ -1,4 +1,4 @@
-"""Fused GGPO: the group op and its backward, the functional API and the nn.Module."""
+"""Fused GGPO: the group op and its backward, and the loss over any policy form."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -6,9 +6,6 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import reference
-from ..api.args import check_ggpo_args
-from .._dispatch import falls_back_to
 from ..shared.aggregation import k3_kl_mean
 from .._types import LossOutput, compute_dtype
 from ..kernels.ggpo import GROUP_COLUMNS, ggpo_bwd, ggpo_fwd
@@ -81,18 +78,13 @@ def _metrics(group_sums: Tensor, batch: int):
     }
 
 
-@falls_back_to(reference.ggpo_loss)
-def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, *,
-              group_size: int, beta: float, clip_radius: Optional[float] = None,
-              loss_scale: float = 1.0, num_tokens: Optional[float] = None,
-              validate: bool = True) -> LossOutput:
-    args = check_ggpo_args(
-        policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
-        clip_radius=clip_radius, loss_scale=loss_scale, num_tokens=num_tokens, validate=validate)
+def ggpo(policy, args, ref_logprobs: Tensor, rewards: Tensor, validate: bool) -> LossOutput:
+    """GGPO's loss and metrics (``rlfuse.ggpo_loss``) of checked ``args``
+    (``api.args.GGPOArgs``): the log-probs, the group kernel, the token gradient."""
     lp = learner_logprobs(policy, args.mask, validate=validate)
-    loss, group_sums, _, _ = ggpo_op(lp, ref_logprobs.detach(), rewards.detach(), args.mask,
-                                     args.group_size, args.beta, args.clip_radius,
-                                     args.loss_scale, args.num_tokens)
+    loss, group_sums, _, _ = ggpo_op(lp, ref_logprobs, rewards, args.mask, args.group_size,
+                                     args.beta, args.clip_radius, args.loss_scale,
+                                     args.num_tokens)
     metrics = _metrics(group_sums, args.info.shape[0])
     metrics["kl"] = k3_kl_mean(lp.detach().to(args.info.compute_dtype), ref_logprobs, args.mask)
     return LossOutput(loss, metrics)

@@ -1,13 +1,10 @@
 """The KL penalty to reference log-probs, fused: an elementwise custom op over ``[B, T]``
-log-probs (``kernels.kl``) and the public ``kl_penalty``."""
+log-probs (``kernels.kl``) and ``kl_penalty``'s implementation."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .. import reference
-from ..api.args import check_kl_penalty_args
-from .._dispatch import falls_back_to
 from ..kernels.kl import kl_penalty_bwd, kl_penalty_fwd
 from ._op import custom_op, register_autograd
 
@@ -52,8 +49,7 @@ def _backward(ctx, grad):
 register_autograd(kl_penalty_op, _backward, _setup)
 
 
-@falls_back_to(reference.kl_penalty)
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3", *,
-               clamp: bool = True) -> torch.Tensor:
-    name, straight = check_kl_penalty_args(logprobs, ref_logprobs, estimator)
-    return kl_penalty_op(logprobs, ref_logprobs.detach(), name, straight, bool(clamp))
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, straight: bool,
+               clamp: bool) -> Tensor:
+    """The per-token estimates of ``rlfuse.kl_penalty``: one elementwise kernel."""
+    return kl_penalty_op(logprobs, ref_logprobs, estimator, straight, clamp)

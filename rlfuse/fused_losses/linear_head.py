@@ -293,7 +293,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                         weights: Optional[Tensor], row_scale: Tensor, ref_lp: Optional[Tensor],
                         kl_scale: Optional[Tensor], entropy_scale: Optional[Tensor],
                         temperature: float, logit_scale: float, softcap: float,
-                        objective: str, geometry: str, topology: str,
+                        function: str, geometry: str, topology: str,
                         delta_low: float, delta_high: float, params: List[float], clamp: float,
                         kl_estimator: str, kl_straight: bool, kl_weighted: bool, kl_clamp: bool,
                         offset: int,
@@ -308,7 +308,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     chunk's whole-row statistics are gathered before its gradient is written (one all-gather of
     ``[C, 4]`` per chunk), and the hidden states' gradient is summed over the group at the end
     (one all-reduce)."""
-    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
+    spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name)
     write = any(needs)
@@ -347,7 +347,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 
 @linear_surrogate_op.register_fake
 def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
-      entropy_scale, temperature, logit_scale, softcap, objective, geometry, topology,
+      entropy_scale, temperature, logit_scale, softcap, function, geometry, topology,
       delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
       offset, chunk_tokens, gather, needs, group_name=""):
     sums = row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS)))

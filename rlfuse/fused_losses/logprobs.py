@@ -1,5 +1,5 @@
 """Fused per-token log-probs from logits: the custom ops, their autograd formula and
-``token_logprobs``."""
+``token_logprobs``'s implementation."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -7,9 +7,6 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import reference
-from .._dispatch import falls_back_to
-from ..checks.policy import check_logprob_args
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.utils import empty
@@ -110,11 +107,10 @@ def _backward(ctx, dlogp, dentropy, _dstats):
 register_autograd(token_logprobs_op, _backward, _setup_context)
 
 
-@falls_back_to(reference.token_logprobs)
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                   return_entropy: bool = False, inplace_backward: bool = False,
-                   mask: Optional[torch.Tensor] = None, validate: bool = True):
-    mask = check_logprob_args(logits, targets, temperature, mask, inplace_backward, validate)
-    logp, entropy, _ = token_logprobs_op(logits, targets, mask, float(temperature),
-                                         bool(return_entropy), bool(inplace_backward), 0)
+def token_logprobs(logits: Tensor, targets: Tensor, mask: Optional[Tensor], temperature: float,
+                   return_entropy: bool, inplace_backward: bool, validate: bool):
+    """``logp`` (or ``(logp, entropy)``) of ``rlfuse.token_logprobs`` (an out-of-range target
+    without ``validate`` gives NaN in the kernels)."""
+    logp, entropy, _ = token_logprobs_op(logits, targets, mask, temperature, return_entropy,
+                                         inplace_backward, 0)
     return (logp, entropy) if return_entropy else logp

@@ -1,4 +1,4 @@
-"""The log-probs of every policy form, fused: the window pipeline and ``policy_logprobs``.
+"""The log-probs of every policy form, fused: the window pipeline.
 
 A ``Logits`` / ``LinearHead`` policy goes one way: its rows (packed rows as one batch of N,
 ``scaleout.layout.as_rows``), then the local row ops (``logprobs``, ``linear_head``) or, with a
@@ -11,9 +11,7 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
-from .. import reference
-from .._dispatch import falls_back_to
-from ..checks.policy import check_policy, check_policy_targets, vocab_size
+from ..checks.policy import vocab_size
 from .._types import LinearHead, Logits
 from ..scaleout import layout, vocab
 from .vocab_split import split_logprobs
@@ -40,16 +38,16 @@ def _local_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
     return logp, entropy
 
 
-def window_logprobs(policy, mask: Optional[Tensor], *, gather: bool, validate: bool,
+def window_logprobs(policy, mask: Optional[Tensor], *, validate: bool,
                     return_entropy: bool = False) -> Tuple[Tensor, Tensor]:
     """``(logp, entropy)`` ``[B, T]`` (entropy empty unless ``return_entropy``) of a ``Logits``
     or ``LinearHead`` policy, whose arguments the caller has checked; packed rows at their loss
-    positions (``[N]`` without a mask). ``gather``: a ``LinearHead`` forms the logits of the
-    actor rows only (reads the mask on the host); ``validate``: a split vocabulary's shard
-    sizes are compared first (one collective)."""
+    positions (``[N]`` without a mask). ``validate``: a ``LinearHead`` forms the logits of the
+    actor rows only (reads the mask on the host), and a split vocabulary's shard sizes are
+    compared first (one collective)."""
     if isinstance(policy, RankRowsHead):
         def whole_rows(head, head_mask):
-            logp, entropy = window_logprobs(head, head_mask, gather=gather, validate=validate,
+            logp, entropy = window_logprobs(head, head_mask, validate=validate,
                                             return_entropy=return_entropy)
             return logp, entropy if return_entropy else None
 
@@ -60,7 +58,7 @@ def window_logprobs(policy, mask: Optional[Tensor], *, gather: bool, validate: b
         vocab.check_shard_sizes(group, vocab_size(policy), policy.targets.device)
     rows, rows_mask = layout.as_rows(policy), layout.row_mask(policy, mask)
     logprobs = _local_logprobs if group is None else split_logprobs
-    logp, entropy = logprobs(rows, rows_mask, gather=gather, return_entropy=return_entropy)
+    logp, entropy = logprobs(rows, rows_mask, gather=validate, return_entropy=return_entropy)
     return (layout.to_loss_layout(policy, logp, mask),
             layout.to_loss_layout(policy, entropy, mask) if return_entropy else entropy)
 
@@ -68,26 +66,9 @@ def window_logprobs(policy, mask: Optional[Tensor], *, gather: bool, validate: b
 def learner_logprobs(policy, mask: Tensor, *, validate: bool, return_entropy: bool = False):
     """The learner log-probs ``[B, T]`` of any policy form (checked by the loss), with
     ``return_entropy`` ``(logp, entropy)`` (entropy None for ``[B, T]`` log-probs); the loss's
-    gradient reaches logits or head through one backward pass over them. A ``LinearHead``
-    forms the actor rows' logits only when the loss validates (it reads the mask then)."""
+    gradient reaches logits or head through one backward pass over them."""
     if isinstance(policy, (Logits, LinearHead)):
-        logp, entropy = window_logprobs(policy, mask, gather=validate, validate=validate,
+        logp, entropy = window_logprobs(policy, mask, validate=validate,
                                         return_entropy=return_entropy)
         return (logp, entropy) if return_entropy else logp
     return (policy, None) if return_entropy else policy
-
-
-@falls_back_to(reference.policy_logprobs)
-def policy_logprobs(policy, *, return_entropy: bool = False, validate: bool = True):
-    info = check_policy(policy)
-    if isinstance(policy, (Logits, LinearHead)):
-        check_policy_targets(policy, None, info.shape, validate)
-        logp, entropy = window_logprobs(policy, None, gather=False, validate=validate,
-                                        return_entropy=return_entropy)
-        return (logp, entropy) if return_entropy else logp
-    if return_entropy:
-        raise ValueError("return_entropy: a policy given as log-probs has no entropy; pass "
-                         "rlfuse.Logits or rlfuse.LinearHead")
-    return policy
-
-

@@ -5,60 +5,45 @@ A token-local objective with its KL and entropy terms runs in the surrogate kern
 pass over the logits from ``Logits`` / ``LinearHead`` (``surrogate.surrogate_loss``). A
 sequence- or batch-level objective, or a mask that reads the current policy, needs every
 log-prob (and entropy) of the batch first: the log-prob kernels run, then the loss on
-``[B, T]`` (the surrogate kernels from log-probs, or ``rlfuse._batch_objectives``), and the
-backward reaches the logits through the log-prob kernels' backward (two reads and one write of
-the logits in all).
+``[B, T]`` (the surrogate kernels from log-probs, or the objective's ``batch`` function), and
+the backward reaches the logits through the log-prob kernels' backward (two reads and one
+write of the logits in all).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from torch import Tensor
 
-from .. import reference
-from ..api.args import check_policy_loss_args
-from ..shared.batch_objectives import BATCH_OBJECTIVES
-from ..shared.masks import apply_masks, entropy_weights
-from .._dispatch import falls_back_to
-from ..shared.aggregation import aggregation_weights
 from .._types import LossOutput
+from ..shared.aggregation import aggregation_weights
+from ..shared.masks import apply_masks, entropy_weights
 from .policy import learner_logprobs
 from .surrogate import surrogate_loss, surrogate_metrics, terms_apart
 
 
-def _detached(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _detached(x: Optional[Tensor]) -> Optional[Tensor]:
     return None if x is None else x.detach()
 
 
-@falls_back_to(reference.policy_loss)
-def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
-                mask: torch.Tensor, objective="clip", *, agg: Optional[str] = None,
-                weights: Optional[torch.Tensor] = None,
-                ref_logprobs: Optional[torch.Tensor] = None, kl=None, entropy=None,
-                entropy_mask=None, off_policy_mask=None, loss_scale: float = 1.0,
-                num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
-                generator: Optional[torch.Generator] = None,
-                validate: bool = True) -> LossOutput:
-    args = check_policy_loss_args(
-        policy, old_logprobs, advantages, mask, objective, agg=agg, weights=weights,
-        ref_logprobs=ref_logprobs, kl=kl, entropy=entropy, entropy_mask=entropy_mask,
-        off_policy_mask=off_policy_mask, loss_scale=loss_scale, num_tokens=num_tokens,
-        num_sequences=num_sequences, generator=generator, validate=validate)
-    spec, mask, cdt = args.spec, args.mask, args.info.compute_dtype
+def policy_loss(policy, args, old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
+                generator: Optional[torch.Generator], validate: bool) -> LossOutput:
+    """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``)."""
+    objective, mask, cdt = args.objective, args.mask, args.info.compute_dtype
     old, adv, ref = _detached(old_logprobs), args.advantages.detach(), _detached(ref_logprobs)
     weights = _detached(args.weights)
     row_scale = args.loss_scale * aggregation_weights(mask, args.agg, cdt,
                                                       num_tokens=args.num_tokens,
                                                       num_sequences=args.num_sequences)
     tokens = mask.sum().to(cdt)
-    two_pass = spec.ratio == "batch" or args.entropy_mask is not None or \
+    two_pass = objective.ratio == "batch" or args.entropy_mask is not None or \
         args.off_policy_mask is not None
     if not two_pass:
         loss, totals, sums = surrogate_loss(
-            policy, old, adv, mask, row_scale, spec.token, weights=weights, ratio=spec.ratio,
-            ref_lp=ref, kl=args.kl, entropy_scale=entropy_weights(args, mask, cdt),
-            validate=validate)
-        metrics = surrogate_metrics(totals, sums, mask, spec.flags)
+            policy, old, adv, mask, row_scale, objective, weights=weights, ref_lp=ref,
+            kl=args.kl, entropy_scale=entropy_weights(args, mask, cdt), validate=validate)
+        metrics = surrogate_metrics(totals, sums, mask, objective.flags)
     else:
         with_entropy = args.entropy is not None or args.entropy_mask is not None
         if with_entropy:
@@ -68,24 +53,24 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
         lp = torch.where(mask, lp.to(cdt), 0.0)
         old_c = None if old is None else torch.where(mask, old.to(cdt), 0.0)
         weights, entropy_mask, metrics = apply_masks(args, lp, h, old_c, weights)
-        if spec.ratio == "batch":
-            loss, found = BATCH_OBJECTIVES[spec.source.name](
-                spec.source, lp, lp.detach() if old_c is None else old_c, adv.to(cdt), mask,
+        if objective.ratio == "batch":
+            loss, found = objective.batch(
+                lp, lp.detach() if old_c is None else old_c, adv.to(cdt), mask,
                 None if weights is None else weights.to(cdt), row_scale,
                 loss_scale=args.loss_scale, num_sequences=args.num_sequences,
                 generator=generator)
             metrics.update(found)
-            extra, totals = terms_apart(lp, old_c, mask, row_scale, spec.level, ref, args.kl,
-                                        None, None)
+            extra, totals = terms_apart(lp, old_c, mask, row_scale, objective.weight_ratio, ref,
+                                        args.kl, None, None)
         else:
-            loss, totals, sums = surrogate_loss(lp, old, adv, mask, row_scale, spec.token,
-                                                weights=weights, ratio=spec.ratio, ref_lp=ref,
-                                                kl=args.kl, validate=validate)
-            metrics.update(surrogate_metrics(totals, sums, mask, spec.flags))
+            loss, totals, sums = surrogate_loss(lp, old, adv, mask, row_scale, objective,
+                                                weights=weights, ref_lp=ref, kl=args.kl,
+                                                validate=validate)
+            metrics.update(surrogate_metrics(totals, sums, mask, objective.flags))
             extra = 0.0
         scale = entropy_weights(args, entropy_mask, cdt)
-        bonus, found = terms_apart(lp, old_c, entropy_mask, row_scale, spec.ratio, None, None,
-                                   h, scale)
+        bonus, found = terms_apart(lp, old_c, entropy_mask, row_scale, objective.weight_ratio,
+                                   None, None, h, scale)
         loss = loss + extra + bonus
         totals.update(found)
         if h is not None:   # the metric: over the actor tokens, whatever the bonus covers

@@ -1,5 +1,5 @@
-"""The surrogate losses fused (GPPO, GR-OPD, the PPO family): custom ops, autograd formulas, the
-dispatch over the policy forms, and the loss of GPPO and PPO from their checked arguments.
+"""The surrogate losses fused (GPPO, GR-OPD, the PPO family, every token-local and sequence
+objective): custom ops, autograd formulas, and the dispatch over the policy forms.
 
 Three ops over ``kernels.surrogate``: the forward and backward from learner log-probs ``[B, T]``,
 and the single pass from logits that writes ``dlogits`` in the forward (for an upstream gradient
@@ -15,8 +15,9 @@ known only after an all-gather of every shard's row statistics: the second read 
 chunk, each chunk's statistics gathered before its gradient is written. Packed rows run the
 single pass as N sequences of one token each (``scaleout.layout.as_one_token_rows``).
 
-Every op takes the objective flat (``_op.objective_of``): its name, the region's geometry and
-topology, the sizes of the region's two sides, and the objective's parameters.
+Every op takes the objective's ``TokenSurrogate`` flat (``_op.surrogate_fields``): its per-token
+function, the region's geometry and topology, the sizes of the region's two sides, the
+function's parameters and the clamp of the log-ratio.
 """
 from __future__ import annotations
 
@@ -25,11 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._specs import Objective
-from ..shared.masks import term_ratio
-from ..shared.aggregation import aggregation_weights, sequence_shares
-from .._names import OBJECTIVE_FLAGS
-from .._types import LinearHead, LossOutput, Logits
+from .._types import LinearHead, Logits
 from ..checks.values import raise_on_overflow
 from ..kernels.objectives import SUM_COLUMNS
 from ..kernels.scale_rows import scale_rows
@@ -37,8 +34,11 @@ from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_f
 from ..scaleout.layout import as_one_token_rows
 from ..scaleout.rank_rows import RankRowsHead
 from ..scaleout.vocab import check_shard_sizes
-from ._op import (custom_op, input_names, kl_fields, kl_of, objective_fields, objective_of,
-                  register_autograd)
+from ..objectives import Objective
+from ..shared.aggregation import sequence_shares
+from ..shared.masks import term_ratio
+from ._op import (custom_op, input_names, kl_fields, kl_of, register_autograd, surrogate_fields,
+                  surrogate_of)
 from .kl import kl_penalty_op
 from .linear_head import chunk_tokens_for, head_fields, linear_surrogate_op
 from .logprobs import batched_rows
@@ -55,20 +55,20 @@ def _loss(sums: Tensor) -> Tensor:
 
 @custom_op("surrogate")
 def surrogate_op(lp: Tensor, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
-                 weights: Optional[Tensor], row_scale: Tensor, objective: str, geometry: str,
+                 weights: Optional[Tensor], row_scale: Tensor, function: str, geometry: str,
                  topology: str, delta_low: float, delta_high: float, params: List[float],
                  clamp: float, ratio: str) -> Tuple[Tensor, Tensor, Tensor]:
     """``(loss, sums [B, SUM_COLUMNS], seq)`` from learner log-probs ``lp [B, T]``
     (``old_lp`` None: on policy); ``row_scale``: the aggregation weight of each row's tokens;
     ``ratio``: a name of ``_names.RATIO_MODES``, whose per-row state ``seq [B]`` the backward
     needs (empty for the token's own ratio)."""
-    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
+    spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     sums, seq = surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, spec, ratio=ratio)
     return _loss(sums), sums, row_scale.new_empty(0) if seq is None else seq
 
 
 @surrogate_op.register_fake
-def _(lp, old_lp, adv, mask, weights, row_scale, objective, geometry, topology, delta_low,
+def _(lp, old_lp, adv, mask, weights, row_scale, function, geometry, topology, delta_low,
       delta_high, params, clamp, ratio):
     return (row_scale.new_empty(()), row_scale.new_empty((lp.shape[0], len(SUM_COLUMNS))),
             row_scale.new_empty(lp.shape[0] if ratio != "token" else 0))
@@ -77,17 +77,17 @@ def _(lp, old_lp, adv, mask, weights, row_scale, objective, geometry, topology, 
 @custom_op("surrogate_backward")
 def surrogate_backward_op(lp: Tensor, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                           weights: Optional[Tensor], row_scale: Tensor, seq: Optional[Tensor],
-                          grad: Tensor, objective: str, geometry: str, topology: str,
+                          grad: Tensor, function: str, geometry: str, topology: str,
                           delta_low: float, delta_high: float, params: List[float],
                           clamp: float, ratio: str) -> Tensor:
     """``dlp [B, T]`` for the upstream gradient ``grad`` (0-dim, read on the device)."""
-    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
+    spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     return surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq, grad, spec,
                          ratio=ratio)
 
 
 @surrogate_backward_op.register_fake
-def _(lp, old_lp, adv, mask, weights, row_scale, seq, grad, objective, geometry, topology,
+def _(lp, old_lp, adv, mask, weights, row_scale, seq, grad, function, geometry, topology,
       delta_low, delta_high, params, clamp, ratio):
     return torch.empty_like(lp, memory_format=torch.contiguous_format)
 
@@ -96,14 +96,14 @@ def _surrogate_setup(ctx, inputs, output):
     _, sums, seq = output
     ctx.save_for_backward(inputs.lp, inputs.old_lp, inputs.adv, inputs.mask, inputs.weights,
                           inputs.row_scale, seq if inputs.ratio != "token" else None)
-    ctx.objective, ctx.ratio = objective_of(inputs), inputs.ratio
+    ctx.surrogate, ctx.ratio = surrogate_of(inputs), inputs.ratio
     ctx.mark_non_differentiable(sums, seq)
 
 
 def _surrogate_backward(ctx, grad_loss, _grad_sums, _grad_seq):
     lp, old_lp, adv, mask, weights, row_scale, seq = ctx.saved_tensors
     return {"lp": surrogate_backward_op(lp, old_lp, adv, mask, weights, row_scale, seq,
-                                        grad_loss.to(row_scale.dtype), *ctx.objective,
+                                        grad_loss.to(row_scale.dtype), *ctx.surrogate,
                                         ctx.ratio)}
 
 
@@ -115,12 +115,12 @@ register_autograd(surrogate_op, _surrogate_backward, _surrogate_setup)
 # --------------------------------------------------------------------------------------------
 
 def _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
-                 entropy_scale, temperature, objective, geometry, topology, delta_low,
+                 entropy_scale, temperature, function, geometry, topology, delta_low,
                  delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
                  write_dlogits, dlogits, offset) -> Tuple[Optional[Tensor], Tensor]:
     """``(dlogits or None, sums)`` of the single pass (``surrogate_logits_op``), the gradient
     written into ``dlogits`` when given."""
-    spec = (objective, geometry, topology, delta_low, delta_high, params, clamp)
+    spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     return surrogate_logits_fwd(
         logits, targets, mask, old_lp, adv, weights, row_scale, spec, temperature=temperature,
@@ -132,7 +132,7 @@ def _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp,
 def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: Optional[Tensor],
                         adv: Tensor, weights: Optional[Tensor], row_scale: Tensor,
                         ref_lp: Optional[Tensor], kl_scale: Optional[Tensor],
-                        entropy_scale: Optional[Tensor], temperature: float, objective: str,
+                        entropy_scale: Optional[Tensor], temperature: float, function: str,
                         geometry: str, topology: str, delta_low: float, delta_high: float,
                         params: List[float], clamp: float, kl_estimator: str, kl_straight: bool,
                         kl_weighted: bool, kl_clamp: bool, write_dlogits: bool,
@@ -148,7 +148,7 @@ def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: O
     ``surrogate_logits_inplace_op`` writes it into the logits' own buffer instead.
     """
     dlogits, sums = _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp,
-                                 kl_scale, entropy_scale, temperature, objective, geometry,
+                                 kl_scale, entropy_scale, temperature, function, geometry,
                                  topology, delta_low, delta_high, params, clamp, kl_estimator,
                                  kl_straight, kl_weighted, kl_clamp, write_dlogits, None, offset)
     return _loss(sums), sums, logits.new_empty(0) if dlogits is None else dlogits
@@ -156,7 +156,7 @@ def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: O
 
 @surrogate_logits_op.register_fake
 def _(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale, entropy_scale,
-      temperature, objective, geometry, topology, delta_low, delta_high, params, clamp,
+      temperature, function, geometry, topology, delta_low, delta_high, params, clamp,
       kl_estimator, kl_straight, kl_weighted, kl_clamp, write_dlogits, offset):
     return (row_scale.new_empty(()), row_scale.new_empty((targets.numel(), len(SUM_COLUMNS))),
             logits.new_empty(logits.shape if write_dlogits else (0,)))
@@ -203,7 +203,7 @@ def surrogate_logits_inplace_op(logits: Tensor, targets: Tensor, mask: Tensor,
                                 old_lp: Optional[Tensor], adv: Tensor, weights: Optional[Tensor],
                                 row_scale: Tensor, ref_lp: Optional[Tensor],
                                 kl_scale: Optional[Tensor], entropy_scale: Optional[Tensor],
-                                temperature: float, objective: str, geometry: str,
+                                temperature: float, function: str, geometry: str,
                                 topology: str, delta_low: float, delta_high: float,
                                 params: List[float], clamp: float, kl_estimator: str,
                                 kl_straight: bool, kl_weighted: bool, kl_clamp: bool,
@@ -212,7 +212,7 @@ def surrogate_logits_inplace_op(logits: Tensor, targets: Tensor, mask: Tensor,
     of 1) written over ``logits`` (``inplace_backward``; ``stride(-1) == 1`` required). An op
     that mutates an input carries no autograd formula: ``InPlaceSinglePass`` holds it."""
     _, sums = _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp,
-                           kl_scale, entropy_scale, temperature, objective, geometry, topology,
+                           kl_scale, entropy_scale, temperature, function, geometry, topology,
                            delta_low, delta_high, params, clamp, kl_estimator, kl_straight,
                            kl_weighted, kl_clamp, True, logits, offset)
     return _loss(sums), sums
@@ -302,17 +302,17 @@ def terms_apart(lp: Tensor, old_lp: Optional[Tensor], mask: Tensor, row_scale: T
 
 def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                    row_scale: Tensor, objective: Objective, *, weights: Optional[Tensor] = None,
-                   ratio: str = "token", ref_lp: Optional[Tensor] = None, kl=None,
+                   ref_lp: Optional[Tensor] = None, kl=None,
                    entropy_scale: Optional[Tensor] = None,
                    validate: bool) -> Tuple[Tensor, Dict[str, Tensor], Tensor]:
-    """``(loss, {column: total}, sums [B, SUM_COLUMNS])`` (each sequence's column sums) of the
-    surrogate ``objective`` for any policy form
-    (``old_lp`` None: on policy), with the KL term ``kl`` (an ``rlfuse._specs.KLTerm``) to
+    """``(loss, {column: total}, sums [B, SUM_COLUMNS])`` (each sequence's column sums) of a
+    token-local or sequence ``objective`` (a record of ``rlfuse.objectives``) for any policy
+    form (``old_lp`` None: on policy), with the KL term ``kl`` (an ``rlfuse.terms.KLTerm``) to
     ``ref_lp`` and the entropy bonus of weights ``entropy_scale`` (``[B]``, or ``[B, T]``
     apart from the single pass; its coefficient included). The single pass carries the terms
     in its kernel; otherwise they are ops over the ``[B, T]`` log-probs. With ``validate`` an
     overflowing objective raises (one host sync)."""
-    flat = objective_fields(objective)
+    flat, ratio = surrogate_fields(objective.surrogate()), objective.ratio
     single = _in_one_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
     packed = policy.index if single and policy.index is not None else None
     batch, T = mask.shape
@@ -378,7 +378,8 @@ def surrogate_metrics(totals: Dict[str, Tensor], sums: Tensor, mask: Tensor,
                       flags: Tuple[str, ...]) -> Dict[str, Tensor]:
     """The metrics of a surrogate objective from its column totals and per-sequence sums: the
     shares of its ``flags`` (the metric names of the columns flag0, ...), the extremes and mean
-    of some per sequence (``_math.sequence_shares``), ratio_mean, approx_kl, overflow."""
+    of some per sequence (``shared.aggregation.sequence_shares``), ratio_mean, approx_kl,
+    overflow."""
     row_tokens = mask.sum(-1).to(sums.dtype)
     tokens = row_tokens.sum().clamp_min(1)
     metrics = {name: totals[f"flag{i}"] / tokens for i, name in enumerate(flags)}
@@ -388,19 +389,3 @@ def surrogate_metrics(totals: Dict[str, Tensor], sums: Tensor, mask: Tensor,
         {name: sums[:, SUM_COLUMNS.index(f"flag{i}")] for i, name in enumerate(flags)},
         row_tokens))
     return metrics
-
-
-def surrogate_family_loss(policy, old_logprobs: Optional[Tensor], args, agg: str, *,
-                          validate: bool, ratio: str = "token") -> LossOutput:
-    """A GPPO or PPO loss from its checked ``args`` (``_args.SurrogateArgs``)."""
-    cdt = args.info.compute_dtype
-    row_scale = args.loss_scale * aggregation_weights(args.mask, agg, cdt,
-                                                      num_tokens=args.num_tokens,
-                                                      num_sequences=args.num_sequences)
-    old = None if old_logprobs is None else old_logprobs.detach()
-    weights = None if args.weights is None else args.weights.detach()
-    loss, totals, sums = surrogate_loss(policy, old, args.advantages.detach(), args.mask,
-                                        row_scale, args.objective, weights=weights, ratio=ratio,
-                                        validate=validate)
-    flags = OBJECTIVE_FLAGS[args.objective.name]
-    return LossOutput(loss, surrogate_metrics(totals, sums, args.mask, flags))

@@ -14,19 +14,21 @@ no ``[B, T, V]`` logits exist, and the loss is
   the KL penalty (``beta``, ``use_bias_correction_kl``), the entropy bonus (``entropy_coef``),
   ``top_entropy_quantile``, ``off_policy_mask_threshold``, gradient accumulation and the vLLM
   importance-sampling correction;
-- ``"gppo"``: ``rlfuse.gppo_loss`` (``rlfuse_geometry``, ``rlfuse_topology``, ``rlfuse_delta``)
-  with the aggregation of ``loss_type``; with any of TRL's terms and masks (``beta``,
-  ``entropy_coef``, ``use_adaptive_entropy``, ``top_entropy_quantile``,
-  ``off_policy_mask_threshold``), ``rlfuse.policy_loss`` with ``objectives.GPPO`` and them;
+- ``"gppo"``: ``rlfuse.policy_loss`` with ``objectives.GPPO`` (``rlfuse_geometry``,
+  ``rlfuse_topology``, ``rlfuse_delta``) and the aggregation of ``loss_type``, with any of
+  TRL's terms and masks (``beta``, ``entropy_coef``, ``use_adaptive_entropy``,
+  ``top_entropy_quantile``, ``off_policy_mask_threshold``);
 - ``"ggpo"``: ``rlfuse.ggpo_loss`` with TRL's ``beta`` as GGPO's β, the reference model as
   GGPO's reference (refreshed by TRL's ``sync_ref_model`` every ``ref_model_sync_steps``), the
   group-centred rewards as rewards (``scale_rewards="none"``: GGPO is invariant to a constant
   per group), and micro-batches of whole groups (the batch is shuffled by groups, not rows);
-- ``"gr_opd"``: ``rlfuse.gr_opd_loss`` with the advantages of ``rlfuse.gr_opd_advantages``
-  from the ``teacher_model`` replayed on the student's completions, computed once per
-  generation batch (whole groups) before it is split; with terms, masks or ``delta``,
-  ``rlfuse.policy_loss`` with the clip over those advantages and them (GR-OPD's loss).
-  GGPO takes none of them (refused: its β and reference already are its KL term).
+- ``"gr_opd"``: GR-OPD's loss (``rlfuse.gr_opd_loss``'s step: ``rlfuse.policy_loss`` with the
+  clip over its advantages, ``seq-mean-token-mean``) with the advantages of
+  ``rlfuse.gr_opd_advantages`` from the ``teacher_model`` replayed on the student's
+  completions, computed once per generation batch (whole groups) before it is split; TRL's
+  terms, masks and ``delta`` as with ``"ppo"``, and GR-OPD's metrics (``adv_mean``,
+  ``adv_abs_mean``, ``feedback_mean``). GGPO takes none of them (refused: its β and reference
+  already are its KL term).
 
 Options it cannot honour raise a ``ValueError`` at construction, listing each. Metrics keep
 TRL's names (``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
@@ -51,6 +53,7 @@ from rlfuse._names import GEOMETRIES, TOPOLOGIES
 from rlfuse.checks.values import (check_choice, check_chunk_tokens, check_dual_clip,
                                   check_positive, check_sides)
 from rlfuse.integrations._models import add_head_forward, model_head, router_loss_problems
+from rlfuse.shared.aggregation import clamped_feedback, masked_mean
 
 __all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]
 
@@ -210,53 +213,33 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             weights = inputs["importance_sampling_ratio"].expand(mask.shape)
-        eps = (self.epsilon_low, self.epsilon_high)
         agg = self._aggregation(inputs, mask, train)
 
-        with_terms = args.rlfuse_loss == "ppo" or self._has_terms()
+        if args.rlfuse_loss == "gr_opd":   # GR-OPD's own aggregation over its advantages
+            weights, agg = None, dict(agg="seq-mean-token-mean",
+                                      loss_scale=agg.get("loss_scale", 1.0))
 
         def loss(policy):
-            if args.rlfuse_loss == "ppo":
-                return rlfuse.policy_loss(policy, old, advantages, mask, self._objective(),
-                                          weights=weights, validate=False, **agg,
-                                          **self._terms(inputs, old, train))
-            if args.rlfuse_loss == "gppo" and with_terms:
-                objective = objectives.GPPO(args.rlfuse_geometry, args.rlfuse_topology,
-                                            args.rlfuse_delta, args.rlfuse_dual_clip)
-                return rlfuse.policy_loss(policy, old, advantages, mask, objective,
-                                          weights=weights, validate=False, **agg,
-                                          **self._terms(inputs, old, train))
-            if args.rlfuse_loss == "gppo":
-                return rlfuse.gppo_loss(
-                    policy, old, advantages, mask, geometry=args.rlfuse_geometry,
-                    topology=args.rlfuse_topology, delta=args.rlfuse_delta,
-                    dual_clip=args.rlfuse_dual_clip, weights=weights, validate=False, **agg)
-            if args.rlfuse_loss == "gr_opd" and with_terms:
-                # GR-OPD's loss is the clip over its advantages: with terms, policy_loss's
-                return rlfuse.policy_loss(
-                    policy, old, advantages, mask,
-                    objectives.Clip(clip=eps, ratio_cap=args.delta), agg="seq-mean-token-mean",
-                    loss_scale=agg.get("loss_scale", 1.0), validate=False,
-                    **self._terms(inputs, old, train))
-            if args.rlfuse_loss == "gr_opd":
-                return rlfuse.gr_opd_loss(
-                    policy, old, inputs["teacher_per_token_logps"],
-                    mask, group_size=1, eps=eps, advantages=advantages,
-                    loss_scale=agg.get("loss_scale", 1.0), validate=False)
-            # ggpo: TRL's group-centred rewards are the rewards up to a constant per group
-            return rlfuse.ggpo_loss(
-                policy, inputs["ref_per_token_logps"], advantages, mask,
-                group_size=self.num_generations, beta=self.beta,
-                loss_scale=agg.get("loss_scale", 1.0), num_tokens=agg.get("num_tokens"),
-                validate=False)
+            if args.rlfuse_loss == "ggpo":
+                # TRL's group-centred rewards are the rewards up to a constant per group
+                return rlfuse.ggpo_loss(
+                    policy, inputs["ref_per_token_logps"], advantages, mask,
+                    group_size=self.num_generations, beta=self.beta,
+                    loss_scale=agg.get("loss_scale", 1.0), num_tokens=agg.get("num_tokens"),
+                    validate=False)
+            return rlfuse.policy_loss(policy, old, advantages, mask, self._objective(),
+                                      weights=weights, validate=False, **agg,
+                                      **self._terms(inputs, old, train))
 
         if self.aux_loss_enabled:
             out, aux = self._through_head(model, inputs, loss, router=True)
         else:
             out = self._through_head(model, inputs, loss)
-        self._log_rlfuse_metrics(mode, out.metrics, mask)
-        if with_terms:
-            self._entropy_controller(mode, out.loss, out.metrics, mask, train)
+        metrics = dict(out.metrics)
+        if args.rlfuse_loss == "gr_opd":
+            metrics.update(gr_opd_metrics(inputs, mask, args.rlfuse_gr_opd_feedback_clip))
+        self._log_rlfuse_metrics(mode, metrics, mask)
+        self._entropy_controller(mode, out.loss, out.metrics, mask, train)
         if not self.aux_loss_enabled:
             return out.loss
         # TRL's router loss: its coefficient over the accumulation, added after the policy's
@@ -266,9 +249,15 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         return out.loss + self.router_aux_loss_coef * aux / normalizer
 
     def _objective(self):
-        """The rlfuse objective of TRL's ``loss_type`` and its settings."""
+        """The rlfuse objective of ``rlfuse_loss``: GPPO's, GR-OPD's (the clip over its
+        advantages, unclamped) or that of TRL's ``loss_type`` and its settings."""
         args, level = self.args, self.importance_sampling_level
         eps = (self.epsilon_low, self.epsilon_high)
+        if args.rlfuse_loss == "gppo":
+            return objectives.GPPO(args.rlfuse_geometry, args.rlfuse_topology,
+                                   args.rlfuse_delta, args.rlfuse_dual_clip)
+        if args.rlfuse_loss == "gr_opd":
+            return objectives.Clip(clip=eps, ratio_cap=args.delta, log_ratio_clamp=None)
         if self.loss_type == "cispo":
             return objectives.CISPOTRL(epsilon_high=self.epsilon_high, ratio_level=level)
         if self.loss_type == "sapo":
@@ -282,13 +271,6 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         if level == "sequence":
             return objectives.GSPOTRL(clip=eps, ratio_cap=args.delta)
         return objectives.Clip(clip=eps, dual_clip=args.rlfuse_dual_clip, ratio_cap=args.delta)
-
-    def _has_terms(self) -> bool:
-        """Whether TRL's config asks for a KL penalty, an entropy bonus, a mask or a ratio cap
-        (for GGPO they are refused at construction)."""
-        return (self.beta != 0.0 or self._entropy_bonus_enabled or
-                self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None or
-                self.args.delta is not None)
 
     def _terms(self, inputs, old, train: bool) -> dict:
         """TRL's KL penalty (``beta``, ``use_bias_correction_kl``), entropy bonus
@@ -427,6 +409,16 @@ def _shuffle_groups(batch: dict, group_size: int) -> dict:
     order = (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)
     return {k: v[order.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() and
             v.shape[0] == n else v for k, v in batch.items()}
+
+
+def gr_opd_metrics(inputs: dict, mask: torch.Tensor, feedback_clip: float) -> dict:
+    """GR-OPD's own metrics of a micro-batch (``rlfuse.gr_opd_loss``'s): the mean and mean
+    magnitude of its advantages, the mean clamped feedback of the teacher."""
+    adv = inputs["advantages"].float()
+    feedback = clamped_feedback(inputs["old_per_token_logps"].float(),
+                                inputs["teacher_per_token_logps"].float(), mask, feedback_clip)
+    return {"adv_mean": adv.mean(), "adv_abs_mean": adv.abs().mean(),
+            "feedback_mean": masked_mean(feedback, mask)}
 
 
 def _bad_rlfuse_fields(args) -> List[str]:

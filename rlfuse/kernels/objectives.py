@@ -1,19 +1,19 @@
-"""The per-token objectives of the surrogate losses, as a table of named codes.
+"""The per-token functions of the surrogate losses, one per ``token`` an objective record of
+``rlfuse.objectives`` names (``token_function``).
 
-Every surrogate kernel (from log-probs, and the single pass from logits) evaluates one token's
-objective by ``token_objective``: given the log-ratio ``log r = lp - old_lp``, the learner and
-old log-probs, the advantage ``A``, the token's trust region ``[lo, hi]``
-(``regions.region_bounds``, fp64), the objective's parameters ``p0..p3`` and the clamp ``L`` of
-the log-ratio where verl's form exponentiates a clamped one (runtime floats: a new value does not
-recompile), it returns
+Every surrogate kernel (from log-probs, and the single pass from logits) takes the function of
+its objective as the constexpr ``OBJECTIVE`` and calls it at each token:
 
-    (J, dJ/dlp, flag0, flag1, flag2, overflow)
+    OBJECTIVE(log_ratio, lp, old, adv, lo, hi, params, clamp) -> (J, dJ/dlp, flag0, flag1, flag2)
 
-the objective (to maximise), its derivative with respect to the learner log-prob, three
-per-token flags that the objective's metrics count (``rlfuse._objectives`` names them) and
-whether the value overflowed. ``OBJECTIVE`` is a code of ``rlfuse._names.OBJECTIVES``; an
-objective is one entry here (its function and its branch in ``token_objective``), its
-reference twin in ``rlfuse.reference.objectives`` and its name in ``rlfuse._names``.
+given the log-ratio ``log r = lp - old_lp``, the learner and old log-probs, the advantage
+``A``, the token's trust region ``[lo, hi]`` (``regions.region_bounds``, fp64), the
+function's parameters (a tuple, in the order the record's ``surrogate()`` gives them) and the
+clamp ``L`` of the log-ratio where verl's form exponentiates a clamped one (runtime floats: a
+new value does not recompile). It returns the objective (to maximise), its derivative with
+respect to the learner log-prob, and three per-token flags that the record's metrics count
+(``no_flag`` where it sets fewer). Its math in plain torch is ``rlfuse.reference.objectives``'
+function of the same name.
 
 Several objectives are ``sg(c) A lp``, a stopped coefficient times the log-prob (CISPO, GPG,
 DPPO): their gradient is ``c A``.
@@ -23,13 +23,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._names import OBJECTIVES
+from typing import Callable, Dict
+
 from .regions import region_codes, region_sizes
 from .utils import constexpr_codes, exp_accurate, fp64_pair, fp64_parts
 
-CLIP, CISPO, SAPO, GPG, DRO, DPPO_TV, DPPO_KL = constexpr_codes(
-    OBJECTIVES, "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
 N_PARAMS = 4    # p0..p3 of every surrogate kernel; an objective uses the first few
+
+# The per-token functions by name: each is registered where it is defined (``per_token``)
+TOKEN_FUNCTIONS: Dict[str, Callable] = {}
+
+
+def per_token(function):
+    TOKEN_FUNCTIONS[function.fn.__name__] = function
+    return function
+
+
+def token_function(name: str):
+    """The per-token function a record's ``token`` names."""
+    if name not in TOKEN_FUNCTIONS:
+        raise ValueError(f"objective: no per-token function {name!r} in the kernels (they have "
+                         f"{', '.join(map(repr, TOKEN_FUNCTIONS))})")
+    return TOKEN_FUNCTIONS[name]
 
 # Columns of the surrogate kernels' partial sums (per row from log-probs, per token from
 # logits): the loss, the objective's three flags, the ratio, old - lp (clamped to +-L), the
@@ -50,9 +65,17 @@ def clamped_log_ratio(log_ratio, clamp):
 
 
 @triton.jit
-def _clip(log_ratio, adv, lo, hi, dual_clip, cap, clamp):
-    """PPO's clipped surrogate over ``[lo, hi]``, with the dual clip ``c = p0`` (verl's
-    ``clip_ratio_c``) and the cap ``p1`` of the unclipped ratio (TRL's ``delta``), inf for none:
+def no_flag(x):
+    """A flag no token sets, for a function with fewer than three."""
+    return x < float("-inf")
+
+
+@per_token
+@triton.jit
+def clip(log_ratio, lp, old, adv, lo, hi, params, clamp):
+    """PPO's clipped surrogate over ``[lo, hi]``, with the dual clip ``c = params[0]`` (verl's
+    ``clip_ratio_c``) and the cap ``params[1]`` of the unclipped ratio (TRL's ``delta``), inf
+    for none:
 
         J = min(min(r, cap) A, clip(r, lo, hi) A)          (A < 0: max(J, c A) with a dual clip)
 
@@ -70,8 +93,8 @@ def _clip(log_ratio, adv, lo, hi, dual_clip, cap, clamp):
     log_ratio, within_clamp = clamped_log_ratio(log_ratio, clamp)
     lo = lo.to(dtype)
     hi = hi.to(dtype)
-    cap = tl.cast(cap, dtype)
-    dual_clip = tl.cast(dual_clip, dtype)
+    dual_clip = tl.cast(params[0], dtype)
+    cap = tl.cast(params[1], dtype)
     log_lo = tl.log(lo)
     log_hi = tl.log(hi)
     log_cap = tl.log(cap)
@@ -98,8 +121,9 @@ def _clip(log_ratio, adv, lo, hi, dual_clip, cap, clamp):
     return j, dj, low, high, dual
 
 
+@per_token
 @triton.jit
-def _cispo(log_ratio, lp, adv, lo, hi, clamp):
+def cispo(log_ratio, lp, old, adv, lo, hi, params, clamp):
     """CISPO: ``J = sg(clip(r, lo, hi)) A lp`` (verl: ``[1 - eps_low, 1 + eps_high]``; TRL:
     ``[0, eps_high]``), r of the log-ratio clamped to +-clamp. Flags: clipped (r outside
     [lo, hi], verl's ``pg_clipfrac``), clipped high with A > 0 (TRL's ``cispo_clip_ratio``)."""
@@ -112,7 +136,7 @@ def _cispo(log_ratio, lp, adv, lo, hi, clamp):
     clamped, _ = clamped_log_ratio(log_ratio, clamp)
     coef = tl.where(below, lo, tl.where(above, hi, exp_accurate(tl.where(inside, clamped, 0.0))))
     dj = coef * adv
-    return dj * lp, dj, ~inside, above & (adv > 0)
+    return dj * lp, dj, ~inside, above & (adv > 0), no_flag(log_ratio)
 
 
 @triton.jit
@@ -121,20 +145,39 @@ def _softplus(x):
     return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
 
 
+@per_token
 @triton.jit
-def _sapo(log_ratio, adv, tau_pos, tau_neg, clamp):
+def sapo(log_ratio, lp, old, adv, lo, hi, params, clamp):
     """SAPO's soft gate: ``J = sigma(tau (r - 1)) 4 / tau A``, ``tau = tau_pos`` if A > 0 else
-    ``tau_neg``, r of the log-ratio clamped to +-clamp (verl: 20; TRL: none), so that
+    ``tau_neg`` (``params``), r of the log-ratio clamped to +-clamp (verl: 20; TRL: none), so that
     ``dJ/dlp = 4 A sigma(x) sigma(-x) r`` inside the clamp (0 outside). ``r sigma(-x)`` is
     formed as ``exp(log r - softplus(x))``: finite for any ratio."""
     dtype = log_ratio.dtype
-    tau = tl.where(adv > 0, tl.cast(tau_pos, dtype), tl.cast(tau_neg, dtype))
+    tau = tl.where(adv > 0, tl.cast(params[0], dtype), tl.cast(params[1], dtype))
     clamped, inside = clamped_log_ratio(log_ratio, clamp)
     x = tau * (exp_accurate(clamped) - 1.0)
     gate = 1.0 / (1.0 + tl.exp(-x))
     j = gate * (4.0 / tau) * adv
     dj = tl.where(inside, 4.0 * adv * gate * exp_accurate(clamped - _softplus(x)), 0.0)
-    return j, dj
+    none = no_flag(log_ratio)
+    return j, dj, none, none, none
+
+
+@per_token
+@triton.jit
+def gpg(log_ratio, lp, old, adv, lo, hi, params, clamp):
+    """The policy gradient ``J = A lp``."""
+    none = no_flag(log_ratio)
+    return adv * lp, adv, none, none, none
+
+
+@per_token
+@triton.jit
+def dro(log_ratio, lp, old, adv, lo, hi, params, clamp):
+    """Direct reward optimisation: ``J = lp A - beta (lp - old)^2 / 2``, beta = ``params[0]``."""
+    beta = tl.cast(params[0], log_ratio.dtype)
+    none = no_flag(log_ratio)
+    return lp * adv - 0.5 * beta * log_ratio * log_ratio, adv - beta * log_ratio, none, none, none
 
 
 @triton.jit
@@ -163,38 +206,21 @@ def _dppo(log_ratio, lp, old, adv, delta_low, delta_high, truncation, clamp,
         keep_neg = (p - mu) >= -delta_low
     keep = tl.where(adv > 0, keep_pos, keep_neg)
     dj = tl.where(keep, tl.minimum(ratio, truncation) * adv, 0.0)
-    return dj * lp, dj, ~keep, keep & (ratio > truncation)
+    return dj * lp, dj, ~keep, keep & (ratio > truncation), no_flag(log_ratio)
 
 
+@per_token
 @triton.jit
-def token_objective(log_ratio, lp, old, adv, lo, hi, p0, p1, p2, p3, clamp,
-                    OBJECTIVE: tl.constexpr):
-    """(J, dJ/dlp, flag0, flag1, flag2, overflow) of the tokens' objective (the module
-    docstring); a code without an entry fails to compile."""
-    false = log_ratio < float("-inf")    # the flags an objective does not set
-    f0 = false
-    f1 = false
-    f2 = false
-    if OBJECTIVE == CLIP:
-        j, dj, f0, f1, f2 = _clip(log_ratio, adv, lo, hi, p0, p1, clamp)
-    elif OBJECTIVE == CISPO:
-        j, dj, f0, f1 = _cispo(log_ratio, lp, adv, lo, hi, clamp)
-    elif OBJECTIVE == SAPO:
-        j, dj = _sapo(log_ratio, adv, p0, p1, clamp)
-    elif OBJECTIVE == GPG:
-        j = adv * lp
-        dj = adv
-    elif OBJECTIVE == DRO:   # lp A - beta (lp - old)^2 / 2
-        beta = tl.cast(p0, log_ratio.dtype)
-        j = lp * adv - 0.5 * beta * log_ratio * log_ratio
-        dj = adv - beta * log_ratio
-    elif OBJECTIVE == DPPO_TV:
-        j, dj, f0, f1 = _dppo(log_ratio, lp, old, adv, p0, p1, p2, clamp, False)
-    else:
-        tl.static_assert(OBJECTIVE == DPPO_KL)
-        j, dj, f0, f1 = _dppo(log_ratio, lp, old, adv, p0, p1, p2, clamp, True)
-    overflow = ~(tl.abs(j) < float("inf"))
-    return j, dj, f0, f1, f2, overflow
+def dppo_tv(log_ratio, lp, old, adv, lo, hi, params, clamp):
+    """DPPO with the total variation (``_dppo``), ``params = (delta_low, delta_high, c)``."""
+    return _dppo(log_ratio, lp, old, adv, params[0], params[1], params[2], clamp, False)
+
+
+@per_token
+@triton.jit
+def dppo_kl(log_ratio, lp, old, adv, lo, hi, params, clamp):
+    """DPPO with the binary KL (``_dppo``), ``params = (delta_low, delta_high, c)``."""
+    return _dppo(log_ratio, lp, old, adv, params[0], params[1], params[2], clamp, True)
 
 
 @triton.jit
@@ -207,16 +233,17 @@ def objective_params(p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
             fp64_pair(p2_hi, p2_lo, ACC), fp64_pair(p3_hi, p3_lo, ACC))
 
 
-def objective_args(objective):
-    """The constexpr codes ``(OBJECTIVE, GEOMETRY, TOPOLOGY)`` and the runtime scalars (the
-    region's four sizes of ``region_bounds``, then ``p0..p3`` as fp64 ``hi, lo`` pairs
-    (``objective_params``), then the clamp, an integer or inf: exact in fp32) of an
-    ``rlfuse._args.Objective`` (or a tuple of its fields)."""
-    name, geometry, topology, delta_low, delta_high, params, clamp = objective
+def objective_args(surrogate):
+    """The constexprs ``(OBJECTIVE, GEOMETRY, TOPOLOGY)`` (the per-token function, the region's
+    codes) and the runtime scalars (the region's four sizes of ``region_bounds``, then
+    ``p0..p3`` as fp64 ``hi, lo`` pairs (``objective_params``), then the clamp, an integer or
+    inf: exact in fp32) of an ``rlfuse.objectives.TokenSurrogate`` (or a tuple of its
+    fields)."""
+    name, geometry, topology, delta_low, delta_high, params, clamp = surrogate
     if len(params) > N_PARAMS:
         raise ValueError(f"objective {name!r}: {len(params)} parameters, the kernels take "
                          f"{N_PARAMS}")
     params = tuple(float(p) for p in params) + (0.0,) * (N_PARAMS - len(params))
     pairs = tuple(part for p in params for part in fp64_parts(p))
-    codes = (OBJECTIVES.index(name),) + region_codes(geometry, topology)
+    codes = (token_function(name),) + region_codes(geometry, topology)
     return codes, region_sizes(delta_low, delta_high) + pairs + (float(clamp),)

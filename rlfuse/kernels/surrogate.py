@@ -1,5 +1,5 @@
 """The surrogate losses' kernels (GPPO, GR-OPD, the PPO family): a per-token objective
-(``objectives.token_objective``) over each token's trust region (``regions.region_bounds``).
+(``OBJECTIVE``, a function of ``objectives``) over each token's trust region (``regions.region_bounds``).
 
 Per actor token, with r = exp(lp - old_lp), advantage A, the objective J and its derivative
 dJ/dlp, and an optional per-token multiplier w: loss = -sum_bt M w J row_scale[b], where the
@@ -22,7 +22,6 @@ at most 10 and passed straight through to each token (verl's GSPO: d log s_bt / 
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -32,14 +31,13 @@ from . import single_pass
 from .kl import NO_KL, kl_codes, kl_term
 from .objectives import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FLAG1, SUM_FLAG2,
                          SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW, SUM_RATIO,
-                         clamped_log_ratio, objective_args, objective_params,
-                         token_objective)
+                         clamped_log_ratio, objective_args, objective_params)
 from .regions import region_bounds
 from .rows import (at, head_args, head_scalars, load_target_logit, program_token,
                    row_logsumexp, row_write_dlogits, row_write_zeros, target_column,
                    target_logprob)
 from .utils import (constexpr_codes, empty, exp_accurate, mask_args, ones_if_none, time_block,
-                    tl_compute_dtype, token_strides, vocab_launch_config)
+                    tl_compute_dtype, token_strides)
 
 TOKEN_RATIO, SEQUENCE_RATIO, STRAIGHT_RATIO = constexpr_codes(RATIO_MODES, *RATIO_MODES)
 _STRAIGHT_LOG_MAX = tl.constexpr(10.0)    # verl's GSPO clamps log s_bt at 10
@@ -133,8 +131,8 @@ def _surrogate_fwd_kernel(
             log_ratio = tl.zeros_like(lp) + seq_lr
         elif RATIO == STRAIGHT_RATIO:
             log_ratio = tl.zeros_like(lp) + tl.minimum(seq_lr, _STRAIGHT_LOG_MAX)
-        j, dj, f0, f1, f2, bad = token_objective(log_ratio, lp, old, adv, lo, hi, p0, p1, p2,
-                                                 p3, clamp, OBJECTIVE)
+        j, dj, f0, f1, f2 = OBJECTIVE(log_ratio, lp, old, adv, lo, hi, (p0, p1, p2, p3), clamp)
+        bad = ~(tl.abs(j) < float("inf"))
         loss += tl.where(actor, j * w, 0.0)
         seq_grad += tl.where(actor, dj * w, 0.0)
         flag0 += (actor & f0).to(ACC)
@@ -203,8 +201,7 @@ def _surrogate_bwd_kernel(
             seq_lr = tl.zeros_like(lp) + tl.load(seq_ptr + b).to(ACC)
             log_ratio = tl.minimum(seq_lr, _STRAIGHT_LOG_MAX)
             passes = actor & (seq_lr <= _STRAIGHT_LOG_MAX)
-        _, dj, _, _, _, _ = token_objective(log_ratio, lp, old, adv, lo, hi, p0, p1, p2, p3,
-                                            clamp, OBJECTIVE)
+        _, dj, _, _, _ = OBJECTIVE(log_ratio, lp, old, adv, lo, hi, (p0, p1, p2, p3), clamp)
         scale = -grad * tl.load(row_scale_ptr + b).to(ACC)
         dlp = tl.where(passes, dj * w * scale, 0.0)
     tl.store(dlp_ptr + b * T + cols, dlp.to(dlp_ptr.dtype.element_ty), mask=inside)
@@ -271,8 +268,8 @@ def _surrogate_logits_row(
         if WRITE_DLOGITS:
             drow_ptr = dlogits_ptr + at(b, stride_db, s, stride_dt)
         lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
-        j, dj, f0, f1, f2, bad = token_objective(log_ratio, lp, old, adv, lo, hi, p0, p1, p2,
-                                                 p3, clamp, OBJECTIVE)
+        j, dj, f0, f1, f2 = OBJECTIVE(log_ratio, lp, old, adv, lo, hi, (p0, p1, p2, p3), clamp)
+        bad = ~(tl.abs(j) < float("inf"))
         loss = j * w * row_scale
         g = -row_scale * w * dj
         kl = tl.zeros((), ACC)
@@ -380,7 +377,8 @@ def _surrogate_logits_kernel(
 def surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, objective, *,
                   ratio: str = "token"):
     """``(sums [B, N_SUM_COLS], seq [B] or None)`` (compute dtype) from learner log-probs
-    ``lp [B, T]``; ``old_lp`` None: on policy; ``objective``: an ``rlfuse._args.Objective``;
+    ``lp [B, T]``; ``old_lp`` None: on policy; ``objective``: an
+    ``rlfuse.objectives.TokenSurrogate``;
     ``ratio``: a name of ``_names.RATIO_MODES``."""
     B, T = lp.shape
     acc = compute_dtype(lp.dtype)
@@ -441,7 +439,7 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
     whole ``[B, S, V]`` (zero rows outside the window) for an upstream gradient of 1, written
     into ``dlogits`` when given (None without ``write_dlogits``: the loss alone, one read of
     the window). ``old_lp`` None: on policy (old = lp, formed in the kernel). ``kl`` (an
-    ``rlfuse._specs.KLTerm``) with ``ref_lp [B, T]`` and its row weights ``kl_scale [B]``: the
+    ``rlfuse.terms.KLTerm``) with ``ref_lp [B, T]`` and its row weights ``kl_scale [B]``: the
     KL penalty; ``entropy_scale [B]``: the entropy bonus's row weights (coefficients included
     in both). ``logit_scale`` and ``softcap`` (0: none): the head's, as in ``rows.head_args``.
     ``row_stats [B*T, ROW_STAT_COLUMNS]``: a shard of a split vocabulary, whose rows' whole

@@ -1,19 +1,34 @@
 """Plain-torch reference implementations: the executable definition of rlfuse's math.
 
-Same signatures and docstrings as the public API; autograd computes the gradients.
+``REFERENCE`` holds the math of each public function on checked arguments; the public
+functions of ``rlfuse.api`` bound to it are exported here with the same signatures and
+docstrings as ``rlfuse``'s; autograd computes the gradients.
 """
-from ..shared.aggregation import group_advantages
+from .. import api
 from .._types import LinearHead, Logits, LossOutput
+from ..api import Implementation, bind, group_advantages
 from ..scaleout.data_parallel import global_counts
 from ..scaleout.layout import packed_index
-from .ggpo import ggpo_loss
-from .gppo import gppo_bounds, gppo_loss
-from .gr_opd import gr_opd_advantages, gr_opd_loss
-from .kl import kl_penalty
-from .logprobs import policy_logprobs, token_logprobs
-from .policy_loss import policy_loss
-from .ppo import ppo_loss
+from . import ggpo, gr_opd, kl, logprobs, policy_loss as _policy_loss, regions
 
-__all__ = ["LinearHead", "Logits", "LossOutput", "ggpo_loss", "global_counts", "gppo_bounds",
-           "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages", "kl_penalty",
-           "packed_index", "policy_logprobs", "policy_loss", "ppo_loss", "token_logprobs"]
+REFERENCE = Implementation(
+    "reference", token_logprobs=logprobs.token_logprobs, window_logprobs=logprobs.window_logprobs,
+    ggpo=ggpo.ggpo, gppo_bounds=regions.gppo_bounds,
+    gr_opd_advantages=gr_opd.gr_opd_advantages, policy_loss=_policy_loss.policy_loss,
+    kl_penalty=kl.kl_penalty)
+
+ggpo_loss = bind(api.ggpo_loss, REFERENCE)
+gppo_bounds = bind(api.gppo_bounds, REFERENCE)
+gppo_loss = bind(api.gppo_loss, REFERENCE)
+gr_opd_advantages = bind(api.gr_opd_advantages, REFERENCE)
+gr_opd_loss = bind(api.gr_opd_loss, REFERENCE)
+kl_penalty = bind(api.kl_penalty, REFERENCE)
+policy_logprobs = bind(api.policy_logprobs, REFERENCE)
+policy_loss = bind(api.policy_loss, REFERENCE)
+ppo_loss = bind(api.ppo_loss, REFERENCE)
+token_logprobs = bind(api.token_logprobs, REFERENCE)
+
+__all__ = ["LinearHead", "Logits", "LossOutput", "REFERENCE", "ggpo_loss", "global_counts",
+           "gppo_bounds", "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages",
+           "kl_penalty", "packed_index", "policy_logprobs", "policy_loss", "ppo_loss",
+           "token_logprobs"]

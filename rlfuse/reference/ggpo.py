@@ -2,30 +2,23 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
-from ..api.args import check_ggpo_args
-from .._docs import documented
-from ..shared.aggregation import k3_kl_mean, masked_mean
 from .._types import LossOutput
+from ..shared.aggregation import k3_kl_mean, masked_mean
 from .logprobs import learner_logprobs
 
 
-@documented
-def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, *,
-              group_size: int, beta: float, clip_radius: Optional[float] = None,
-              loss_scale: float = 1.0, num_tokens: Optional[float] = None,
-              validate: bool = True) -> LossOutput:
-    args = check_ggpo_args(
-        policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
-        clip_radius=clip_radius, loss_scale=loss_scale, num_tokens=num_tokens, validate=validate)
+def ggpo(policy, args, ref_logprobs: torch.Tensor, rewards: torch.Tensor,
+         validate: bool) -> LossOutput:
+    """GGPO's loss and metrics (``rlfuse.ggpo_loss``) of checked ``args``
+    (``api.args.GGPOArgs``)."""
     mask, m, beta, rho = args.mask, args.group_size, args.beta, args.clip_radius
     loss_scale, num_tokens = args.loss_scale, args.num_tokens
     batch, device, cdt = args.info.shape[0], args.info.device, args.info.compute_dtype
     lp = torch.where(mask, learner_logprobs(policy, mask, validate=validate).to(cdt), 0.0)
-    ref = torch.where(mask, ref_logprobs.detach().to(cdt), 0.0)
+    ref = torch.where(mask, ref_logprobs.to(cdt), 0.0)
     t_tok = num_tokens if num_tokens is not None else mask.sum().clamp_min(1).to(cdt)
 
     def centred(x: torch.Tensor) -> torch.Tensor:        # [B] -> [G, m], minus the group mean
@@ -33,7 +26,7 @@ def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
         return x - x.mean(-1, keepdim=True)
 
     s, s_ref = lp.sum(-1), ref.sum(-1)
-    reward_z = centred(rewards.detach().to(cdt)) / beta
+    reward_z = centred(rewards.to(cdt)) / beta
     z = reward_z - centred(s - s_ref)                    # (R_i − mean_g R) / β
     gap = torch.logsumexp(z, -1) - math.log(m)           # J_g / β
     norm = math.sqrt(m - 1)

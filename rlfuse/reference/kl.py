@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import torch
 
-from ..api.args import check_kl_penalty_args
-from .._docs import documented
 
 # verl's clamps of k3: the log-ratio to +-20, the value to +-10
 LOG_CLAMP, VALUE_CLAMP = 20.0, 10.0
+
+
+def _k3(d: torch.Tensor, clamp: bool) -> torch.Tensor:
+    u = -d
+    if clamp:
+        u = u.clamp(-LOG_CLAMP, LOG_CLAMP)
+    value = torch.exp(u) - u - 1.0
+    return value.clamp(-VALUE_CLAMP, VALUE_CLAMP) if clamp else value
+
+
+# Each estimator of ``_names.KL_ESTIMATORS`` as a function of d = lp - ref (and verl's clamp)
+ESTIMATORS = {
+    "k1": lambda d, clamp: d,
+    "abs": lambda d, clamp: d.abs(),
+    "k2": lambda d, clamp: 0.5 * d.square(),
+    "k3": _k3,
+}
 
 
 def kl_estimate(lp: torch.Tensor, ref: torch.Tensor, estimator: str, *, straight: bool = False,
@@ -16,31 +31,21 @@ def kl_estimate(lp: torch.Tensor, ref: torch.Tensor, estimator: str, *, straight
     """The estimator ``estimator`` (a name of ``_names.KL_ESTIMATORS``) of KL(pi || ref) at
     each token, differentiable in ``lp``; ``straight``: its value with the gradient of k2;
     ``clamp``: verl's clamps of k3 (its gradient 0 past them)."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: expected one of {', '.join(map(repr, ESTIMATORS))}, got "
+                         f"{estimator!r}")
     d = lp - ref
-    if estimator == "k1":
-        value = d
-    elif estimator == "abs":
-        value = d.abs()
-    elif estimator == "k2":
-        value = 0.5 * d.square()
-    else:
-        u = -d
-        if clamp:
-            u = u.clamp(-LOG_CLAMP, LOG_CLAMP)
-        value = torch.exp(u) - u - 1.0
-        if clamp:
-            value = value.clamp(-VALUE_CLAMP, VALUE_CLAMP)
+    value = ESTIMATORS[estimator](d, clamp)
     if straight:
         k2 = 0.5 * d.square()
         value = k2 - k2.detach() + value.detach()
     return value
 
 
-@documented
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3", *,
-               clamp: bool = True) -> torch.Tensor:
-    name, straight = check_kl_penalty_args(logprobs, ref_logprobs, estimator)
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str,
+               straight: bool, clamp: bool) -> torch.Tensor:
+    """The per-token estimates in fp32 (fp64 for fp64 inputs) of ``rlfuse.kl_penalty``."""
     cdt = torch.float64 if torch.float64 in (logprobs.dtype, ref_logprobs.dtype) \
         else torch.float32
-    return kl_estimate(logprobs.to(cdt), ref_logprobs.detach().to(cdt), name, straight=straight,
+    return kl_estimate(logprobs.to(cdt), ref_logprobs.to(cdt), estimator, straight=straight,
                        clamp=clamp)

@@ -6,20 +6,19 @@ from typing import Optional
 
 import torch
 
-from .._docs import documented
-from ..shared.head import head_logits
-from ..checks.policy import (check_logprob_args, check_policy, check_policy_targets,
-                             matmul_head, vocab_size)
 from .._types import LinearHead, Logits, compute_dtype
+from ..checks.policy import matmul_head, vocab_size
 from ..scaleout import layout, vocab
 from ..scaleout.rank_rows import RankRowsHead, rank_rows_logprobs
+from ..shared.head import head_logits
 
 
-@documented
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                   return_entropy: bool = False, inplace_backward: bool = False,
-                   mask: Optional[torch.Tensor] = None, validate: bool = True):
-    mask = check_logprob_args(logits, targets, temperature, mask, inplace_backward, validate)
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
+                   temperature: float, return_entropy: bool, inplace_backward: bool,
+                   validate: bool):
+    """``logp`` (or ``(logp, entropy)``) of ``rlfuse.token_logprobs``: ``log_softmax(logits /
+    temperature)`` at the targets, masked positions 0 and never read (``inplace_backward``
+    has no buffer to save here); without ``validate`` a target outside the row gives NaN."""
     z = logits.to(compute_dtype(logits.dtype))
     if mask is not None:  # masked rows may hold NaN / inf: never let them into the arithmetic
         z = torch.where(mask.unsqueeze(-1), z, torch.zeros_like(z))
@@ -65,14 +64,14 @@ def as_logits(policy) -> Logits:
 
 def window_logprobs(policy, mask: Optional[torch.Tensor], *, validate: bool,
                     return_entropy: bool = False):
-    """Log-probs (and entropy) ``[B, T]`` of the window of a ``Logits`` / ``LinearHead``
-    policy (whose arguments the caller has checked, as far as its ``validate`` asked); packed
-    rows at their loss positions (``[N]`` without a mask); a split vocabulary gathered whole
-    (its shard sizes compared first with ``validate``)."""
+    """``(logp, entropy)`` ``[B, T]`` (entropy None without ``return_entropy``) of the window
+    of a ``Logits`` / ``LinearHead`` policy (whose arguments the caller has checked, as far as
+    its ``validate`` asked); packed rows at their loss positions (``[N]`` without a mask); a
+    split vocabulary gathered whole (its shard sizes compared first with ``validate``)."""
     if isinstance(policy, RankRowsHead):
-        out = rank_rows_logprobs(policy, mask, lambda head, head_mask: (window_logprobs(
-            head, head_mask, validate=validate, return_entropy=True)))
-        return out if return_entropy else out[0]
+        logp, entropy = rank_rows_logprobs(policy, mask, lambda head, head_mask: (
+            window_logprobs(head, head_mask, validate=validate, return_entropy=True)))
+        return logp, entropy if return_entropy else None
     if validate and policy.vocab_parallel_group is not None:
         vocab.check_shard_sizes(policy.vocab_parallel_group, vocab_size(policy),
                                 policy.targets.device)
@@ -81,28 +80,15 @@ def window_logprobs(policy, mask: Optional[torch.Tensor], *, validate: bool,
     window = rows.logits[:, rows.offset:rows.offset + T]
     if rows.vocab_parallel_group is not None:
         window = vocab.GatherVocab.apply(window, rows.vocab_parallel_group)
-    out = token_logprobs(window, rows.targets, temperature=rows.temperature,
-                         mask=layout.row_mask(policy, mask), return_entropy=return_entropy,
-                         validate=False)
-    if not return_entropy:
-        return layout.to_loss_layout(policy, out, mask)
-    return tuple(layout.to_loss_layout(policy, x, mask) for x in out)
+    out = token_logprobs(window, rows.targets, layout.row_mask(policy, mask), rows.temperature,
+                         return_entropy, False, False)
+    logp, entropy = out if return_entropy else (out, None)
+    return (layout.to_loss_layout(policy, logp, mask),
+            None if entropy is None else layout.to_loss_layout(policy, entropy, mask))
 
 
 def learner_logprobs(policy, mask: torch.Tensor, *, validate: bool) -> torch.Tensor:
     """The learner log-probs ``[B, T]`` of any policy form."""
     if isinstance(policy, (Logits, LinearHead)):
-        return window_logprobs(policy, mask, validate=validate)
-    return policy
-
-
-@documented
-def policy_logprobs(policy, *, return_entropy: bool = False, validate: bool = True):
-    info = check_policy(policy)
-    if isinstance(policy, (Logits, LinearHead)):
-        check_policy_targets(policy, None, info.shape, validate)
-        return window_logprobs(policy, None, validate=validate, return_entropy=return_entropy)
-    if return_entropy:
-        raise ValueError("return_entropy: a policy given as log-probs has no entropy; pass "
-                         "rlfuse.Logits or rlfuse.LinearHead")
+        return window_logprobs(policy, mask, validate=validate)[0]
     return policy

@@ -1,10 +1,10 @@
-"""Reference per-token objectives of the surrogate losses, one function per name of
-``rlfuse._names.OBJECTIVES``::
+"""Reference per-token functions of the surrogate losses, one per ``token`` an objective record
+of ``rlfuse.objectives`` names (``token_function``)::
 
-    OBJECTIVES[name](log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective
+    <token>(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenResult
 
-each actor token's objective J (to maximise) and the flags its metrics count
-(``rlfuse._names.OBJECTIVE_FLAGS`` names them). ``log_ratio`` is ``lp - old`` (or a sequence's
+each actor token's objective J (to maximise) and the flags its metrics count (the record's
+``flags`` names them). ``log_ratio`` is ``lp - old`` (or a sequence's
 log-ratio under GSPO), differentiable; ``lo, hi`` the token's trust region
 (``regions.region_bounds``, in the compute dtype); ``params`` the objective's own parameters;
 ``clamp`` the bound of the log-ratio where verl's form exponentiates a clamped one (inf: none).
@@ -12,22 +12,31 @@ log-ratio under GSPO), differentiable; ``lo, hi`` the token's trust region
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, NamedTuple, Sequence, Tuple
+from typing import Callable, Dict, NamedTuple, Tuple
 
 import torch
 
 
-class TokenObjective(NamedTuple):
+class TokenResult(NamedTuple):
     """Per-token result of an objective (all ``[B, T]``)."""
 
     value: torch.Tensor                     # J, differentiable, 0 off the mask
-    flags: Tuple[torch.Tensor, ...]         # bool, one per name of OBJECTIVE_FLAGS[name]
+    flags: Tuple[torch.Tensor, ...]         # bool, one per name of the record's flags
     overflow: torch.Tensor                  # bool: the selected value is not representable
 
 
-def _result(value, mask, *flags) -> TokenObjective:
+# The per-token functions by name: each is registered where it is defined (``per_token``)
+TOKEN_FUNCTIONS: Dict[str, Callable[..., TokenResult]] = {}
+
+
+def per_token(function: Callable[..., TokenResult]) -> Callable[..., TokenResult]:
+    TOKEN_FUNCTIONS[function.__name__] = function
+    return function
+
+
+def _result(value, mask, *flags) -> TokenResult:
     value = torch.where(mask, value, torch.zeros_like(value))
-    return TokenObjective(value, tuple(mask & f for f in flags),
+    return TokenResult(value, tuple(mask & f for f in flags),
                           mask & ~torch.isfinite(value.detach()))
 
 
@@ -35,7 +44,8 @@ def _clamped(log_ratio: torch.Tensor, clamp: float) -> torch.Tensor:
     return log_ratio.clamp(-clamp, clamp)
 
 
-def clip(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+@per_token
+def clip(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenResult:
     """PPO's clipped surrogate with verl's dual clip ``c`` and TRL's cap of the unclipped ratio
     (``params = (c, cap)``, inf for none), ``r = exp(log_ratio)``::
 
@@ -75,7 +85,8 @@ def clip(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective
     return _result(torch.where(active, ratio * adv, constant), mask, low, high, dual)
 
 
-def cispo(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+@per_token
+def cispo(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenResult:
     """CISPO: ``J = sg(clip(r, lo, hi)) A lp`` with r of the log-ratio clamped to +-clamp
     (verl: ``[1 - eps_low, 1 + eps_high]``, clamp 20; TRL: ``[0, eps_high]``, no clamp). Flags:
     r outside [lo, hi]; r > hi with A > 0."""
@@ -90,7 +101,8 @@ def cispo(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjectiv
 _SIGMOID_SATURATED = 60.0
 
 
-def sapo(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+@per_token
+def sapo(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenResult:
     """SAPO's soft gate ``J = sigma(tau (r - 1)) 4 / tau A``, ``tau = tau_pos`` if A > 0 else
     ``tau_neg`` (``params``), r of the log-ratio clamped to +-clamp (verl: 20; TRL: none)."""
     tau_pos, tau_neg = params
@@ -101,12 +113,14 @@ def sapo(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective
     return _result(gate * 4.0 / tau * adv, mask)
 
 
-def gpg(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+@per_token
+def gpg(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenResult:
     """The policy gradient ``J = A lp`` (verl's ``gpg``, REINFORCE)."""
     return _result(adv * lp, mask)
 
 
-def dro(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+@per_token
+def dro(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenResult:
     """Direct reward optimisation: ``J = lp A - beta (lp - old)^2 / 2`` (``params = (beta,)``)."""
     (beta,) = params
     return _result(lp * adv - 0.5 * beta * log_ratio.square(), mask)
@@ -121,7 +135,8 @@ def _dppo(log_ratio, lp, old, adv, mask, params, clamp, keep_pos, keep_neg):
     return _result(coef * adv * lp, mask, ~keep, keep & (ratio > truncation))
 
 
-def dppo_tv(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+@per_token
+def dppo_tv(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenResult:
     """DPPO with the total variation (verl's ``dppo_tv``): ``J = sg(min(r, c)) A lp`` where the
     move of the probability ``p - mu`` (p = e^lp, mu = e^old) stays within ``delta_high``
     (A > 0) or ``-delta_low`` (A <= 0), else 0; ``params = (delta_low, delta_high, c)``. Flags:
@@ -133,7 +148,8 @@ def dppo_tv(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObject
                  move >= -delta_low)
 
 
-def dppo_kl(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObjective:
+@per_token
+def dppo_kl(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenResult:
     """DPPO with the binary KL (verl's ``dppo_kl``) ``mu (old - lp) + (1 - mu) log((1 - mu +
     1e-8) / (1 - p + 1e-8))``: A > 0 tokens are kept with KL <= delta_high or p <= mu, the
     others with KL <= delta_low or p >= mu; otherwise as ``dppo_tv``."""
@@ -146,11 +162,9 @@ def dppo_kl(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenObject
                  (kl <= delta_low) | (p >= mu))
 
 
-OBJECTIVES: Dict[str, Callable[..., TokenObjective]] = {
-    "clip": clip, "cispo": cispo, "sapo": sapo, "gpg": gpg, "dro": dro, "dppo_tv": dppo_tv,
-    "dppo_kl": dppo_kl}
-
-
-def flags_of(result: TokenObjective, names: Sequence[str]) -> Dict[str, torch.Tensor]:
-    """The objective's flags by metric name."""
-    return dict(zip(names, result.flags))
+def token_function(name: str) -> Callable[..., TokenResult]:
+    """The per-token function a record's ``token`` names."""
+    if name not in TOKEN_FUNCTIONS:
+        raise ValueError(f"objective: no per-token function {name!r} (the reference has "
+                         f"{', '.join(map(repr, TOKEN_FUNCTIONS))})")
+    return TOKEN_FUNCTIONS[name]

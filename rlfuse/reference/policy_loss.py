@@ -7,13 +7,10 @@ from typing import Optional
 
 import torch
 
-from ..api.args import check_policy_loss_args
-from ..shared.batch_objectives import BATCH_OBJECTIVES
-from ..shared.masks import apply_masks, entropy_weights, term_ratio
-from .._docs import documented
-from ..shared.aggregation import aggregation_weights, masked_mean
-from .._types import LinearHead, Logits, LossOutput
+from .._types import LinearHead, LossOutput, Logits
 from ..checks.values import raise_on_overflow
+from ..shared.aggregation import aggregation_weights, masked_mean
+from ..shared.masks import apply_masks, entropy_weights, term_ratio
 from .kl import kl_estimate
 from .logprobs import learner_logprobs, window_logprobs
 from .surrogate import surrogate, surrogate_metrics
@@ -25,21 +22,11 @@ def _logprobs(policy, mask, *, validate: bool, entropy: bool):
     return learner_logprobs(policy, mask, validate=validate), None
 
 
-@documented
-def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
-                mask: torch.Tensor, objective="clip", *, agg: Optional[str] = None,
-                weights: Optional[torch.Tensor] = None,
-                ref_logprobs: Optional[torch.Tensor] = None, kl=None, entropy=None,
-                entropy_mask=None, off_policy_mask=None, loss_scale: float = 1.0,
-                num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
-                generator: Optional[torch.Generator] = None,
-                validate: bool = True) -> LossOutput:
-    args = check_policy_loss_args(
-        policy, old_logprobs, advantages, mask, objective, agg=agg, weights=weights,
-        ref_logprobs=ref_logprobs, kl=kl, entropy=entropy, entropy_mask=entropy_mask,
-        off_policy_mask=off_policy_mask, loss_scale=loss_scale, num_tokens=num_tokens,
-        num_sequences=num_sequences, generator=generator, validate=validate)
-    spec, mask, cdt = args.spec, args.mask, args.info.compute_dtype
+def policy_loss(policy, args, old_logprobs: Optional[torch.Tensor],
+                ref_logprobs: Optional[torch.Tensor], generator: Optional[torch.Generator],
+                validate: bool) -> LossOutput:
+    """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``)."""
+    objective, mask, cdt = args.objective, args.mask, args.info.compute_dtype
     lp, h = _logprobs(policy, mask, validate=validate,
                       entropy=args.entropy is not None or args.entropy_mask is not None)
     lp = torch.where(mask, lp.to(cdt), 0.0)
@@ -52,16 +39,15 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
     row_scale = args.loss_scale * aggregation_weights(mask, args.agg, cdt,
                                                       num_tokens=args.num_tokens,
                                                       num_sequences=args.num_sequences)
-    if spec.ratio == "batch":
-        loss, found = BATCH_OBJECTIVES[spec.source.name](
-            spec.source, lp, lp.detach() if old is None else old, adv, mask, weights, row_scale,
+    if objective.ratio == "batch":
+        loss, found = objective.batch(
+            lp, lp.detach() if old is None else old, adv, mask, weights, row_scale,
             loss_scale=args.loss_scale, num_sequences=args.num_sequences, generator=generator)
         metrics.update(found)
     else:
-        result = surrogate(lp, old, adv, mask, spec.token, compute_dtype=cdt, agg=args.agg,
-                           weights=weights, loss_scale=args.loss_scale,
-                           num_tokens=args.num_tokens, num_sequences=args.num_sequences,
-                           ratio=spec.ratio, validate=validate)
+        result = surrogate(lp, old, adv, mask, objective, agg=args.agg, weights=weights,
+                           loss_scale=args.loss_scale, num_tokens=args.num_tokens,
+                           num_sequences=args.num_sequences, validate=validate)
         loss = result.loss
         metrics.update(surrogate_metrics(result, mask))
     if args.kl is not None:
@@ -69,8 +55,8 @@ def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.
         ref = torch.where(mask, ref_logprobs.detach().to(cdt), 0.0)
         value = kl_estimate(lp, ref, term.estimator, straight=term.straight, clamp=term.clamp)
         if term.weighted:
-            level = spec.level if spec.ratio == "batch" else spec.ratio
-            value = value * term_ratio(lp, lp.detach() if old is None else old, mask, level)
+            value = value * term_ratio(lp, lp.detach() if old is None else old, mask,
+                                       objective.weight_ratio)
         value = torch.where(mask, value, 0.0)
         loss = loss + term.coef * (value.sum(-1) * row_scale).sum()
         bad = (~torch.isfinite(value.detach()) & mask).sum()

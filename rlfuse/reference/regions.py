@@ -9,6 +9,7 @@ from typing import Tuple
 import torch
 
 from .._names import MU_MIN
+from .._types import compute_dtype
 
 BISECTION_STEPS = 100        # see _binary_root_bounds
 
@@ -28,6 +29,15 @@ def region_bounds(old: torch.Tensor, geometry: str, topology: str,
     lo = _bounds_fp64(mu, geometry, topology, delta[0])[0]
     hi = _bounds_fp64(mu, geometry, topology, delta[1])[1]
     return lo.clamp_min(0.0), hi
+
+
+def gppo_bounds(old_logprobs: torch.Tensor, surrogate) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)`` of a ``TokenSurrogate``'s region at each token, in fp64 for fp64 log-probs,
+    fp32 otherwise."""
+    _, geometry, topology, delta_low, delta_high = surrogate[:5]
+    lo, hi = region_bounds(old_logprobs, geometry, topology, (delta_low, delta_high))
+    out = compute_dtype(old_logprobs.dtype)
+    return lo.to(out), hi.to(out)
 
 
 def _bounds_fp64(mu: torch.Tensor, geometry: str, topology: str,

@@ -1,17 +1,16 @@
-"""The reference surrogate losses (GPPO, PPO, GR-OPD): a per-token objective over each token's
-trust region, the per-token multipliers, and verl's aggregations."""
+"""The reference surrogate of a token-local or sequence objective (``policy_loss`` of ``Clip``,
+``GPPO``, ``CISPO``, ... and of GR-OPD): its per-token function over each token's trust region,
+the per-token multipliers, and verl's aggregations."""
 from __future__ import annotations
 
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .._specs import Objective
-from ..shared.aggregation import aggregation_weights, masked_mean, per_token, sequence_shares
-from .._names import OBJECTIVE_FLAGS
 from ..checks.values import raise_on_overflow
-from .logprobs import learner_logprobs
-from .objectives import OBJECTIVES, TokenObjective
+from ..objectives import Objective
+from ..shared.aggregation import aggregation_weights, masked_mean, per_token, sequence_shares
+from .objectives import TokenResult, token_function
 from .regions import region_bounds
 
 
@@ -21,7 +20,7 @@ class Surrogate(NamedTuple):
     (each log-ratio clamped to +-``objective.clamp``)."""
 
     loss: torch.Tensor
-    terms: TokenObjective
+    terms: TokenResult
     log_ratio: torch.Tensor
     approx_kl: torch.Tensor
     flags: Tuple[str, ...]
@@ -67,40 +66,39 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, lp: torch.Te
     return torch.where(mask, straight.clamp(max=STRAIGHT_LOG_MAX), 0.0)
 
 
-def surrogate(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
-              mask: torch.Tensor, objective: Objective, *, compute_dtype: torch.dtype,
-              agg: str, weights: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
-              num_tokens=None, num_sequences=None, ratio: str = "token",
-              validate: bool) -> Surrogate:
-    """``-loss_scale · agg(w J)`` of ``objective`` for any policy form (``old_logprobs``
-    None: on policy, ``old = lp.detach()``, r = 1); ``ratio``: a name of
-    ``_names.RATIO_MODES`` (``sequence_log_ratio``). With ``validate`` an overflowing selected
-    objective raises."""
-    cdt = compute_dtype
-    lp = torch.where(mask, learner_logprobs(policy, mask, validate=validate).to(cdt), 0.0)
-    old = lp.detach() if old_logprobs is None else torch.where(
-        mask, old_logprobs.detach().to(cdt), 0.0)
-    adv = torch.where(mask, per_token(advantages, mask.shape).detach().to(cdt), 0.0)
-    lo, hi = region_bounds(old, objective.geometry, objective.topology,
-                           (objective.delta_low, objective.delta_high))
+def surrogate(lp: torch.Tensor, old: Optional[torch.Tensor], advantages: torch.Tensor,
+              mask: torch.Tensor, objective: Objective, *, agg: str,
+              weights: Optional[torch.Tensor] = None, loss_scale: float = 1.0, num_tokens=None,
+              num_sequences=None, validate: bool) -> Surrogate:
+    """``-loss_scale · agg(w J)`` of ``objective`` (a token-local or sequence objective record)
+    at the learner log-probs ``lp [B, T]`` (in the compute dtype, 0 off the mask; ``old`` None:
+    on policy, ``old = lp.detach()``, r = 1), its ratio formed as its ``ratio`` says
+    (``sequence_log_ratio``). With ``validate`` an overflowing selected objective raises."""
+    surrogate_of = objective.surrogate()
+    old = lp.detach() if old is None else old
+    adv = torch.where(mask, per_token(advantages, mask.shape).detach().to(lp.dtype), 0.0)
+    lo, hi = region_bounds(old, surrogate_of.geometry, surrogate_of.topology,
+                           (surrogate_of.delta_low, surrogate_of.delta_high))
     log_ratio = lp - old
+    clamp = surrogate_of.clamp
     with torch.no_grad():
-        approx_kl = masked_mean(-log_ratio.clamp(-objective.clamp, objective.clamp), mask)
-    if ratio != "token":
-        log_ratio = sequence_log_ratio(log_ratio, mask, lp, ratio)
-    terms = OBJECTIVES[objective.name](log_ratio, lp, old, adv, lo.to(cdt), hi.to(cdt), mask,
-                                       objective.params, objective.clamp)
+        approx_kl = masked_mean(-log_ratio.clamp(-clamp, clamp), mask)
+    if objective.ratio != "token":
+        log_ratio = sequence_log_ratio(log_ratio, mask, lp, objective.ratio)
+    terms = token_function(surrogate_of.function)(
+        log_ratio, lp, old, adv, lo.to(lp.dtype), hi.to(lp.dtype), mask, surrogate_of.params,
+        clamp)
     value = terms.value
     if weights is not None:
-        value = value * torch.where(mask, weights.detach().to(cdt), 0.0)
+        value = value * torch.where(mask, weights.detach().to(lp.dtype), 0.0)
     loss = -loss_scale * aggregate(value, mask, agg, num_tokens=num_tokens,
                                    num_sequences=num_sequences)
     if validate:
         raise_on_overflow(terms.overflow.sum(), value.dtype)
-    return Surrogate(loss, terms, log_ratio, approx_kl, OBJECTIVE_FLAGS[objective.name])
+    return Surrogate(loss, terms, log_ratio, approx_kl, objective.flags)
 
 
-def overflow_metric(terms: TokenObjective) -> torch.Tensor:
+def overflow_metric(terms: TokenResult) -> torch.Tensor:
     """1 if some selected objective overflowed, else 0."""
     return terms.overflow.any().to(terms.value.dtype)
 

@@ -18,10 +18,6 @@ layout raises on every rank before any collective, so nothing hangs.
 """
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
 from .._types import LinearHead, Logits
 from .rank_rows import MeanOverRanks, RankRowsHead
 

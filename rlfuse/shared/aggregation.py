@@ -1,7 +1,6 @@
-"""The small math both implementations share: broadcasts, the aggregation weights (written
-once, used by the reference's sums and the kernels' row weights alike), masked means, GR-OPD's
-clamped feedback, GRPO's group advantages (one implementation for both paths), and a head's
-logit scale and softcap.
+"""The ``[B, T]`` sums and means both implementations share: broadcasts, the aggregation
+weights (written once, used by the reference's sums and the kernels' row weights alike),
+masked means, the per-sequence shares and the KL metric, GR-OPD's clamped feedback.
 """
 from __future__ import annotations
 
@@ -9,10 +8,6 @@ import math
 from typing import Dict, Optional
 
 import torch
-
-from .._docs import documented
-from .._types import compute_dtype
-from ..checks.values import check_finite, check_group_size, check_positive, check_tensor
 
 
 def per_token(x: torch.Tensor, shape) -> torch.Tensor:
@@ -103,24 +98,3 @@ def clamped_feedback(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tenso
     """GR-OPD's ``r_it = clamp(teacher_lp - old_lp, +-feedback_clip)`` at actor tokens, 0
     elsewhere."""
     return torch.where(mask, (teacher - old).clamp(-feedback_clip, feedback_clip), 0.0)
-
-
-@documented
-def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-6,
-                     normalize_std: bool = True) -> torch.Tensor:
-    check_tensor("rewards", rewards, floating=True)
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards: expected shape (B,), got {tuple(rewards.shape)}")
-    m = check_group_size(group_size, rewards.shape[0])
-    if normalize_std:
-        eps = check_positive("eps", eps)
-    check_finite("rewards", rewards)
-    with torch.no_grad():
-        r = rewards.to(compute_dtype(rewards.dtype)).reshape(-1, m)
-        if m == 1:
-            centred, std = r, torch.ones_like(r)
-        else:
-            centred = r - r.mean(-1, keepdim=True)
-            std = (centred.square().sum(-1, keepdim=True) / (m - 1)).sqrt()   # ddof = 1
-        adv = centred / (std + eps) if normalize_std else centred
-    return adv.reshape(-1)

@@ -1,0 +1,168 @@
+"""The advantages of GRPO (``group_advantages``) and of GR-OPD (``gr_opd_advantages``), and
+GR-OPD's loss: its advantages, then ``policy_loss``'s step with the clip over them."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._types import LossOutput, compute_dtype
+from ..checks.values import check_finite, check_group_size, check_positive, check_tensor
+from ..shared.aggregation import clamped_feedback, masked_mean
+from .args import check_advantage_inputs, check_gr_opd_args
+
+
+def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-6,
+                     normalize_std: bool = True) -> torch.Tensor:
+    """GRPO advantages: rewards centred (and scaled) within each group of ``group_size`` rows.
+
+    Args:
+        rewards: ``[B]`` sequence rewards, finite.
+        group_size: rows ``[g m, (g + 1) m)`` form group ``g``; ``B % group_size == 0``.
+        eps: added to the standard deviation (> 0 when ``normalize_std``).
+        normalize_std: divide by the group's standard deviation (False: Dr. GRPO).
+
+    ``A_i = (r_i − mean_g r) / (std_g r + eps)``, or ``r_i − mean_g r`` with
+    ``normalize_std=False`` (Dr. GRPO). ``std`` is the sample standard deviation (ddof = 1,
+    ``torch.std``'s default), as verl's ``compute_grpo_outcome_advantage`` and TRL's
+    ``GRPOTrainer`` use. A group of one row follows verl: mean 0 and std 1, so ``A = r/(1+eps)``.
+    ``eps`` must be > 0 when ``normalize_std`` (a group of equal rewards has std 0). Returns [B]
+    in fp32 (fp64 for fp64 rewards), detached.
+    """
+    check_tensor("rewards", rewards, floating=True)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected shape (B,), got {tuple(rewards.shape)}")
+    m = check_group_size(group_size, rewards.shape[0])
+    if normalize_std:
+        eps = check_positive("eps", eps)
+    check_finite("rewards", rewards)
+    with torch.no_grad():
+        r = rewards.to(compute_dtype(rewards.dtype)).reshape(-1, m)
+        if m == 1:
+            centred, std = r, torch.ones_like(r)
+        else:
+            centred = r - r.mean(-1, keepdim=True)
+            std = (centred.square().sum(-1, keepdim=True) / (m - 1)).sqrt()   # ddof = 1
+        adv = centred / (std + eps) if normalize_std else centred
+    return adv.reshape(-1)
+
+
+def gr_opd_advantages(run, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                      mask: torch.Tensor, *, group_size: int, gamma: float = 0.99,
+                      lam: float = 0.25, feedback_clip: float = 5.0, adv_clip: float = 5.0,
+                      std_eps: float = 1e-6, validate: bool = True) -> torch.Tensor:
+    """GR-OPD's group-relative sequence credit, one advantage per response (``[B]``, detached).
+
+    Args:
+        old_logprobs: ``[B, T]`` log-probs of the sampling student.
+        teacher_logprobs: ``[B, T]`` log-probs of the frozen teacher on the student's tokens.
+        mask: ``[B, T]`` bool (or 0/1): the response tokens; every response needs one.
+        group_size: responses per prompt; rows ``[g m, (g + 1) m)`` form group ``g``.
+        gamma: the discount over a response's actor tokens, in (0, 1].
+        lam: the share of the group mean kept in the advantage.
+        feedback_clip, adv_clip: clamps (>= 0) of the per-token feedback and the advantage.
+        std_eps: added to the group's population std (> 0).
+        validate: check the values of the ``[B, T]`` inputs (host syncs).
+
+    ::
+
+        r_it = clamp(teacher_lp_it − old_lp_it, −feedback_clip, feedback_clip)
+        S_i  = Σ_k γ^{k−1} r_{i,t_k} / Σ_k γ^{k−1}
+               (t_k = k-th actor token of response i, k = 1..T_i)
+        μ_g, σ_g = mean and POPULATION std (ddof=0) of S over the group
+        A_i  = clamp( (S_i − μ_g + λ μ_g) / (σ_g + std_eps), −adv_clip, adv_clip )
+
+    The discount counts actor tokens only: it restarts at every response and skips masked
+    positions. A group of equal scores (σ = 0) gives ``clamp(λ μ_g / std_eps)``, finite.
+    Computed in fp32 (fp64 when either input is fp64); every response needs an actor token.
+    ``gamma`` in (0, 1], clips >= 0, ``std_eps`` > 0. ``validate=False`` skips the value checks
+    (finite inputs at actor tokens, a token in every response; host syncs): a response without
+    one then scores 0. Call it once per rollout on the whole batch and pass ``advantages=`` to
+    ``gr_opd_loss`` for every micro-batch (fused: one kernel, one program per group).
+    """
+    with run.on(old_logprobs) as (impl, old_logprobs):
+        args = check_advantage_inputs(
+            old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
+            feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps, validate=validate)
+        adv, _ = impl.gr_opd_advantages(
+            old_logprobs.detach(), teacher_logprobs.detach(), args.mask, args.hyper,
+            compute_dtype(old_logprobs.dtype, teacher_logprobs.dtype))
+        return adv
+
+
+def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                mask: torch.Tensor, *, group_size: int, gamma: float = 0.99, lam: float = 0.25,
+                eps: float = 0.2, feedback_clip: float = 5.0, adv_clip: float = 5.0,
+                std_eps: float = 1e-6, advantages: Optional[torch.Tensor] = None,
+                loss_scale: float = 1.0, num_sequences: Optional[float] = None,
+                validate: bool = True) -> LossOutput:
+    """GR-OPD: PPO on the student's tokens with the group-relative teacher credit ``A_i``.
+
+    Args:
+        policy: learner log-probs ``[B, T]`` (requires grad), ``rlfuse.Logits`` or
+            ``rlfuse.LinearHead``.
+        old_logprobs: ``[B, T]`` log-probs of the sampling student (detached).
+        teacher_logprobs: ``[B, T]`` log-probs of the frozen teacher replayed on the student's
+            tokens (detached).
+        mask: ``[B, T]`` bool (or 0/1): the response tokens; every response needs one.
+        group_size: responses per prompt; rows ``[g m, (g + 1) m)`` form group ``g``.
+        gamma, lam, feedback_clip, adv_clip, std_eps: the advantage (see
+            :func:`gr_opd_advantages`); all runtime kernel arguments.
+        eps: PPO clip range ``[1 − eps, 1 + eps]``, or ``(eps_low, eps_high)`` for
+            ``[1 − eps_low, 1 + eps_high]``.
+        advantages: precomputed ``[B]`` (or ``[B, 1]``) advantages (from
+            ``gr_opd_advantages`` on the whole rollout); ``teacher_logprobs`` then only feeds
+            the ``feedback_mean`` metric.
+        loss_scale: multiplies the loss and every gradient, inside the kernels (e.g.
+            ``1 / gradient_accumulation_steps``): no pass over a gradient to rescale it.
+        num_sequences: the global number of responses ``B`` (default: the local one).
+        validate: check the values of the ``[B, T]`` inputs and refuse an overflowing ``ρ A``
+            (host syncs); shapes, dtypes and devices are always checked.
+
+    ::
+
+        ρ_it = exp(lp_it − old_lp_it)
+        L    = −(1/B) Σ_i (1/T_i) Σ_t M_it min(ρ_it A_i, clip(ρ_it, 1−ε, 1+ε) A_i)
+        ∂L/∂lp_it = −A_i ρ_it 1[active_it] M_it / (B T_i)
+
+    Per-response token mean first, then the mean over responses (never a global token mean);
+    ``B`` is ``num_sequences``. The PPO branch is chosen in log-ratio space and only the selected
+    branch is exponentiated; when it is the unclipped negative-advantage branch and ``ρ A``
+    overflows the compute dtype (fp32 for bf16/fp16/fp32 inputs, fp64 for fp64) this raises
+    ``ValueError`` rather than returning inf/NaN (``validate=False``: the ``overflow`` metric).
+
+    Metrics (detached): ``clip_frac`` share of actor tokens where the clipped branch is
+    selected, ``clip_frac_low`` / ``clip_frac_high`` the shares clipped from below (A < 0)
+    and above (A > 0); ``adv_mean`` / ``adv_abs_mean`` mean of A_i / |A_i| over the responses;
+    ``feedback_mean`` mean of the clamped feedback r_it over actor tokens (computed from
+    ``teacher_logprobs`` also when ``advantages`` are given); ``overflow`` as in GPPO.
+
+    Fused (``rlfuse.gr_opd_loss``): the advantage kernel, then GPPO's surrogate kernels with the
+    fixed region ``[1 − ε, 1 + ε]``; from ``Logits`` one single pass over the logits, from
+    ``LinearHead`` that pass on each chunk of the logits.
+    """
+    with run.on(policy) as (impl, policy):
+        args = check_gr_opd_args(
+            policy, old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma,
+            lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
+            advantages=advantages, loss_scale=loss_scale, num_sequences=num_sequences,
+            validate=validate)
+        mask, cdt = args.loss.mask, args.loss.info.compute_dtype
+        old, teacher = old_logprobs.detach(), teacher_logprobs.detach()
+        acc = compute_dtype(cdt, old.dtype, teacher.dtype)   # the advantages' widest input
+        if args.advantages is None:
+            adv, feedback_mean = impl.gr_opd_advantages(old, teacher, mask, args.hyper, acc)
+        else:   # the metric alone, from [B, T] data
+            adv = args.advantages.detach()
+            feedback_mean = masked_mean(clamped_feedback(old.to(acc), teacher.to(acc), mask,
+                                                         args.hyper.feedback_clip), mask)
+        out = impl.policy_loss(policy, args.loss._replace(advantages=adv), old, None, None,
+                               validate)
+        low, high = out.metrics["clip_frac_low"], out.metrics["clip_frac_high"]
+        adv_c = adv.to(cdt)
+        empty = adv_c.new_zeros(())
+        return LossOutput(out.loss, {
+            "clip_frac": low + high, "clip_frac_low": low, "clip_frac_high": high,
+            "adv_mean": adv_c.mean() if adv_c.numel() else empty,
+            "adv_abs_mean": adv_c.abs().mean() if adv_c.numel() else empty,
+            "feedback_mean": feedback_mean, "overflow": out.metrics["overflow"]})

@@ -1,0 +1,60 @@
+"""What a public function runs on: an implementation of rlfuse's math, and how a definition of
+``rlfuse.api`` becomes a public function bound to one (``bind``).
+
+A definition takes the implementation it runs on as its first argument and picks the one for
+its first tensor with ``run.on(x)``: ``Implementation.on`` is always itself (the reference
+binds ``rlfuse.reference.*`` to its own), ``rlfuse._dispatch.Dispatch.on`` the kernels where
+they run on ``x``'s device and the reference elsewhere (``rlfuse.*``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Callable, NamedTuple
+
+from ..scaleout.dtensor import local_policy
+
+
+class Implementation(NamedTuple):
+    """The functions an implementation provides, each on arguments the definition checked:
+
+    - ``token_logprobs(logits, targets, mask, temperature, return_entropy, inplace_backward,
+      validate)``: ``logp`` or ``(logp, entropy)``;
+    - ``window_logprobs(policy, mask, *, validate, return_entropy)``: ``(logp, entropy)``
+      ``[B, T]`` of a ``Logits`` / ``LinearHead`` (entropy unused without ``return_entropy``);
+    - ``ggpo(policy, args, ref_logprobs, rewards, validate)``: the ``LossOutput``;
+    - ``gppo_bounds(old_logprobs, surrogate)``: ``(lo, hi)`` of a ``TokenSurrogate``'s region;
+    - ``gr_opd_advantages(old_logprobs, teacher_logprobs, mask, hyper, acc)``: ``(advantages
+      [B], the mean clamped feedback)``;
+    - ``policy_loss(policy, args, old_logprobs, ref_logprobs, generator, validate)``: the
+      ``LossOutput`` of ``api.args.PolicyLossArgs``;
+    - ``kl_penalty(logprobs, ref_logprobs, estimator, straight, clamp)``: the estimates.
+    """
+
+    name: str
+    token_logprobs: Callable
+    window_logprobs: Callable
+    ggpo: Callable
+    gppo_bounds: Callable
+    gr_opd_advantages: Callable
+    policy_loss: Callable
+    kl_penalty: Callable
+
+    @contextlib.contextmanager
+    def on(self, x):
+        """``(self, x)``, a policy holding DTensors made of its local tensors
+        (``scaleout.dtensor``)."""
+        yield self, local_policy(x)
+
+
+def bind(definition: Callable, run) -> Callable:
+    """The public function of ``definition`` on ``run`` (an ``Implementation`` or a dispatch
+    between them): the definition's signature without its first parameter, its docstring."""
+    @functools.wraps(definition)
+    def public(*args, **kwargs):
+        return definition(run, *args, **kwargs)
+
+    signature = inspect.signature(definition)
+    public.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return public

@@ -1,0 +1,78 @@
+"""The log-probs of a policy: ``token_logprobs`` from logits, ``policy_logprobs`` from any
+policy form."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._types import LinearHead, Logits
+from ..checks.policy import check_logprob_args, check_policy, check_policy_targets
+
+
+def token_logprobs(run, logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                   return_entropy: bool = False, inplace_backward: bool = False,
+                   mask: Optional[torch.Tensor] = None, validate: bool = True):
+    """Per-token log-probs of ``targets`` under ``softmax(logits / temperature)``.
+
+    Args:
+        logits: ``[B, T, V]`` or ``[N, V]``, bf16/fp16/fp32/fp64; any batch and time strides
+            (``logits[:, :-1]`` is used without a copy).
+        targets: integer ids ``[B, T]`` / ``[N]``; unmasked ones must lie in ``[0, V)``.
+        temperature: log-probs are ``log_softmax(logits / temperature)``; must be > 0.
+        return_entropy: also return the entropy ``lse - sum_v p_v z_v`` of each position.
+        inplace_backward: write the gradient w.r.t. the logits into the logits' own buffer (saves
+            a logits-sized allocation; only safe when nothing else needs the logits afterwards;
+            the reference accepts it and has no such buffer to save).
+        mask: optional ``[B, T]`` / ``[N]`` bool (or 0/1); masked positions get log-prob 0,
+            entropy 0 and zero gradient, and their targets are never read.
+        validate: check the mask holds 0/1 and the unmasked targets lie in ``[0, V)`` (reads
+            ``[B, T]`` data, one host sync); without it an out-of-range target gives NaN, never
+            an out-of-bounds read.
+
+    Returns:
+        ``logp`` (fp32; fp64 for fp64 logits), or ``(logp, entropy)``::
+
+            z = logits / temperature,  lse = logsumexp(z),  logp = z[y] - lse
+            entropy = lse - sum_v softmax(z)_v z_v
+
+    Fused (``rlfuse.token_logprobs``): the forward reads the logits once and saves two fp32
+    numbers per position (the row max and the log-sum of the shifted exponentials, whose sum is
+    the logsumexp); the backward reads the logits once more and writes the gradient once.
+    """
+    with run.on(logits) as (impl, logits):
+        mask = check_logprob_args(logits, targets, temperature, mask, inplace_backward, validate)
+        return impl.token_logprobs(logits, targets, mask, float(temperature),
+                                   bool(return_entropy), bool(inplace_backward), validate)
+
+
+def policy_logprobs(run, policy, *, return_entropy: bool = False, validate: bool = True):
+    """Per-token log-probs ``[B, T]`` (fp32; fp64 for fp64 inputs) of any policy form, with
+    autograd — the old or reference log-probs a trainer needs, and the entropy for a bonus,
+    without a ``[B, T, V]`` tensor when the policy is a ``LinearHead``.
+
+    Args:
+        policy: ``rlfuse.Logits``, ``rlfuse.LinearHead`` or ``[B, T]`` log-probs (returned as
+            they are; they carry no entropy).
+        return_entropy: also return the entropy of each position.
+        validate: check that every target lies in ``[0, V)`` (one host sync); without it an
+            out-of-range target gives NaN, never an out-of-bounds read.
+
+    Returns:
+        ``logp`` or ``(logp, entropy)``. Fused (``rlfuse.policy_logprobs``): from ``Logits`` the
+        log-prob kernels (one read forward, one read and one write backward); from
+        ``LinearHead`` each chunk's logits are formed by one matmul in the forward and once more
+        in the backward, where they turn into the gradients of the hidden states, weight and
+        bias.
+    """
+    with run.on(policy) as (impl, policy):
+        info = check_policy(policy)
+        if isinstance(policy, (Logits, LinearHead)):
+            check_policy_targets(policy, None, info.shape, validate)
+            logp, entropy = impl.window_logprobs(policy, None, validate=validate,
+                                                 return_entropy=return_entropy)
+            return (logp, entropy) if return_entropy else logp
+        if return_entropy:
+            raise ValueError("return_entropy: a policy given as log-probs has no entropy; pass "
+                             "rlfuse.Logits or rlfuse.LinearHead")
+        return policy
