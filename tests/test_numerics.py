@@ -16,6 +16,8 @@ from triton.runtime.interpreter import InterpretedFunction
 import rlfuse
 from rlfuse import reference
 from rlfuse.kernels import logprobs
+from rlfuse.kernels import utils as kernel_utils
+from rlfuse.kernels.rows import HeadParams
 from rlfuse.kernels.utils import exp_accurate
 from rlfuse.kernels.single_pass import single_pass_config
 
@@ -147,7 +149,7 @@ def test_saved_statistics(dtype):
     x = (torch.randn(2, 3, V, generator=gen, dtype=torch.float64) * 4).to(dtype)
     x[1, 1] = float("-inf")
     targets = torch.randint(0, V, (2, 3), generator=gen)
-    _, stats, _ = logprobs.token_logprobs_fwd(x, targets, None, temperature, False)
+    _, stats, _ = logprobs.token_logprobs_fwd(x, targets, None, HeadParams(temperature), False)
     z = x.double() / temperature
     z_max = z.amax(-1).reshape(-1)
     lse = torch.logsumexp(z, -1).reshape(-1)
@@ -376,9 +378,13 @@ def floats_as_on_a_gpu(monkeypatch, device):
         return
     run = InterpretedFunction.run
 
+    def as_on_a_gpu(a):   # a float argument, in a tuple argument too
+        if type(a) is float:
+            return _fp32(a)
+        return tuple(as_on_a_gpu(x) for x in a) if type(a) is tuple else a
+
     def launch(self, *args, **kwargs):
-        args = [_fp32(a) if type(a) is float else a for a in args]
-        return run(self, *args, **kwargs)
+        return run(self, *[as_on_a_gpu(a) for a in args], **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", launch)
 
@@ -397,9 +403,7 @@ def test_bounds_take_delta_in_fp64_on_a_gpu(geometry, topology, floats_as_on_a_g
         torch.testing.assert_close(g.cpu(), w, **TOL["fp64"])
     if device.type == "cuda":
         return
-    from rlfuse.kernels import regions as gppo
-
-    monkeypatch.setattr(gppo, "fp64_parts", lambda x: (x, 0.0))
+    monkeypatch.setattr(kernel_utils, "fp64_parts", lambda x: (x, 0.0))
     got = rlfuse.gppo_bounds(old, geometry=geometry, topology=topology, delta=0.1)
     assert max((g - w).abs().max().item() for g, w in zip(got, want)) > 1e-10
 
@@ -479,8 +483,6 @@ def test_head_scalars_in_fp64_on_a_gpu(floats_as_on_a_gpu, device, monkeypatch):
     kernels as fp64 pairs: fp64 log-probs and gradients of logits and of a capped head match
     the fp64 reference to its own accuracy. The negative control passes each as one float,
     rounded to fp32 on the way."""
-    from rlfuse.kernels import rows
-
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(2, 3, 17, generator=gen, dtype=torch.float64) * 6
     targets = torch.randint(0, 17, (2, 3), generator=gen)
@@ -499,7 +501,7 @@ def test_head_scalars_in_fp64_on_a_gpu(floats_as_on_a_gpu, device, monkeypatch):
         torch.testing.assert_close(got, ref, **TOL["fp64_head"])
     if device.type == "cuda":
         return
-    monkeypatch.setattr(rows, "fp64_parts", lambda v: (v, 0.0))
+    monkeypatch.setattr(kernel_utils, "fp64_parts", lambda v: (v, 0.0))
     assert max((g - w).abs().max().item() for g, w in zip(calls(rlfuse), want)) > 1e-10
 
 

@@ -16,6 +16,7 @@ data-parallel counts; bad input raised on every rank.
 """
 import argparse
 import datetime
+import math
 import os
 import sys
 
@@ -367,8 +368,8 @@ def check_opcheck(d, group, rank, world):
          "mc", 1.0, 1.0, [1.0, 1.05], 20.0, "k1", True, False, False, P, 3, False,
          [True, True, True], name),
         (hidden, weight, None, d["targets"], d["mask"], None, d["adv"], None, row_scale, None,
-         None, None, 1.0, 1.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 20.0, "", False,
-         False, False, P, 4, True, [True, True, False], name)]
+         None, None, 1.0, 1.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0, math.inf], 20.0, "",
+         False, False, False, P, 4, True, [True, True, False], name)]
     for op_name, arguments in cases.items():
         for args in arguments:
             torch.library.opcheck(ops[op_name], args)

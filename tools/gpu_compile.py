@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -257,7 +258,8 @@ def _drive():
         ones = torch.ones(B * T)
         surrogate.surrogate_logits_fwd(
             chunk, targets.reshape(-1, 1), mask.reshape(-1, 1), old.reshape(-1, 1), ones, None,
-            ones, ("clip", "ppo_clip", "mc", 0.2, 0.28, [3.0], 20.0), temperature=0.7,
+            ones, ("clip", "ppo_clip", "mc", 0.2, 0.28, (3.0, math.inf), 20.0),
+            head=rows.HeadParams(0.7),
             dlogits=chunk, ref_lp=teacher.reshape(-1, 1), kl=terms.KLTerm("k3", 0.01),
             kl_scale=ones, entropy_scale=ones, row_stats=row_stats)
 

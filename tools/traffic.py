@@ -74,8 +74,15 @@ class KernelCounter(contextlib.AbstractContextManager):
             record("stores", ptrs, mask)
             return store(ptrs, value, mask, cache_policy)
 
+        def tensors_of(args):     # the kernels take some tensors inside tuples
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    yield a
+                elif isinstance(a, tuple):
+                    yield from tensors_of(a)
+
         def launch(grid_executor, *args, **kwargs):
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            tensors = list(tensors_of((*args, *kwargs.values())))
             counter.launches.append(Launch(grid_executor.fn.__name__, tensors))
             counter.in_kernel = True
             try:

@@ -27,7 +27,7 @@ from ..shared.head import head_logits
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.objectives import SUM_COLUMNS
-from ..kernels.rows import row_inv_temp
+from ..kernels.rows import HeadParams
 from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd
@@ -36,9 +36,8 @@ DEFAULT_CHUNK_BYTES = 1 << 30   # one chunk of logits: 1 GiB unless RLFUSE_CHUNK
 
 
 def head_fields(head) -> dict:
-    """The fields of a ``LinearHead`` that its ops take as floats (``softcap`` 0: none)."""
-    return dict(temperature=float(head.temperature), logit_scale=float(head.logit_scale),
-                softcap=float(head.softcap or 0.0))
+    """The fields of a ``LinearHead`` that its ops take as floats (``rows.HeadParams``)."""
+    return HeadParams.of(head)._asdict()
 
 
 def chunk_tokens_for(vocab_size: int, element_size: int, chunk_tokens: Optional[int]) -> int:
@@ -134,32 +133,27 @@ def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
     return None if x is None else x.reshape(-1)
 
 
-def _target_logit(logits: Tensor, targets: Tensor, logit_scale: float,
-                  softcap: float) -> Tensor:
+def _target_logit(logits: Tensor, targets: Tensor, head: HeadParams) -> Tensor:
     """``[C, 1]`` logit of each row's target of a chunk's ``logits [C, 1, V]`` in the compute
-    dtype, in the units the row kernels keep their statistics in (``rows.row_inv_temp``): the
+    dtype, in the units the row kernels keep their statistics in (``HeadParams.inv_temp``): the
     softcapped logit of a head that softcaps, else the matmul's own."""
     x_y = logits.gather(-1, targets.view(-1, 1, 1)).view(-1, 1)
-    if softcap:
-        return head_logits(x_y, logit_scale, softcap)
+    if head.softcap:
+        return head_logits(x_y, head.logit_scale, head.softcap)
     return x_y.to(compute_dtype(logits.dtype))
 
 
-def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, temperature: float,
-                     logit_scale: float, softcap: float, with_entropy: bool,
-                     group_name: str) -> Tuple[Tensor, Tensor]:
+def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, head: HeadParams,
+                     with_entropy: bool, group_name: str) -> Tuple[Tensor, Tensor]:
     """A chunk's ``logits [C, 1, V_l]`` on a shard of a split vocabulary: ``(the targets within
     the shard, -1 where another rank holds them; the whole rows' statistics [C,
     ROW_STAT_COLUMNS])``, one read of the chunk and one all-gather of its ``[C, 4]``
     statistics."""
     local, _ = vocab.shard_targets(targets, logits.shape[-1], group_name)
-    _, stats, entropy = token_logprobs_fwd(logits, local.clamp_min(0), mask, temperature,
-                                           with_entropy, logit_scale=logit_scale,
-                                           softcap=softcap)
-    x_y = _target_logit(logits, local.clamp_min(0), logit_scale, softcap)
+    _, stats, entropy = token_logprobs_fwd(logits, local.clamp_min(0), mask, head, with_entropy)
+    x_y = _target_logit(logits, local.clamp_min(0), head)
     logp, entropy, stats = vocab.whole_rows(x_y, stats, entropy, targets, logits.shape[-1], mask,
-                                            row_inv_temp(temperature, logit_scale, softcap),
-                                            with_entropy, group_name)
+                                            head.inv_temp, with_entropy, group_name)
     entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(stats[:, 0])
     return local, torch.stack([logp.reshape(-1), stats[:, 0], stats[:, 1], entropy], -1)
 
@@ -191,13 +185,14 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     entropy = torch.zeros(B * T if with_entropy else 0, dtype=acc, device=hidden.device)
     stats = torch.zeros((B * T, len(STAT_COLUMNS)), dtype=acc, device=hidden.device)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
+    head = HeadParams(temperature, logit_scale, softcap)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         logits = chunk_logits(h_flat[rows], weight, bias)
         lp_c, stats_c, ent_c = token_logprobs_fwd(
             logits, y_flat[tokens, None], None if m_flat is None else m_flat[tokens, None],
-            temperature, with_entropy, logit_scale=logit_scale, softcap=softcap)
+            head, with_entropy)
         if target_logit:
-            lp_c = _target_logit(logits, y_flat[tokens], logit_scale, softcap)
+            lp_c = _target_logit(logits, y_flat[tokens], head)
         logp[tokens] = lp_c[:, 0]
         stats[tokens] = stats_c
         if with_entropy:
@@ -228,15 +223,15 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
     grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
     dlogp, dentropy, entropy = _flat(dlogp), _flat(dentropy), _flat(entropy)
+    head = HeadParams(temperature, logit_scale, softcap)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
         logits = chunk_logits(h_rows, weight, bias)
         token_logprobs_bwd(logits, y_flat[tokens, None],
-                           None if m_flat is None else m_flat[tokens, None], temperature,
+                           None if m_flat is None else m_flat[tokens, None], head,
                            stats[tokens], None if dentropy is None else entropy[tokens, None],
                            dlogp[tokens, None],
-                           None if dentropy is None else dentropy[tokens, None], logits,
-                           logit_scale=logit_scale, softcap=softcap)
+                           None if dentropy is None else dentropy[tokens, None], logits)
         grads.add(logits, h_rows, rows)
     return grads.results(hidden, weight)
 
@@ -310,6 +305,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     (one all-reduce)."""
     spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
+    head = HeadParams(temperature, logit_scale, softcap)
     grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name)
     write = any(needs)
     B, T = targets.shape
@@ -327,17 +323,16 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
         targets_c, row_stats = y_flat[tokens, None], None
         if group_name:
             targets_c, row_stats = _split_row_stats(logits, targets_c, m_flat[tokens, None],
-                                                    temperature, logit_scale, softcap,
-                                                    entropy_flat is not None, group_name)
+                                                    head, entropy_flat is not None, group_name)
         _, sums = surrogate_logits_fwd(
             logits, targets_c, m_flat[tokens, None],
             None if old_flat is None else old_flat[tokens, None], adv_flat[tokens],
             None if w_flat is None else w_flat[tokens, None], scale_flat[tokens], spec,
-            temperature=temperature, write_dlogits=write, dlogits=logits if write else None,
+            head=head, write_dlogits=write, dlogits=logits if write else None,
             ref_lp=None if ref_flat is None else ref_flat[tokens, None], kl=kl,
             kl_scale=None if kl_flat is None else kl_flat[tokens],
             entropy_scale=None if entropy_flat is None else entropy_flat[tokens],
-            logit_scale=logit_scale, softcap=softcap, row_stats=row_stats)
+            row_stats=row_stats)
         sums_of_rows.index_add_(0, tokens // T, sums)
         if write:
             grads.add(logits, h_rows, rows)

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
+from ..kernels.rows import HeadParams
 from ..kernels.utils import empty
 from ._op import custom_op, register_autograd
 
@@ -33,8 +34,8 @@ def token_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tensor], t
     ``[offset, offset + T)`` of ``logits [B, S, V]`` predict ``targets [B, T]``; the gradient
     is that of the whole ``logits``."""
     logits3, targets3, mask3 = batched_rows(logits, targets, mask)
-    logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, temperature, with_entropy,
-                                              offset)
+    logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, HeadParams(temperature),
+                                              with_entropy, offset)
     entropy = entropy.view(targets.shape) if with_entropy else logp.new_empty(0)
     return logp.view(targets.shape), entropy, stats
 
@@ -55,8 +56,8 @@ def logits_grad_op(dlogits: Tensor, logits: Optional[Tensor], targets: Tensor,
     """Writes the gradient w.r.t. the logits ``[B, S, V]`` into ``dlogits`` from the upstream
     ``dlogp`` / ``dentropy`` ``[B, T]`` (rows outside ``[offset, offset + T)``: zeros);
     ``logits=None``: they are read from ``dlogits`` itself (the in-place backward)."""
-    token_logprobs_bwd(dlogits if logits is None else logits, targets, mask, temperature, stats,
-                       entropy, dlogp, dentropy, dlogits, offset)
+    token_logprobs_bwd(dlogits if logits is None else logits, targets, mask,
+                       HeadParams(temperature), stats, entropy, dlogp, dentropy, dlogits, offset)
 
 
 @logits_grad_op.register_fake

@@ -29,6 +29,7 @@ from torch import Tensor
 from .._types import LinearHead, Logits
 from ..checks.values import raise_on_overflow
 from ..kernels.objectives import SUM_COLUMNS
+from ..kernels.rows import HeadParams
 from ..kernels.scale_rows import scale_rows
 from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd
 from ..scaleout.layout import as_one_token_rows
@@ -123,7 +124,8 @@ def _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp,
     spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     return surrogate_logits_fwd(
-        logits, targets, mask, old_lp, adv, weights, row_scale, spec, temperature=temperature,
+        logits, targets, mask, old_lp, adv, weights, row_scale, spec,
+        head=HeadParams(temperature),
         write_dlogits=write_dlogits, dlogits=dlogits, offset=offset, ref_lp=ref_lp, kl=kl,
         kl_scale=kl_scale, entropy_scale=entropy_scale)
 

@@ -22,7 +22,7 @@ from .linear_head import (chunk_tokens_for, head_fields, head_gradients,
                                         linear_logprobs_backward_op, linear_logprobs_op)
 from .logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
-from ..kernels.rows import row_inv_temp
+from ..kernels.rows import HeadParams
 from ..scaleout.vocab import shard_targets, whole_rows
 
 
@@ -72,7 +72,7 @@ def vocab_split_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tens
     window = logits[:, offset:offset + targets.shape[1]]
     x_y = window.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(stats.dtype)
     return whole_rows(x_y, stats, entropy, targets, logits.shape[-1], mask,
-                      row_inv_temp(temperature), with_entropy, group_name)
+                      HeadParams(temperature).inv_temp, with_entropy, group_name)
 
 
 @vocab_split_logprobs_op.register_fake
@@ -117,7 +117,8 @@ def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optiona
                                              temperature, logit_scale, softcap, offset,
                                              chunk_tokens, gather, with_entropy, True)
     return whole_rows(x_y, stats, entropy, targets, weight.shape[0], mask,
-                      row_inv_temp(temperature, logit_scale, softcap), with_entropy, group_name)
+                      HeadParams(temperature, logit_scale, softcap).inv_temp, with_entropy,
+                      group_name)
 
 
 @vocab_split_linear_logprobs_op.register_fake

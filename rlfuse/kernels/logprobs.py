@@ -15,10 +15,11 @@ import triton
 import triton.language as tl
 
 from .._types import compute_dtype
-from .rows import (COMPILER_STAGES, ORDER_BACKWARD, at, head_args, head_scalars,
-                   load_target_logit, program_row, row_logsumexp, row_write_dlogits,
-                   row_write_zeros, target_column, target_logprob)
-from .utils import constexpr_codes, empty, mask_args, tl_compute_dtype, vocab_launch_config
+from .rows import (COMPILER_STAGES, ORDER_BACKWARD, HeadParams, at, load_target_logit,
+                   program_row, row_logsumexp, row_write_dlogits, row_write_zeros,
+                   target_column, target_logprob)
+from .utils import (constexpr_codes, empty, fp64_values, mask_args, tl_compute_dtype,
+                    vocab_launch_config)
 
 # Columns of the per-row statistics the forward saves for the backward (lse = m + log s).
 STAT_COLUMNS = ("max", "log_sum")
@@ -34,15 +35,14 @@ def _token_logprobs_fwd_kernel(
     stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
     # sizes
     T, V,
-    # scalars (rows.head_args)
-    inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo,
+    # scalars
+    head,                               # rows.HeadParams.kernel_args
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):
     row, b, t, y, _, is_actor = program_row(tl.program_id(0), targets_ptr, mask_ptr, T, T, 0,
                                             stride_yb, stride_yt, stride_mb, stride_mt, HAS_MASK)
-    inv_temp, cap, cap_in = head_scalars(inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi,
-                                         cap_in_lo, ACC)
+    inv_temp, cap, cap_in = fp64_values(head, ACC)
     logp = tl.zeros((), ACC)
     m = tl.zeros((), ACC)
     log_s = tl.zeros((), ACC)
@@ -71,8 +71,8 @@ def _token_logprobs_bwd_kernel(
     stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_db, stride_dt,
     # sizes
     T, S, offset, V,
-    # scalars (rows.head_args)
-    inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo,
+    # scalars
+    head,                               # rows.HeadParams.kernel_args
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -82,8 +82,7 @@ def _token_logprobs_bwd_kernel(
                                             HAS_MASK)
     drow_ptr = dlogits_ptr + at(b, stride_db, s, stride_dt)
     if is_actor:
-        inv_temp, cap, cap_in = head_scalars(inv_temp_hi, inv_temp_lo, cap_hi, cap_lo,
-                                             cap_in_hi, cap_in_lo, ACC)
+        inv_temp, cap, cap_in = fp64_values(head, ACC)
         g = tl.load(dlogp_ptr + row).to(ACC)
         h = tl.zeros((), ACC)
         entropy = tl.zeros((), ACC)
@@ -100,11 +99,10 @@ def _token_logprobs_bwd_kernel(
 
 
 def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
-                       temperature: float, with_entropy: bool, offset: int = 0, *,
-                       logit_scale: float = 1.0, softcap: float = 0.0):
+                       head: HeadParams, with_entropy: bool, offset: int = 0):
     """Launches the forward on the rows ``[offset, offset + T)`` of ``logits [B, S, V]``
     (``stride(-1) == 1``), which predict ``targets [B, T]``; ``mask [B, T]`` bool or None;
-    ``logit_scale`` and ``softcap`` (0: none) as in ``rows.head_args``.
+    ``head``: the temperature (and a head's logit scale and softcap).
     Returns ``(logp [B, T], stats [B*T, 2], entropy [B, T] or None)`` (``stats``: the row max
     and log-sum of each row, what the backward needs) in the compute dtype (fp32, or fp64 for
     fp64 logits)."""
@@ -119,14 +117,14 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
         return logp, stats, entropy
     block_v, num_warps = vocab_launch_config(V, logits.element_size())
     mask_u8, stride_mb, stride_mt = mask_args(mask)
-    scalars, softcapped = head_args(temperature, logit_scale, softcap)
+    scalars, softcapped = head.kernel_args()
     _token_logprobs_fwd_kernel[(B * T,)](
         logits, targets, mask_u8,
         logp, stats, entropy,
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
         stride_mb, stride_mt,
         T, V,
-        *scalars,
+        scalars,
         BLOCK_V=block_v, HAS_MASK=mask is not None, WITH_ENTROPY=with_entropy,
         SOFTCAP=softcapped, ACC=tl_compute_dtype(logits.dtype), num_warps=num_warps,
     )
@@ -134,10 +132,9 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
 
 
 def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
-                       temperature: float, stats: torch.Tensor, entropy: Optional[torch.Tensor],
+                       head: HeadParams, stats: torch.Tensor, entropy: Optional[torch.Tensor],
                        dlogp: torch.Tensor, dentropy: Optional[torch.Tensor],
-                       dlogits: Optional[torch.Tensor] = None, offset: int = 0, *,
-                       logit_scale: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
+                       dlogits: Optional[torch.Tensor] = None, offset: int = 0) -> torch.Tensor:
     """Launches the backward over the whole ``logits [B, S, V]``, whose rows
     ``[offset, offset + T)`` predict ``targets [B, T]`` (the others get zeros); ``dlogp`` /
     ``dentropy`` are ``[B, T]`` (``dentropy`` None when the entropy gets no gradient). Writes
@@ -152,7 +149,7 @@ def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
     with_entropy = dentropy is not None
     block_v, num_warps = vocab_launch_config(V, logits.element_size())
     mask_u8, stride_mb, stride_mt = mask_args(mask)
-    scalars, softcapped = head_args(temperature, logit_scale, softcap)
+    scalars, softcapped = head.kernel_args()
     _token_logprobs_bwd_kernel[(B * S,)](
         logits, targets, mask_u8,
         stats, entropy if with_entropy else None,
@@ -161,7 +158,7 @@ def token_logprobs_bwd(logits: torch.Tensor, targets: torch.Tensor, mask: Option
         logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
         stride_mb, stride_mt, dlogits.stride(0), dlogits.stride(1),
         T, S, offset, V,
-        *scalars,
+        scalars,
         BLOCK_V=block_v, HAS_MASK=mask is not None, WITH_ENTROPY=with_entropy,
         SOFTCAP=softcapped, ACC=tl_compute_dtype(logits.dtype), num_warps=num_warps,
     )

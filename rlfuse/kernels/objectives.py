@@ -26,9 +26,7 @@ import triton.language as tl
 from typing import Callable, Dict
 
 from .regions import region_codes, region_sizes
-from .utils import constexpr_codes, exp_accurate, fp64_pair, fp64_parts
-
-N_PARAMS = 4    # p0..p3 of every surrogate kernel; an objective uses the first few
+from .utils import constexpr_codes, exp_accurate, fp64_args
 
 # The per-token functions by name: each is registered where it is defined (``per_token``)
 TOKEN_FUNCTIONS: Dict[str, Callable] = {}
@@ -223,27 +221,12 @@ def dppo_kl(log_ratio, lp, old, adv, lo, hi, params, clamp):
     return _dppo(log_ratio, lp, old, adv, params[0], params[1], params[2], clamp, True)
 
 
-@triton.jit
-def objective_params(p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
-                     ACC: tl.constexpr):
-    """``(p0, p1, p2, p3)`` in the compute dtype from the ``hi + lo`` parts of
-    ``objective_args``: a GPU passes a Python float as fp32, so fp64 takes each as the sum of
-    two (exact to 48 bits), fp32 its ``hi``."""
-    return (fp64_pair(p0_hi, p0_lo, ACC), fp64_pair(p1_hi, p1_lo, ACC),
-            fp64_pair(p2_hi, p2_lo, ACC), fp64_pair(p3_hi, p3_lo, ACC))
-
-
 def objective_args(surrogate):
     """The constexprs ``(OBJECTIVE, GEOMETRY, TOPOLOGY)`` (the per-token function, the region's
-    codes) and the runtime scalars (the region's four sizes of ``region_bounds``, then
-    ``p0..p3`` as fp64 ``hi, lo`` pairs (``objective_params``), then the clamp, an integer or
-    inf: exact in fp32) of an ``rlfuse.objectives.TokenSurrogate`` (or a tuple of its
-    fields)."""
+    codes) and the runtime scalars ``(region, params, clamp)`` (the region's sizes of
+    ``region_bounds``, the function's parameters, each an fp64 pair of ``utils.fp64_args``,
+    and the clamp, an integer or inf: exact in fp32) of an
+    ``rlfuse.objectives.TokenSurrogate`` (or a tuple of its fields)."""
     name, geometry, topology, delta_low, delta_high, params, clamp = surrogate
-    if len(params) > N_PARAMS:
-        raise ValueError(f"objective {name!r}: {len(params)} parameters, the kernels take "
-                         f"{N_PARAMS}")
-    params = tuple(float(p) for p in params) + (0.0,) * (N_PARAMS - len(params))
-    pairs = tuple(part for p in params for part in fp64_parts(p))
     codes = (token_function(name),) + region_codes(geometry, topology)
-    return codes, region_sizes(delta_low, delta_high) + pairs + (float(clamp),)
+    return codes, (region_sizes(delta_low, delta_high), fp64_args(params), float(clamp))

@@ -15,7 +15,7 @@ import triton.language as tl
 from .._names import MU_MIN as _MU_MIN
 from .._names import REGION_GEOMETRIES, TOPOLOGIES
 from .._types import compute_dtype
-from .utils import constexpr_codes, empty, fp64_parts
+from .utils import constexpr_codes, empty, fp64_args, fp64_values
 
 TV, CHI2, HELLINGER, KL, TWO_SIDED_LOG, PPO_CLIP, RATIO_RANGE = constexpr_codes(
     REGION_GEOMETRIES, "tv", "chi2", "hellinger", "kl", "two_sided_log", "ppo_clip",
@@ -180,23 +180,21 @@ def _upper_bound(mu, delta, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
 
 
 @triton.jit
-def region_bounds(old_lp, low_hi, low_lo, high_hi, high_lo, GEOMETRY: tl.constexpr,
-                  TOPOLOGY: tl.constexpr):
+def region_bounds(old_lp, region, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
     """fp64 ``(l, u)`` of the trust region of tokens with behavior log-probs ``old_lp``.
 
     mc: D = f(r); atomic: D = mu f(r); binary: the f-divergence of Bernoulli(mu) vs
     Bernoulli(mu r). Closed forms as in SPEC 4.2 (w = delta for mc, delta / mu for atomic); the
     binary kl and two_sided_log cells by ``_binary_root_*``. Lower bounds clamp at 0. With
     GEOMETRY == PPO_CLIP: the fixed range [1 - delta_low, 1 + delta_high]; RATIO_RANGE: the range
-    [delta_low, delta_high] of the ratio itself. An unknown code fails
-    to compile. The lower bound takes ``delta_low = low_hi + low_lo``, the upper
-    ``delta_high = high_hi + high_lo``, each summed in fp64 (``utils.fp64_parts``: on a GPU a
-    float argument is fp32).
+    [delta_low, delta_high] of the ratio itself. An unknown code fails to compile.
+    ``region``: ``region_sizes``, ``(delta_low, delta_high)`` as fp64 pairs, each summed in fp64
+    (``utils.fp64_args``: on a GPU a float argument is fp32).
     """
-    zero = tl.zeros_like(old_lp.to(tl.float64))
+    delta_low, delta_high = fp64_values(region, tl.float64)
     mu = tl.minimum(tl.maximum(tl.exp(old_lp.to(tl.float64)), MU_MIN), 1.0 - MU_MIN)
-    lo = _lower_bound(mu, (zero + low_hi) + low_lo, GEOMETRY, TOPOLOGY)
-    hi = _upper_bound(mu, (zero + high_hi) + high_lo, GEOMETRY, TOPOLOGY)
+    lo = _lower_bound(mu, tl.zeros_like(mu) + delta_low, GEOMETRY, TOPOLOGY)
+    hi = _upper_bound(mu, tl.zeros_like(mu) + delta_high, GEOMETRY, TOPOLOGY)
     return tl.maximum(lo, 0.0), hi
 
 
@@ -207,20 +205,20 @@ def _gppo_bounds_kernel(
     # sizes
     N,
     # scalars
-    low_hi, low_lo, high_hi, high_lo,   # the region sizes of each side (region_bounds)
+    region,                   # the region sizes of each side (region_bounds)
     BLOCK: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < N
     old = tl.load(old_ptr + offs, mask=inside, other=0.0)
-    lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
+    lo, hi = region_bounds(old, region, GEOMETRY, TOPOLOGY)
     tl.store(lo_ptr + offs, lo.to(lo_ptr.dtype.element_ty), mask=inside)
     tl.store(hi_ptr + offs, hi.to(hi_ptr.dtype.element_ty), mask=inside)
 
 
 def region_sizes(delta_low: float, delta_high: float) -> tuple:
-    """The four float arguments of ``region_bounds`` (each size as an fp64 ``hi + lo``)."""
-    return fp64_parts(float(delta_low)) + fp64_parts(float(delta_high))
+    """The ``region`` argument of ``region_bounds``: each size as an fp64 ``hi + lo`` pair."""
+    return fp64_args((delta_low, delta_high))
 
 
 def gppo_bounds_fwd(old_lp: torch.Tensor, geometry: str, topology: str, delta_low: float,
@@ -238,7 +236,7 @@ def gppo_bounds_fwd(old_lp: torch.Tensor, geometry: str, topology: str, delta_lo
         _gppo_bounds_kernel[(triton.cdiv(n, block),)](
             flat, lo, hi,
             n,
-            *region_sizes(delta_low, delta_high),
+            region_sizes(delta_low, delta_high),
             BLOCK=block, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
         )
     return lo.view(old_lp.shape), hi.view(old_lp.shape)

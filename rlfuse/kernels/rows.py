@@ -20,10 +20,12 @@ beside it.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
-from .utils import constexpr_codes, fp64_parts
+from .utils import constexpr_codes, fp64_args
 
 # Below this (in the base-2 exponents of the row helpers), 2^x is 0 in fp32 and fp64 alike.
 _LOG_TINY = tl.constexpr(-1.0e4)
@@ -51,40 +53,41 @@ _NO_HINT = tl.constexpr("")
 _TANH_SMALL = tl.constexpr(0.625)
 
 
-def row_inv_temp(temperature: float, logit_scale: float = 1.0, softcap: float = 0.0) -> float:
-    """The factor that turns the logit ``x`` the row kernels keep their statistics in into
-    ``z = x * row_inv_temp``: without a softcap ``x`` is the raw logit and the scale folds in
-    (``logit_scale / temperature``); with one ``x`` is ``softcap(logit_scale logit)``
-    (``1 / temperature``). A row's max, and every logit compared with it, is in those units."""
-    return (1.0 if softcap else float(logit_scale)) / float(temperature)
+class HeadParams(NamedTuple):
+    """What a head puts after the matmul that forms a logit x, then the temperature: ``z =
+    softcap(logit_scale x) / temperature`` with ``softcap(y) = cap tanh(y / cap)`` (``softcap``
+    0: none): the one form of these scalars every launcher, op and split takes (a ``Logits``
+    has the temperature alone)."""
 
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float = 0.0
 
-def head_args(temperature: float, logit_scale: float = 1.0, softcap: float = 0.0):
-    """``(scalars, SOFTCAP)`` of a head that turns a logit x into ``z = softcap(logit_scale x)
-    / temperature``, ``softcap(y) = cap tanh(y / cap)`` (``softcap`` 0: none, and the scale
-    folds into ``inv_temp``): the six float arguments of the row kernels, ``inv_temp``,
-    ``cap`` and ``cap_in`` each as an fp64 ``hi + lo`` (``utils.fp64_parts``; ``head_scalars``
-    sums them in the kernel)."""
-    inv_temp = row_inv_temp(temperature, logit_scale, softcap)
-    if softcap:
-        values, softcapped = (inv_temp, softcap, logit_scale / softcap), True
-    else:
-        values, softcapped = (inv_temp, 1.0, 1.0), False
-    return tuple(part for value in values for part in fp64_parts(float(value))), softcapped
+    @classmethod
+    def of(cls, policy) -> "HeadParams":
+        """The head of a ``Logits`` (its temperature) or a ``LinearHead``."""
+        return cls(float(policy.temperature), float(getattr(policy, "logit_scale", 1.0)),
+                   float(getattr(policy, "softcap", None) or 0.0))
 
+    @property
+    def inv_temp(self) -> float:
+        """The factor that turns the logit ``x`` the row kernels keep their statistics in into
+        ``z = x * inv_temp``: without a softcap ``x`` is the raw logit and the scale folds in
+        (``logit_scale / temperature``); with one ``x`` is ``softcap(logit_scale logit)``
+        (``1 / temperature``). A row's max, and every logit compared with it, is in those
+        units."""
+        return (1.0 if self.softcap else float(self.logit_scale)) / float(self.temperature)
 
-@triton.jit
-def head_scalars(inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo,
-                 ACC: tl.constexpr):
-    """``(inv_temp, cap, cap_in)`` in the compute dtype from the arguments of ``head_args``
-    (in fp32 each is its ``hi``: ``hi + lo`` rounds to it)."""
-    inv_temp, cap, cap_in = inv_temp_hi, cap_hi, cap_in_hi
-    if ACC == tl.float64:
-        zero = tl.zeros((), ACC)
-        inv_temp = (zero + inv_temp_hi) + inv_temp_lo
-        cap = (zero + cap_hi) + cap_lo
-        cap_in = (zero + cap_in_hi) + cap_in_lo
-    return inv_temp, cap, cap_in
+    def kernel_args(self):
+        """``(head, SOFTCAP)`` as the row kernels take them: ``head`` the fp64 pairs
+        (``utils.fp64_args``) of ``(inv_temp, cap, cap_in)``, ``cap_in = logit_scale / cap``
+        (``(inv_temp, 1, 1)`` without a softcap), which ``utils.fp64_values`` sums in the
+        kernel."""
+        if self.softcap:
+            values = (self.inv_temp, self.softcap, self.logit_scale / self.softcap)
+        else:
+            values = (self.inv_temp, 1.0, 1.0)
+        return fp64_args(values), bool(self.softcap)
 
 
 @triton.jit
@@ -121,7 +124,7 @@ def _tanh(u, ACC: tl.constexpr):
 @triton.jit
 def _softcap(x, cap, cap_in, ACC: tl.constexpr):
     """(cap tanh(x cap_in), its derivative over cap cap_in): a logit through the head's softcap
-    (``head_args``)."""
+    (``HeadParams``)."""
     t, dt = _tanh(x * tl.cast(cap_in, ACC), ACC)
     return tl.cast(cap, ACC) * t, dt
 
@@ -234,7 +237,7 @@ def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
     so that logits up to the dtype's largest take any temperature without overflow.
 
     x is the row's logit, or with ``SOFTCAP`` its softcap ``cap tanh(logit cap_in)``
-    (``head_args``), formed as each block is read.
+    (``HeadParams``), formed as each block is read.
 
     Full blocks are read without a mask, the partial last block after them. A line's ``m``
     starts at the lowest finite value, so logits of any size count and a line that has seen only
@@ -317,13 +320,14 @@ def _dlogits_half(x_ptr, d_ptr, cols, n, y, c, cap, cap_in, m, log_s2, a, b, g_y
 
 
 @triton.jit
-def _dlogits_block(row_ptr, drow_ptr, block, V, y, c, cap, cap_in, m, log_s2, a, b,
-                   g_y, BLOCK_V: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr,
-                   TARGET: tl.constexpr, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ACC: tl.constexpr, EVICT: tl.constexpr):
-    """dL/dlogits of the logits of ``block`` (``row_write_dlogits``), a half at a time
-    (``_half_columns``); ``TARGET``: the block may hold the target column ``y``; ``MASKED``: the
-    partial last block."""
+def _dlogits_block(row, block, BLOCK_V: tl.constexpr, LANES: tl.constexpr,
+                   MASKED: tl.constexpr, TARGET: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                   SOFTCAP: tl.constexpr, ACC: tl.constexpr, EVICT: tl.constexpr):
+    """dL/dlogits of the logits of ``block`` (``row_write_dlogits``, whose ``row`` holds the
+    row's pointers, size, target and coefficients), a half at a time (``_half_columns``);
+    ``TARGET``: the block may hold the target column ``y``; ``MASKED``: the partial last
+    block."""
+    row_ptr, drow_ptr, V, y, c, cap, cap_in, m, log_s2, a, b, g_y = row
     start = block * BLOCK_V
     cols = _half_columns(BLOCK_V, LANES)
     for half in tl.static_range(2):
@@ -385,15 +389,14 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, cap, cap_in, m, lo
     y_block = tl.where(in_vocab, y // BLOCK_V, n_full)
     apart = y_block < n_full
     n_loop = n_full - apart.to(tl.int32)
+    row = (row_ptr, drow_ptr, V, y, c, cap, cap_in, m, log_s2, a, b, g_y)
     if ORDER == ORDER_BACKWARD:
         if has_tail:
-            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, c, cap, cap_in, m, log_s2, a,
-                           b, g_y, BLOCK_V, LANES, True, True, WITH_ENTROPY, SOFTCAP, ACC,
-                           EVICT)
+            _dlogits_block(row, n_full, BLOCK_V, LANES, True, True, WITH_ENTROPY,
+                           SOFTCAP, ACC, EVICT)
         if apart:
-            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, c, cap, cap_in, m, log_s2, a,
-                           b, g_y, BLOCK_V, LANES, False, True, WITH_ENTROPY, SOFTCAP, ACC,
-                           EVICT)
+            _dlogits_block(row, y_block, BLOCK_V, LANES, False, True, WITH_ENTROPY,
+                           SOFTCAP, ACC, EVICT)
     # the i-th full block other than the target's, in ORDER
     if NUM_STAGES == COMPILER_STAGES:
         for i in range(0, n_loop):
@@ -401,27 +404,23 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, cap, cap_in, m, lo
             if ORDER == ORDER_BACKWARD:
                 k = n_loop - 1 - i
             block = k + (k >= y_block).to(tl.int32)
-            _dlogits_block(row_ptr, drow_ptr, block, V, y, c, cap, cap_in, m, log_s2, a,
-                           b, g_y, BLOCK_V, LANES, False, False, WITH_ENTROPY, SOFTCAP, ACC,
-                           EVICT)
+            _dlogits_block(row, block, BLOCK_V, LANES, False, False, WITH_ENTROPY,
+                           SOFTCAP, ACC, EVICT)
     else:
         for i in tl.range(0, n_loop, num_stages=NUM_STAGES):
             k = i
             if ORDER == ORDER_BACKWARD:
                 k = n_loop - 1 - i
             block = k + (k >= y_block).to(tl.int32)
-            _dlogits_block(row_ptr, drow_ptr, block, V, y, c, cap, cap_in, m, log_s2, a,
-                           b, g_y, BLOCK_V, LANES, False, False, WITH_ENTROPY, SOFTCAP, ACC,
-                           EVICT)
+            _dlogits_block(row, block, BLOCK_V, LANES, False, False, WITH_ENTROPY,
+                           SOFTCAP, ACC, EVICT)
     if ORDER == ORDER_FORWARD:
         if apart:
-            _dlogits_block(row_ptr, drow_ptr, y_block, V, y, c, cap, cap_in, m, log_s2, a,
-                           b, g_y, BLOCK_V, LANES, False, True, WITH_ENTROPY, SOFTCAP, ACC,
-                           EVICT)
+            _dlogits_block(row, y_block, BLOCK_V, LANES, False, True, WITH_ENTROPY,
+                           SOFTCAP, ACC, EVICT)
         if has_tail:
-            _dlogits_block(row_ptr, drow_ptr, n_full, V, y, c, cap, cap_in, m, log_s2, a,
-                           b, g_y, BLOCK_V, LANES, True, True, WITH_ENTROPY, SOFTCAP, ACC,
-                           EVICT)
+            _dlogits_block(row, n_full, BLOCK_V, LANES, True, True, WITH_ENTROPY,
+                           SOFTCAP, ACC, EVICT)
 
 
 @triton.jit

@@ -31,13 +31,12 @@ from . import single_pass
 from .kl import NO_KL, kl_codes, kl_term
 from .objectives import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FLAG1, SUM_FLAG2,
                          SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW, SUM_RATIO,
-                         clamped_log_ratio, objective_args, objective_params)
+                         clamped_log_ratio, objective_args)
 from .regions import region_bounds
-from .rows import (at, head_args, head_scalars, load_target_logit, program_token,
-                   row_logsumexp, row_write_dlogits, row_write_zeros, target_column,
-                   target_logprob)
-from .utils import (constexpr_codes, empty, exp_accurate, mask_args, ones_if_none, time_block,
-                    tl_compute_dtype, token_strides)
+from .rows import (HeadParams, at, load_target_logit, program_token, row_logsumexp,
+                   row_write_dlogits, row_write_zeros, target_column, target_logprob)
+from .utils import (constexpr_codes, empty, exp_accurate, fp64_values, mask_args, ones_if_none,
+                    time_block, tl_compute_dtype, token_at, token_tensor)
 
 TOKEN_RATIO, SEQUENCE_RATIO, STRAIGHT_RATIO = constexpr_codes(RATIO_MODES, *RATIO_MODES)
 _STRAIGHT_LOG_MAX = tl.constexpr(10.0)    # verl's GSPO clamps log s_bt at 10
@@ -47,33 +46,31 @@ N_ROW_STATS = tl.constexpr(len(ROW_STAT_COLUMNS))
 
 
 @triton.jit
-def _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, cols, actor, stride_ob, stride_ot,
-                  stride_ab, stride_at, stride_wb, stride_wt, ACC: tl.constexpr,
+def _token_inputs(lp, old, adv, weights, b, cols, actor, ACC: tl.constexpr,
                   HAS_OLD: tl.constexpr):
-    """(old, adv, w) at the tokens ``cols`` of row ``b`` (read at actor tokens only); on
-    policy, old = lp."""
-    old = lp
+    """(old, adv, w) at the tokens ``cols`` of row ``b`` (``utils.token_tensor``s, read at
+    actor tokens only); on policy, old = lp."""
+    old_lp = lp
     if HAS_OLD:
-        old = tl.load(old_ptr + b * stride_ob + cols * stride_ot, mask=actor, other=0.0).to(ACC)
-    adv = tl.load(adv_ptr + b * stride_ab + cols * stride_at, mask=actor, other=0.0).to(ACC)
-    w = tl.load(weight_ptr + b * stride_wb + cols * stride_wt, mask=actor, other=0.0).to(ACC)
-    return old, adv, w
+        old_lp = tl.load(token_at(old, b, cols), mask=actor, other=0.0).to(ACC)
+    a = tl.load(token_at(adv, b, cols), mask=actor, other=0.0).to(ACC)
+    w = tl.load(token_at(weights, b, cols), mask=actor, other=0.0).to(ACC)
+    return old_lp, a, w
 
 
 @triton.jit
-def _sequence_log_ratio(lp_ptr, old_ptr, mask_ptr, b, T, stride_lb, stride_lt, stride_ob,
-                        stride_ot, stride_mb, stride_mt, BLOCK_T: tl.constexpr,
-                        HAS_OLD: tl.constexpr, ACC: tl.constexpr):
+def _sequence_log_ratio(lp, old, mask, b, T, BLOCK_T: tl.constexpr, HAS_OLD: tl.constexpr,
+                        ACC: tl.constexpr):
     """(mean over the row's actor tokens of lp - old, their count) — GSPO's log s_b."""
     total = tl.zeros([BLOCK_T], ACC)
     count = tl.zeros([BLOCK_T], ACC)
     for start in range(0, T, BLOCK_T):
         cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
-        actor = tl.load(mask_ptr + b * stride_mb + cols * stride_mt, mask=cols < T, other=0) != 0
+        actor = tl.load(token_at(mask, b, cols), mask=cols < T, other=0) != 0
         if HAS_OLD:
-            lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0)
-            old = tl.load(old_ptr + b * stride_ob + cols * stride_ot, mask=actor, other=0.0)
-            total += lp.to(ACC) - old.to(ACC)
+            lp_t = tl.load(token_at(lp, b, cols), mask=actor, other=0.0)
+            old_t = tl.load(token_at(old, b, cols), mask=actor, other=0.0)
+            total += lp_t.to(ACC) - old_t.to(ACC)
         count += actor.to(ACC)
     tokens = tl.sum(count, axis=0)
     return tl.sum(total, axis=0) / tl.maximum(tokens, 1.0), tokens
@@ -81,20 +78,16 @@ def _sequence_log_ratio(lp_ptr, old_ptr, mask_ptr, b, T, stride_lb, stride_lt, s
 
 @triton.jit
 def _surrogate_fwd_kernel(
-    # pointers
-    lp_ptr, old_ptr, adv_ptr, mask_ptr,  # [B, T] (adv: [B, T] or [B] with stride_at = 0;
-                                         # old: None on policy, old = lp)
-    weight_ptr, row_scale_ptr,           # [B, T] per-token multipliers (strides 0: none), [B]
-    sums_ptr, seq_ptr,                   # [B, N_SUM_COLS] out; [B] out unless TOKEN_RATIO
-    # strides
-    stride_lb, stride_lt, stride_ob, stride_ot, stride_ab, stride_at, stride_mb, stride_mt,
-    stride_wb, stride_wt,
+    # tensors: (pointer, stride_b, stride_t) (utils.token_tensor)
+    lp, old, adv, mask, weights,        # [B, T] (old: None on policy, old = lp; adv: [B, T] or
+                                        # [B]; weights: strides 0 for none)
+    row_scale_ptr,                      # [B]
+    sums_ptr, seq_ptr,                  # [B, N_SUM_COLS] out; [B] out unless TOKEN_RATIO
     # sizes
     T,
-    # scalars
-    low_hi, low_lo, high_hi, high_lo,   # region sizes (regions.region_bounds)
-    p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,   # objectives.objective_params
-    clamp,                              # the objective's log-ratio clamp
+    # scalars (objectives.objective_args; not ``params``: Triton's launcher has a local of that
+    # name)
+    region, hyper, clamp,
     BLOCK_T: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, HAS_OLD: tl.constexpr, RATIO: tl.constexpr,
 ):
@@ -104,12 +97,9 @@ def _surrogate_fwd_kernel(
     # log s_bt = min(log s_b, 10) with d log s_bt / d lp_bt = 1 (0 past the clamp): seq[b] keeps
     # log s_b.
     b = tl.program_id(0).to(tl.int64)
-    p0, p1, p2, p3 = objective_params(p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
-                                      ACC)
+    hyper = fp64_values(hyper, ACC)
     if RATIO != TOKEN_RATIO:
-        seq_lr, tokens = _sequence_log_ratio(lp_ptr, old_ptr, mask_ptr, b, T, stride_lb,
-                                             stride_lt, stride_ob, stride_ot, stride_mb,
-                                             stride_mt, BLOCK_T, HAS_OLD, ACC)
+        seq_lr, tokens = _sequence_log_ratio(lp, old, mask, b, T, BLOCK_T, HAS_OLD, ACC)
     loss = tl.zeros([BLOCK_T], ACC)
     flag0 = tl.zeros([BLOCK_T], ACC)
     flag1 = tl.zeros([BLOCK_T], ACC)
@@ -120,18 +110,16 @@ def _surrogate_fwd_kernel(
     seq_grad = tl.zeros([BLOCK_T], ACC)
     for start in range(0, T, BLOCK_T):
         cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
-        actor = tl.load(mask_ptr + b * stride_mb + cols * stride_mt, mask=cols < T, other=0) != 0
-        lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0).to(ACC)
-        old, adv, w = _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, cols, actor, stride_ob,
-                                    stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
-                                    HAS_OLD)
-        lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
-        log_ratio = lp - old
+        actor = tl.load(token_at(mask, b, cols), mask=cols < T, other=0) != 0
+        lp_t = tl.load(token_at(lp, b, cols), mask=actor, other=0.0).to(ACC)
+        old_t, adv_t, w = _token_inputs(lp_t, old, adv, weights, b, cols, actor, ACC, HAS_OLD)
+        lo, hi = region_bounds(old_t, region, GEOMETRY, TOPOLOGY)
+        log_ratio = lp_t - old_t
         if RATIO == SEQUENCE_RATIO:
-            log_ratio = tl.zeros_like(lp) + seq_lr
+            log_ratio = tl.zeros_like(lp_t) + seq_lr
         elif RATIO == STRAIGHT_RATIO:
-            log_ratio = tl.zeros_like(lp) + tl.minimum(seq_lr, _STRAIGHT_LOG_MAX)
-        j, dj, f0, f1, f2 = OBJECTIVE(log_ratio, lp, old, adv, lo, hi, (p0, p1, p2, p3), clamp)
+            log_ratio = tl.zeros_like(lp_t) + tl.minimum(seq_lr, _STRAIGHT_LOG_MAX)
+        j, dj, f0, f1, f2 = OBJECTIVE(log_ratio, lp_t, old_t, adv_t, lo, hi, hyper, clamp)
         bad = ~(tl.abs(j) < float("inf"))
         loss += tl.where(actor, j * w, 0.0)
         seq_grad += tl.where(actor, dj * w, 0.0)
@@ -139,7 +127,7 @@ def _surrogate_fwd_kernel(
         flag1 += (actor & f1).to(ACC)
         flag2 += (actor & f2).to(ACC)
         ratio += tl.where(actor, exp_accurate(log_ratio), 0.0)
-        clamped, _ = clamped_log_ratio(lp - old, clamp)
+        clamped, _ = clamped_log_ratio(lp_t - old_t, clamp)
         neg_log_ratio -= clamped
         overflow += (actor & bad).to(ACC)
     row_scale = tl.load(row_scale_ptr + b).to(ACC)
@@ -161,19 +149,15 @@ def _surrogate_fwd_kernel(
 
 @triton.jit
 def _surrogate_bwd_kernel(
-    # pointers
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, row_scale_ptr,  # as the forward
+    # tensors: as the forward
+    lp, old, adv, mask, weights, row_scale_ptr,
     seq_ptr, grad_ptr,                   # [B] from the forward unless TOKEN_RATIO; 0-dim
                                          # upstream
     dlp_ptr,                             # [B, T] out, contiguous
-    # strides
-    stride_lb, stride_lt, stride_ob, stride_ot, stride_ab, stride_at, stride_mb, stride_mt,
-    stride_wb, stride_wt,
     # sizes
     T, n_t_blocks,
     # scalars
-    low_hi, low_lo, high_hi, high_lo, p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
-    clamp,
+    region, hyper, clamp,
     BLOCK_T: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, HAS_OLD: tl.constexpr, RATIO: tl.constexpr,
 ):
@@ -183,25 +167,22 @@ def _surrogate_bwd_kernel(
     b = pid // n_t_blocks
     cols = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
     inside = cols < T
-    actor = tl.load(mask_ptr + b * stride_mb + cols * stride_mt, mask=inside, other=0) != 0
+    actor = tl.load(token_at(mask, b, cols), mask=inside, other=0) != 0
     grad = tl.load(grad_ptr).to(ACC)
     if RATIO == SEQUENCE_RATIO:
         dlp = tl.where(actor, -grad * tl.load(seq_ptr + b).to(ACC), 0.0)
     else:
-        p0, p1, p2, p3 = objective_params(p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi,
-                                          p3_lo, ACC)
-        lp = tl.load(lp_ptr + b * stride_lb + cols * stride_lt, mask=actor, other=0.0).to(ACC)
-        old, adv, w = _token_inputs(lp, old_ptr, adv_ptr, weight_ptr, b, cols, actor, stride_ob,
-                                    stride_ot, stride_ab, stride_at, stride_wb, stride_wt, ACC,
-                                    HAS_OLD)
-        lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
-        log_ratio = lp - old
+        hyper = fp64_values(hyper, ACC)
+        lp_t = tl.load(token_at(lp, b, cols), mask=actor, other=0.0).to(ACC)
+        old_t, adv_t, w = _token_inputs(lp_t, old, adv, weights, b, cols, actor, ACC, HAS_OLD)
+        lo, hi = region_bounds(old_t, region, GEOMETRY, TOPOLOGY)
+        log_ratio = lp_t - old_t
         passes = actor
         if RATIO == STRAIGHT_RATIO:
-            seq_lr = tl.zeros_like(lp) + tl.load(seq_ptr + b).to(ACC)
+            seq_lr = tl.zeros_like(lp_t) + tl.load(seq_ptr + b).to(ACC)
             log_ratio = tl.minimum(seq_lr, _STRAIGHT_LOG_MAX)
             passes = actor & (seq_lr <= _STRAIGHT_LOG_MAX)
-        _, dj, _, _, _ = OBJECTIVE(log_ratio, lp, old, adv, lo, hi, (p0, p1, p2, p3), clamp)
+        _, dj, _, _, _ = OBJECTIVE(log_ratio, lp_t, old_t, adv_t, lo, hi, hyper, clamp)
         scale = -grad * tl.load(row_scale_ptr + b).to(ACC)
         dlp = tl.where(passes, dj * w * scale, 0.0)
     tl.store(dlp_ptr + b * T + cols, dlp.to(dlp_ptr.dtype.element_ty), mask=inside)
@@ -210,13 +191,10 @@ def _surrogate_bwd_kernel(
 @triton.jit
 def _surrogate_logits_row(
     row,                                # b S + s
-    logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr, row_scale_ptr, ref_ptr,
-    kl_scale_ptr, entropy_scale_ptr, row_stats_ptr, dlogits_ptr, sums_ptr,
-    stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
-    stride_ob, stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
-    stride_db, stride_dt,
+    logits, targets, mask, old, adv, weights, ref, row_weights, row_stats_ptr, dlogits,
+    sums_ptr,
     T, S, offset, V,
-    inv_temp, cap, cap_in, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+    head, region, hyper, clamp,         # in the compute dtype (head and hyper: their values)
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
     HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
@@ -236,10 +214,12 @@ def _surrogate_logits_row(
     # ROW_STATS (a shard of a split vocabulary): the whole row's (lp, m, log s, H) are given,
     # gathered over the group (``scaleout.vocab``), and the row is read by the write pass alone;
     # its target is -1 where another rank holds it.
-    token, b, s, t, in_window, is_actor = program_token(row, mask_ptr, T, S, offset, stride_mb,
-                                                        stride_mt, True)
+    inv_temp, cap, cap_in = head
+    row_scale_ptr, kl_scale_ptr, entropy_scale_ptr = row_weights
+    token, b, s, t, in_window, is_actor = program_token(row, mask[0], T, S, offset, mask[1],
+                                                        mask[2], True)
     if is_actor:
-        row_ptr = logits_ptr + at(b, stride_lb, s, stride_lt)
+        row_ptr = token_at(logits, b, s)
         if ROW_STATS:
             stats = row_stats_ptr + token * N_ROW_STATS
             m = tl.load(stats + 1).to(ACC)
@@ -251,31 +231,31 @@ def _surrogate_logits_row(
             m, log_s, entropy = row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V,
                                               WITH_ENTROPY, SOFTCAP, ACC, EVICT, NUM_STAGES)
         # In place the write pass overwrites x[y]: it waits at a barrier for every thread's read
-        column = target_column(tl.load(targets_ptr + at(b, stride_yb, t, stride_yt)), V)
+        column = target_column(tl.load(token_at(targets, b, t)), V)
         if ROW_STATS:
             lp = tl.load(stats).to(ACC)
         else:
             x_y = load_target_logit(row_ptr, column, cap, cap_in, SOFTCAP, ACC)
             lp = target_logprob(x_y, inv_temp, m, log_s)
-        old = lp
+        old_lp = lp
         if HAS_OLD:
-            old = tl.load(old_ptr + at(b, stride_ob, t, stride_ot)).to(ACC)
-        adv = tl.load(adv_ptr + at(b, stride_ab, t, stride_at)).to(ACC)
-        w = tl.load(weight_ptr + at(b, stride_wb, t, stride_wt)).to(ACC)
-        log_ratio = lp - old
+            old_lp = tl.load(token_at(old, b, t)).to(ACC)
+        a = tl.load(token_at(adv, b, t)).to(ACC)
+        w = tl.load(token_at(weights, b, t)).to(ACC)
+        log_ratio = lp - old_lp
         row_scale = tl.load(row_scale_ptr + b).to(ACC)
         out = sums_ptr + at(b, T * N_SUM_COLS, t, N_SUM_COLS)    # the token b T + t
         if WRITE_DLOGITS:
-            drow_ptr = dlogits_ptr + at(b, stride_db, s, stride_dt)
-        lo, hi = region_bounds(old, low_hi, low_lo, high_hi, high_lo, GEOMETRY, TOPOLOGY)
-        j, dj, f0, f1, f2 = OBJECTIVE(log_ratio, lp, old, adv, lo, hi, (p0, p1, p2, p3), clamp)
+            drow_ptr = token_at(dlogits, b, s)
+        lo, hi = region_bounds(old_lp, region, GEOMETRY, TOPOLOGY)
+        j, dj, f0, f1, f2 = OBJECTIVE(log_ratio, lp, old_lp, a, lo, hi, hyper, clamp)
         bad = ~(tl.abs(j) < float("inf"))
         loss = j * w * row_scale
         g = -row_scale * w * dj
         kl = tl.zeros((), ACC)
         if KL != NO_KL:
-            ref = tl.load(ref_ptr + at(b, stride_rb, t, stride_rt)).to(ACC)
-            kl, dkl = kl_term(lp, ref, log_ratio, KL, KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP)
+            ref_lp = tl.load(token_at(ref, b, t)).to(ACC)
+            kl, dkl = kl_term(lp, ref_lp, log_ratio, KL, KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP)
             coef = tl.load(kl_scale_ptr + b).to(ACC)
             loss -= coef * kl
             g += coef * dkl
@@ -302,7 +282,7 @@ def _surrogate_logits_row(
                               NUM_STAGES, ORDER)
     else:
         if WRITE_DLOGITS:
-            row_write_zeros(dlogits_ptr + at(b, stride_db, s, stride_dt), V, BLOCK_V, EVICT)
+            row_write_zeros(token_at(dlogits, b, s), V, BLOCK_V, EVICT)
         if in_window:
             for col in tl.static_range(N_SUM_COLS):
                 tl.store(sums_ptr + token * N_SUM_COLS + col, tl.zeros((), ACC))
@@ -310,26 +290,20 @@ def _surrogate_logits_row(
 
 @triton.jit
 def _surrogate_logits_kernel(
-    # pointers
-    logits_ptr, targets_ptr, mask_ptr,  # [B, S, V], [B, T], [B, T] uint8
-    old_ptr, adv_ptr, weight_ptr,       # [B, T] (None on policy), [B, T] or [B] (stride_at = 0),
+    # tensors: (pointer, stride_b, stride_t) (utils.token_tensor)
+    logits, targets, mask,              # [B, S, V], [B, T], [B, T] uint8
+    old, adv, weights,                  # [B, T] (None on policy), [B, T] or [B] (stride_t 0),
                                         # [B, T] (strides 0: none)
-    row_scale_ptr,                      # [B]
-    ref_ptr, kl_scale_ptr,              # [B, T] reference log-probs and [B] row weights if KL
-    entropy_scale_ptr,                  # [B] if WITH_ENTROPY
+    ref,                                # [B, T] reference log-probs if KL
+    row_weights,                        # pointers to the [B] row weights of the objective, of
+                                        # the KL term (if KL) and of the entropy (if WITH_ENTROPY)
     row_stats_ptr,                      # [B*T, N_ROW_STATS] if ROW_STATS
-    dlogits_ptr,                        # [B, S, V] out (may alias logits)
+    dlogits,                            # [B, S, V] out (may alias logits)
     sums_ptr,                           # [B*T, N_SUM_COLS] out
-    # strides
-    stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt,
-    stride_ob, stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
-    stride_db, stride_dt,
     # sizes
     T, S, offset, V, n_rows,            # n_rows = B S
-    # scalars (rows.head_args, then the objective's)
-    inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi, cap_in_lo,
-    low_hi, low_lo, high_hi, high_lo, p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
-    clamp,
+    # scalars (rows.HeadParams, objectives.objective_args)
+    head, region, hyper, clamp,
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
     HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
@@ -341,37 +315,24 @@ def _surrogate_logits_kernel(
     # One program per row; PERSISTENT: a grid capped near the SM count, each program taking the
     # rows pid, pid + programs, ... in turn, so that fewer rows are in flight between the two
     # reads of a row.
-    inv_temp, cap, cap_in = head_scalars(inv_temp_hi, inv_temp_lo, cap_hi, cap_lo, cap_in_hi,
-                                         cap_in_lo, ACC)
-    p0, p1, p2, p3 = objective_params(p0_hi, p0_lo, p1_hi, p1_lo, p2_hi, p2_lo, p3_hi, p3_lo,
-                                      ACC)
+    head = fp64_values(head, ACC)
+    hyper = fp64_values(hyper, ACC)
     if PERSISTENT:
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             _surrogate_logits_row(
-                row, logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr,
-                row_scale_ptr, ref_ptr, kl_scale_ptr, entropy_scale_ptr, row_stats_ptr,
-                dlogits_ptr, sums_ptr,
-                stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_ob,
-                stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
-                stride_db, stride_dt,
-                T, S, offset, V,
-                inv_temp, cap, cap_in, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+                row, logits, targets, mask, old, adv, weights, ref, row_weights, row_stats_ptr,
+                dlogits, sums_ptr, T, S, offset, V, head, region, hyper, clamp,
                 BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, KL,
                 KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, ROW_STATS, EVICT,
                 NUM_STAGES, ORDER)
     else:
         _surrogate_logits_row(
-            tl.program_id(0), logits_ptr, targets_ptr, mask_ptr, old_ptr, adv_ptr, weight_ptr,
-            row_scale_ptr, ref_ptr, kl_scale_ptr, entropy_scale_ptr, row_stats_ptr, dlogits_ptr,
-            sums_ptr,
-            stride_lb, stride_lt, stride_yb, stride_yt, stride_mb, stride_mt, stride_ob,
-            stride_ot, stride_ab, stride_at, stride_wb, stride_wt, stride_rb, stride_rt,
-            stride_db, stride_dt,
-            T, S, offset, V,
-            inv_temp, cap, cap_in, low_hi, low_lo, high_hi, high_lo, p0, p1, p2, p3, clamp,
+            tl.program_id(0), logits, targets, mask, old, adv, weights, ref, row_weights,
+            row_stats_ptr, dlogits, sums_ptr, T, S, offset, V, head, region, hyper, clamp,
             BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, KL,
             KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, ROW_STATS, EVICT,
             NUM_STAGES, ORDER)
+
 
 
 def surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, objective, *,
@@ -387,13 +348,10 @@ def surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, objective, *,
     if B == 0:
         return sums, seq
     (objective_code, geometry_code, topology_code), scalars = objective_args(objective)
-    mask_u8, stride_mb, stride_mt = mask_args(mask)
     _surrogate_fwd_kernel[(B,)](
-        lp, old_lp, adv, mask_u8,
+        token_tensor(lp), token_tensor(old_lp), token_tensor(adv), mask_args(mask),
         ones_if_none(weights, row_scale), row_scale,
         sums, seq,
-        lp.stride(0), lp.stride(1), *token_strides(old_lp), *token_strides(adv), stride_mb,
-        stride_mt, *token_strides(weights),
         T,
         *scalars,
         BLOCK_T=time_block(T), OBJECTIVE=objective_code, GEOMETRY=geometry_code,
@@ -414,13 +372,11 @@ def surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq, grad, objectiv
     (objective_code, geometry_code, topology_code), scalars = objective_args(objective)
     block_t = time_block(T)
     n_t_blocks = triton.cdiv(T, block_t)
-    mask_u8, stride_mb, stride_mt = mask_args(mask)
     _surrogate_bwd_kernel[(B * n_t_blocks,)](
-        lp, old_lp, adv, mask_u8, ones_if_none(weights, row_scale), row_scale,
+        token_tensor(lp), token_tensor(old_lp), token_tensor(adv), mask_args(mask),
+        ones_if_none(weights, row_scale), row_scale,
         seq, grad,
         dlp,
-        lp.stride(0), lp.stride(1), *token_strides(old_lp), *token_strides(adv), stride_mb,
-        stride_mt, *token_strides(weights),
         T, n_t_blocks,
         *scalars,
         BLOCK_T=block_t, OBJECTIVE=objective_code, GEOMETRY=geometry_code,
@@ -431,9 +387,9 @@ def surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq, grad, objectiv
 
 
 def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale, objective, *,
-                         temperature, write_dlogits=True, dlogits=None, offset=0, ref_lp=None,
-                         kl=None, kl_scale=None, entropy_scale=None, logit_scale=1.0,
-                         softcap=0.0, row_stats=None):
+                         head: HeadParams, write_dlogits=True, dlogits=None, offset=0,
+                         ref_lp=None, kl=None, kl_scale=None, entropy_scale=None,
+                         row_stats=None):
     """The single pass from ``logits [B, S, V]``, whose rows ``[offset, offset + T)`` predict
     ``targets [B, T]``: returns ``(dlogits, sums [B*T, N_SUM_COLS])`` with ``dlogits`` of the
     whole ``[B, S, V]`` (zero rows outside the window) for an upstream gradient of 1, written
@@ -441,11 +397,10 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
     the window). ``old_lp`` None: on policy (old = lp, formed in the kernel). ``kl`` (an
     ``rlfuse.terms.KLTerm``) with ``ref_lp [B, T]`` and its row weights ``kl_scale [B]``: the
     KL penalty; ``entropy_scale [B]``: the entropy bonus's row weights (coefficients included
-    in both). ``logit_scale`` and ``softcap`` (0: none): the head's, as in ``rows.head_args``.
+    in both). ``head``: the temperature (and a head's logit scale and softcap).
     ``row_stats [B*T, ROW_STAT_COLUMNS]``: a shard of a split vocabulary, whose rows' whole
     statistics are given (``targets`` then local to the shard, -1 where another rank holds
-    them). Launched in the configuration
-    ``single_pass.current()`` (``RLFUSE_SINGLE_PASS``)."""
+    them). Launched in the configuration ``single_pass.current()`` (``RLFUSE_SINGLE_PASS``)."""
     B, T = targets.shape
     if not write_dlogits:
         logits, offset = logits[:, offset:offset + T], 0   # only the window is read
@@ -460,21 +415,17 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
     kl_code, kl_straight, kl_weighted, kl_clamp = kl_codes(kl)
     config = single_pass.current()
     block_v, num_warps = config.block_and_warps(V, logits.element_size())
-    mask_u8, stride_mb, stride_mt = mask_args(mask)
-    head, softcapped = head_args(temperature, logit_scale, softcap)
+    head_args, softcapped = head.kernel_args()
     _surrogate_logits_kernel[(config.programs(B * S, logits.device),)](
-        logits, targets, mask_u8,
-        old_lp, adv, ones_if_none(weights, row_scale),
-        row_scale,
-        ref_lp, kl_scale, entropy_scale, row_stats,
-        dlogits,
+        token_tensor(logits), token_tensor(targets), mask_args(mask),
+        token_tensor(old_lp), token_tensor(adv), ones_if_none(weights, row_scale),
+        token_tensor(ref_lp),
+        (row_scale, kl_scale, entropy_scale),
+        row_stats,
+        token_tensor(dlogits if write_dlogits else None),
         sums,
-        logits.stride(0), logits.stride(1), targets.stride(0), targets.stride(1),
-        stride_mb, stride_mt, *token_strides(old_lp), *token_strides(adv),
-        *token_strides(weights), *token_strides(ref_lp),
-        *((dlogits.stride(0), dlogits.stride(1)) if write_dlogits else (0, 0)),
         T, S, offset, V, B * S,
-        *head, *scalars,
+        head_args, *scalars,
         BLOCK_V=block_v, OBJECTIVE=objective_code, GEOMETRY=geometry_code,
         TOPOLOGY=topology_code, ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits,
         HAS_OLD=old_lp is not None, KL=kl_code, KL_STRAIGHT=kl_straight,

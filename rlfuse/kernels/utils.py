@@ -110,9 +110,21 @@ def token_strides(x: Optional[torch.Tensor]):
     return (x.stride(0), 0) if x.dim() == 1 else (x.stride(0), x.stride(1))
 
 
-def ones_if_none(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """``x``, or a single 1 that a kernel reads with strides (0, 0) (``token_strides(None)``)."""
-    return like.new_ones(()) if x is None else x
+def token_tensor(x: Optional[torch.Tensor]):
+    """A per-token ``[B, T]`` tensor (or per-row ``[B]``, or None) as the kernels take it: the
+    tuple ``(pointer, stride_b, stride_t)`` (``token_strides``) that ``token_at`` reads."""
+    return (x,) + token_strides(x)
+
+
+def fp64_args(values):
+    """Float hyper-parameters as a kernel takes them: a tuple of their ``fp64_parts`` pairs,
+    which ``fp64_values`` turns into the compute dtype."""
+    return tuple(fp64_parts(float(v)) for v in values)
+
+
+def ones_if_none(x: Optional[torch.Tensor], like: torch.Tensor):
+    """``token_tensor(x)``, or for None a single 1 that a kernel reads with strides (0, 0)."""
+    return (like.new_ones(()), 0, 0) if x is None else token_tensor(x)
 
 
 @triton.jit
@@ -123,6 +135,21 @@ def fp64_pair(hi, lo, ACC: tl.constexpr):
     if ACC == tl.float64:
         x = (tl.zeros((), tl.float64) + hi) + lo
     return x
+
+
+@triton.jit
+def fp64_values(pairs, ACC: tl.constexpr):
+    """The tuple of ``fp64_args``' values in the compute dtype (``fp64_pair`` each)."""
+    values = ()
+    for i in tl.static_range(len(pairs)):
+        values = values + (fp64_pair(pairs[i][0], pairs[i][1], ACC),)
+    return values
+
+
+@triton.jit
+def token_at(x, b, t):
+    """The address of element (b, t) of a ``token_tensor`` ``x`` (b, t: int32 or int64)."""
+    return x[0] + tl.cast(b, tl.int64) * x[1] + tl.cast(t, tl.int64) * x[2]
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
