@@ -3,19 +3,9 @@ parameters, checked when it is built. Names follow verl's ``loss_mode`` and TRL'
 ``loss_type``; where the two trainers define one name differently, both forms exist (``cispo``
 and ``cispo_trl``, ``sapo`` and ``sapo_trl``, ``gspo`` and ``gspo_trl``).
 
-A record is all that the rest of rlfuse knows of its objective (``Objective``): a token-local
-one names its per-token function (``token``: ``kernels.objectives.<token>``, the Triton
-function every surrogate kernel calls, and ``reference.objectives.<token>``, its math) and the
-metrics of that function's flags, and says with ``surrogate()`` what the function takes (its
-trust region, its parameters, the clamp of the log-ratio); a sequence- or batch-level one holds
-its ``[B, T]`` function (``batch``, in ``rlfuse.shared.batch_objectives``). ``OBJECTIVES`` maps each
-name to its record; ``policy_loss`` also takes a name (the defaults).
-
-Token-local objectives (one pass over the logits from ``Logits`` / ``LinearHead``): ``Clip``,
-``GPPO``, ``CISPO``, ``CISPOTRL``, ``SAPO``, ``SAPOTRL``, ``GPG``, ``DRO``, ``DPPOTV``,
-``DPPOKL``. Sequence- and batch-level ones (the log-probs first, then the loss on ``[B, T]``):
-``GSPO``, ``GSPOTRL``, ``LUSPO``, ``GeoMean``, ``VESPO``, ``ClipCov``, ``KLCov`` (and
-``CISPOTRL`` at the sequence level).
+A record is all that the rest of rlfuse knows of its objective (``Objective`` says what it
+holds): the kernels, both implementations, the metrics and the compile-only driver read it.
+``OBJECTIVES`` maps each name to its record; ``policy_loss`` also takes a name (the defaults).
 """
 from __future__ import annotations
 
@@ -63,20 +53,17 @@ _DPPO_FLAGS = ("dropped_frac", "truncated_frac")
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """What every objective record says of itself (class attributes, and methods of its checked
-    parameters):
+    """What every objective record says of itself, read by the rest of rlfuse:
 
-    - ``name``: its name in ``OBJECTIVES`` (verl's ``loss_mode`` / TRL's ``loss_type``);
-    - ``token``: its per-token function (``kernels.objectives.<token>``,
-      ``reference.objectives.<token>``), None for a batch-level objective, whose ``[B, T]``
-      function is ``batch(objective, lp, old, adv, mask, weights, row_scale, *, loss_scale,
-      num_sequences, generator) -> (loss, metrics)``;
-    - ``flags``: the metric names of the token function's flags (``flag0``, ``flag1``, ...);
-    - ``surrogate()``: the ``TokenSurrogate`` its kernels evaluate;
-    - ``ratio``: how a token's ratio is formed (a name of ``_names.RATIO_MODES``, or "batch"
-      for a batch-level objective); ``weight_ratio``: the ratio TRL's importance-weighted KL
-      multiplies by ("token", "sequence" or "sequence_straight");
-    - ``agg``: the aggregation it fixes (None: the caller's).
+    - ``name``: its key in ``OBJECTIVES`` (verl's ``loss_mode`` / TRL's ``loss_type``);
+    - ``token``: the per-token function of a token-local or sequence objective
+      (``kernels.objectives.<token>``, ``reference.objectives.<token>``), ``flags`` the metric
+      names of that function's flags and ``surrogate()`` what it takes (a ``TokenSurrogate``);
+    - ``batch``: a batch-level objective's ``[B, T]`` function (``shared.batch_objectives``);
+    - ``ratio``: how a token's ratio is formed (a name of ``_names.RATIO_MODES``, "batch" for a
+      batch-level objective); ``weight_ratio``: the ratio TRL's importance-weighted KL
+      multiplies by; ``agg``: the aggregation it fixes (None: the caller's);
+    - ``example()``: an instance, of its defaults or of a required parameter's value.
     """
 
     name: ClassVar[str]
@@ -87,6 +74,10 @@ class Objective:
 
     def __post_init__(self):
         self.check()
+
+    @classmethod
+    def example(cls) -> "Objective":
+        return cls()
 
     def check(self) -> None:
         """Raises on a parameter out of its range (a token-local objective's: those of
@@ -263,6 +254,10 @@ class DRO(Objective):
     name: ClassVar[str] = "dro"
     token: ClassVar[str] = "dro"
     dro_beta: Optional[float] = None
+
+    @classmethod
+    def example(cls) -> "DRO":
+        return cls(dro_beta=0.1)
 
     def surrogate(self) -> TokenSurrogate:
         if self.dro_beta is None:

@@ -48,16 +48,13 @@ def test_dry_run_writes_its_files(tmp_path):
 def test_a_test_past_its_time_limit_fails(tmp_path):
     (tmp_path / "test_slow.py").write_text(
         "import time\n\ndef test_slow():\n    time.sleep(30)\n\ndef test_fast():\n    pass\n")
-    suite = str(ROOT / "tests" / "conftest.py")
-    (tmp_path / "conftest.py").write_text(   # the suite's fixture, under another module name
-        "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('suite', {suite!r})\n"
-        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
-        "time_limit = suite.time_limit\n")
-    env = dict(os.environ, RLFUSE_TEST_TIMEOUT="2", TRITON_INTERPRET="1")
+    # the suite's conftest as a plugin (its time_limit fixture), imported from its folder
+    env = dict(os.environ, RLFUSE_TEST_TIMEOUT="2", TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"),
+                                                        os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+                           "-p", "conftest", str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert "RLFUSE_TEST_TIMEOUT=2" in proc.stdout and "1 failed, 1 passed" in proc.stdout
 

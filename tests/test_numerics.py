@@ -17,7 +17,7 @@ import rlfuse
 from rlfuse import reference
 from rlfuse.kernels import logprobs
 from rlfuse.kernels import utils as kernel_utils
-from rlfuse.kernels.rows import HeadParams
+from rlfuse.kernels.head import HeadParams
 from rlfuse.kernels.utils import exp_accurate
 from rlfuse.kernels.single_pass import single_pass_config
 

@@ -103,6 +103,34 @@ def config(tmp_path, **kw):
     return base
 
 
+def test_ggpo_takes_the_rewards_whatever_trls_scaling(tmp_path):
+    """rlfuse_loss="ggpo" under TRL's default scale_rewards ("group"), "batch" and "none": GGPO
+    gets each group's rewards, centred (TRL's advantages with "none"), so the three give one
+    loss and one gradient on the same generation batch."""
+    model().save_pretrained(tmp_path / "policy")
+    data, tok = dataset(), tokenizer()
+    results = []
+    for scale in ("group", "batch", "none"):
+        kw = dict(loss_type="bnpo", beta=0.1, scale_rewards=scale)
+        trainer = RLFuseGRPOTrainer(model=str(tmp_path / "policy"), reward_funcs=reward,
+                                    train_dataset=data, processing_class=tok,
+                                    args=RLFuseGRPOConfig(**config(tmp_path, **kw),
+                                                          rlfuse_loss="ggpo"))
+        trainer.model.train()
+        torch.manual_seed(5)
+        inputs = trainer._generate_and_score_completions([data[i] for i in range(4)])
+        rewards = torch.tensor(reward(tok.batch_decode(inputs["completion_ids"],
+                                                       skip_special_tokens=True)))
+        centred = rewards - rewards.view(-1, 2).mean(1).repeat_interleave(2)
+        torch.testing.assert_close(inputs["advantages"], centred, rtol=0, atol=0)
+        results.append(loss_and_grads(trainer, inputs, 1))
+    assert results[0][1]
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], rtol=0, atol=0)
+        for name in grads:
+            torch.testing.assert_close(grads[name], results[0][1][name], rtol=0, atol=0)
+
+
 def trainers(tmp_path, path=None, net=None, ours=None, **kw):
     """TRL's trainer and rlfuse's, on copies of one model (``net``, else a Llama; loaded from
     ``path``: a reference model is), with one config (and the ``rlfuse_*`` fields ``ours``)."""
@@ -216,7 +244,7 @@ def test_per_token_multipliers(loss_type, ratio_shape, tmp_path):
 @pytest.mark.parametrize("loss, extra", [
     ("ppo", dict(loss_type="dapo", epsilon_high=0.28)),
     ("gppo", dict(loss_type="grpo")),
-    ("ggpo", dict(loss_type="bnpo", beta=0.1, scale_rewards="none", sync_ref_model=True,
+    ("ggpo", dict(loss_type="bnpo", beta=0.1, sync_ref_model=True,
                   ref_model_sync_steps=1)),
     ("gr_opd", dict(loss_type="grpo")),
 ])

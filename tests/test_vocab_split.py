@@ -24,7 +24,9 @@ def test_vocab_parallel_needs_a_process_group():
 
 def run_workers(world: int, *args: str, worker: str = WORKER.name) -> None:
     """``world`` gloo processes of ``tests/<worker>``, each of which must print its ok."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1",   # tools: from the root
+               PYTHONPATH=os.pathsep.join(filter(None, [str(WORKER.parent.parent),
+                                                        os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          str(world), str(WORKER.parent / worker), *args],

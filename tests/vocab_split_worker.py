@@ -276,8 +276,7 @@ def check_traffic(d, group, rank, world):
     the write pass, and writes its gradient once; the two passes (GGPO) read the forward's
     formation once (and the target logit) and the backward's once, and write the gradient
     once. The same kernel bytes: the single pass saves a formation, its matmul and its write."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tools import traffic
+    from tools import traffic     # the repository root is on PYTHONPATH (test_vocab_split)
 
     actor = int(d["mask"].sum())
     gppo = lambda pol: rlfuse.gppo_loss(pol, d["old"], d["adv"], d["mask"])  # noqa: E731

@@ -22,17 +22,15 @@ subroutine calls live there).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
-import re
-import shutil
+import pkgutil
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import zlib
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     sys.exit("tools.gpu_compile: unset TRITON_INTERPRET (the kernels must be compiled, not "
@@ -40,18 +38,22 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import rlfuse  # noqa: E402
-import rlfuse._dispatch  # noqa: E402
+import rlfuse.kernels  # noqa: E402
 from rlfuse._names import GEOMETRIES, TOPOLOGIES  # noqa: E402
-from rlfuse.kernels import (ggpo, gr_opd, kl, logprobs, regions, rows,  # noqa: E402
-                            scale_rows, single_pass, surrogate, utils)
+from rlfuse.kernels import single_pass, surrogate  # noqa: E402
+from rlfuse.kernels.head import HeadParams  # noqa: E402
 from rlfuse.kernels.single_pass import single_pass_config  # noqa: E402
+from tools import compile_only, sass  # noqa: E402
 
-KERNEL_MODULES = (ggpo, gr_opd, kl, logprobs, regions, rows, scale_rows, surrogate, utils)
+
+
+def kernel_modules():
+    """Every module of ``rlfuse.kernels``: a kernel in none of them the drive never reaches."""
+    return [importlib.import_module(f"rlfuse.kernels.{m.name}")
+            for m in pkgutil.iter_modules(rlfuse.kernels.__path__)]
 
 # Launch configurations of the single pass compiled besides the default (RLFUSE_SINGLE_PASS text):
 # every candidate of the GPU sweep, then each switch alone (bf16: the table's 8192-wide blocks and
@@ -61,71 +63,6 @@ SINGLE_PASS_VARIANTS = tuple(c for c in single_pass.CANDIDATES if c != "default"
     "num_warps=8,block_v=4096", "num_warps=16,block_v=4096",
     "evict=1,programs_per_sm=2,order=forward,num_warps=8,block_v=4096,num_stages=3",
 )
-
-
-class CompileOnlyDriver:
-    """What ``JITFunction.run`` asks of the active driver, for a GPU that is not there."""
-
-    def __init__(self, target: GPUTarget):
-        self.target = target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-COMPILED = {}     # (kernel name, hash) -> (compiled kernel, its constexpr arguments)
-FAILED = []       # (kernel, error)
-SHARD = [0, 1]    # [this process's share, the number of shares]
-
-
-def _share(name: str, args: tuple, kwargs: dict) -> int:
-    """The share (of ``--jobs``) a launch belongs to, from what its compiled variant depends on
-    (the kernel, its tensors' dtypes, its constexpr and launch options; not the runtime values):
-    every launch of one variant falls in one share, so no variant is compiled twice."""
-    def kind(key, v):
-        if isinstance(v, torch.Tensor):
-            return str(v.dtype)
-        return repr(v) if key.isupper() or key.startswith("num_") else type(v).__name__
-    parts = [name] + [kind("", v) for v in args] + [f"{k}={kind(k, v)}"
-                                                    for k, v in sorted(kwargs.items())]
-    return zlib.crc32(" ".join(parts).encode()) % SHARD[1]
-
-
-def _compile_only(run):
-    def compile_run(self, *args, grid, warmup, **kwargs):
-        if SHARD[1] > 1 and _share(self.fn.__name__, args, kwargs) != SHARD[0]:
-            return None                        # another process's share (--jobs)
-        try:
-            kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        except Exception as e:  # noqa: BLE001  (recorded, the drive goes on)
-            FAILED.append((self.fn.__name__, f"{type(e).__name__}: {e} <- {e.__cause__!r}"))
-            traceback.print_exc()
-            return None
-        constexprs = {k: str(v) for k, v in kwargs.items() if k.isupper()}
-        COMPILED.setdefault((self.fn.__name__, kernel.hash), (kernel, constexprs))
-        return kernel
-    return compile_run
-
-
-# The objectives whose records have no default for a parameter, with one
-REQUIRED = {"dro": dict(dro_beta=0.1)}
-
-
-def objective_examples():
-    """An instance of every objective of ``rlfuse.objectives.OBJECTIVES``: its defaults, or
-    ``REQUIRED``'s parameters where it has none."""
-    from rlfuse import objectives
-
-    return [cls(**REQUIRED.get(name, {})) for name, cls in objectives.OBJECTIVES.items()]
 
 
 def _drive():
@@ -219,14 +156,14 @@ def _drive():
 
     # policy_loss: every objective with each KL estimator and the entropy bonus, from log-probs,
     # logits and a LinearHead (the single pass's KL and entropy variants); kl_penalty.
-    from rlfuse import terms
+    from rlfuse import objectives, terms
     from rlfuse._names import KL_ESTIMATORS
 
     weight = torch.randn(V, 64, generator=g).to(torch.bfloat16)
     hidden = torch.randn(B, T, 64, generator=g).to(torch.bfloat16).requires_grad_()
     # every objective of the registry (a token-local one's per-token function in the surrogate
     # kernels; GSPO's ratio modes; the batch-level ones run the log-prob kernels)
-    for objective in objective_examples():
+    for objective in (cls.example() for cls in objectives.OBJECTIVES.values()):
         for estimator in (KL_ESTIMATORS + ("k3+",) if objective.name == "clip" else ("k3",)):
             kw = dict(ref_logprobs=teacher, validate=False,
                       kl=terms.KLPenalty(0.01, estimator, importance_weighted=estimator == "k1"))
@@ -259,7 +196,7 @@ def _drive():
         surrogate.surrogate_logits_fwd(
             chunk, targets.reshape(-1, 1), mask.reshape(-1, 1), old.reshape(-1, 1), ones, None,
             ones, ("clip", "ppo_clip", "mc", 0.2, 0.28, (3.0, math.inf), 20.0),
-            head=rows.HeadParams(0.7),
+            head=HeadParams(0.7),
             dlogits=chunk, ref_lp=teacher.reshape(-1, 1), kl=terms.KLTerm("k3", 0.01),
             kl_scale=ones, entropy_scale=ones, row_stats=row_stats)
 
@@ -274,23 +211,8 @@ def _drive():
         rlfuse.gr_opd_advantages(lp.detach(), lp.detach() - 0.5, ones, group_size=group)
 
 
-def _resources(kernel) -> dict:
-    """Registers and local memory per thread of the kernel's cubin (``cuobjdump``)."""
-    cuobjdump = shutil.which("cuobjdump") or os.path.join(
-        os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], text=True,
-                              capture_output=True, check=True).stdout
-    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
-    return {k.lower(): int(v) for k, v in found.items()}
-
-
 def _local_in_loops(kernel) -> int:
     """The local-memory instructions (LDL, STL) inside the kernel's vocabulary loops."""
-    from tools import sass
-
     instructions, labels = sass.parse_sass(sass.disassemble(kernel.asm["cubin"]))
     return sum(ins.base in ("LDL", "STL") for loop in sass.find_loops(instructions, labels)
                if loop.inner and loop.loads for ins in loop.instructions)
@@ -299,14 +221,12 @@ def _local_in_loops(kernel) -> int:
 def _compile_share(arch: int) -> dict:
     """This process's share of the launches compiled: ``{"kernels": rows, "failed": [...],
     "launched": names}``."""
-    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
-    JITFunction.run = _compile_only(JITFunction.run)
-    rlfuse._dispatch.INTERPRET = True          # CPU tensors take the kernel path
-    utils.OUTPUT_FILL = 0                      # the launches write nothing
+    compile_only.install(arch)
     _drive()
     rows = []
-    for (name, _), (kernel, constexprs) in sorted(COMPILED.items(), key=lambda item: item[0]):
-        res = _resources(kernel)
+    for (name, _), (kernel, constexprs) in sorted(compile_only.COMPILED.items(),
+                                                  key=lambda item: item[0]):
+        res = compile_only.resources(kernel)
         if res.get("local", 0) or res.get("stack", 0):
             res["local_in_loops"] = _local_in_loops(kernel)
         rows.append({"kernel": name, "num_warps": kernel.metadata.num_warps, **res,
@@ -314,8 +234,9 @@ def _compile_share(arch: int) -> dict:
         print(f"{name:28s} warps {kernel.metadata.num_warps:2d} " +
               " ".join(f"{k} {v:4d}" for k, v in res.items()) + "  " +
               " ".join(f"{k}={v}" for k, v in constexprs.items()), flush=True)
-    launched = {name for name, _ in COMPILED} | {name for name, _ in FAILED}
-    return {"kernels": rows, "failed": list(FAILED), "launched": sorted(launched)}
+    launched = {name for name, _ in compile_only.COMPILED} | \
+        {name for name, _ in compile_only.FAILED}
+    return {"kernels": rows, "failed": list(compile_only.FAILED), "launched": sorted(launched)}
 
 
 def _compile_in_processes(arch: int, jobs: int) -> dict:
@@ -353,14 +274,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     t0 = time.monotonic()
     if args.job is not None:           # one share of --jobs: its report, no checks
-        SHARD[:] = [args.job, args.jobs]
+        compile_only.SHARD[:] = [args.job, args.jobs]
         with open(args.json, "w") as f:
             json.dump(_compile_share(args.arch), f)
         return 0
     report = _compile_in_processes(args.arch, args.jobs) if args.jobs > 1 else \
         _compile_share(args.arch)
     rows, failed = report["kernels"], list(report["failed"])
-    kernels = {obj.fn.__name__ for module in KERNEL_MODULES for obj in vars(module).values()
+    kernels = {obj.fn.__name__ for module in kernel_modules() for obj in vars(module).values()
                if isinstance(obj, JITFunction) and obj.fn.__name__.endswith("_kernel")}
     for name in sorted(kernels - set(report["launched"])):
         failed.append((name, "never launched by the drive: add a call that reaches it"))

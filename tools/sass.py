@@ -2,7 +2,7 @@
 (``python -m tools.sass``).
 
 Each row kernel variant that the benchmark's cases (``bench.cases``) launch at the headline
-vocabulary is compiled for sm_90 and sm_80 by the compile-only driver of ``tools.gpu_compile``
+vocabulary is compiled for sm_90 and sm_80 by the compile-only driver (``tools.compile_only``)
 (Triton's driver replaced by one that compiles and returns), its cubin disassembled by the
 ``nvdisasm`` shipped with Triton, and
 the inner vocabulary loops found from the control flow:
@@ -529,32 +529,21 @@ def _drive(dtype_names):
 def worker(arch: int, dtypes, sass_dir: Optional[Path]) -> dict:
     """Compiles the variants for ``arch`` (in this process: TRITON_INTERPRET unset) and counts
     their loops."""
-    from tools import gpu_compile
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
 
-    import rlfuse._dispatch
+    from tools import compile_only
 
-    # gpu_compile.main's set-up: the compile-only driver, CPU tensors on the kernel path, kernel
-    # outputs zero-filled.
-    driver.set_active(gpu_compile.CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
-    compile_run = gpu_compile._compile_only(JITFunction.run)
+    def recording(compile_run):
+        def record_run(self, *args, grid, warmup, **kwargs):
+            kernel = compile_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            if kernel is not None and _CURRENT_LABEL[0] is not None:
+                constexprs = compile_only.COMPILED[(self.fn.__name__, kernel.hash)][1]
+                if "BLOCK_V" in constexprs:      # a row kernel
+                    LAUNCHES.append((_CURRENT_LABEL[0], self.fn.__name__, kernel, constexprs))
+            return kernel
+        return record_run
 
-    def record_run(self, *args, grid, warmup, **kwargs):
-        kernel = compile_run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        if kernel is not None and _CURRENT_LABEL[0] is not None:
-            constexprs = gpu_compile.COMPILED[(self.fn.__name__, kernel.hash)][1]
-            if "BLOCK_V" in constexprs:      # a row kernel
-                LAUNCHES.append((_CURRENT_LABEL[0], self.fn.__name__, kernel, constexprs))
-        return kernel
-
-    JITFunction.run = record_run
-    rlfuse._dispatch.INTERPRET = True
-    from rlfuse.kernels import utils
-
-    utils.OUTPUT_FILL = 0                      # the launches write nothing
+    compile_only.install(arch, recording)
 
     t0 = time.monotonic()
     _drive(dtypes)
@@ -570,11 +559,11 @@ def worker(arch: int, dtypes, sass_dir: Optional[Path]) -> dict:
             sass_dir.mkdir(parents=True, exist_ok=True)
             (sass_dir / (re.sub(r"[^\w]+", "_", label).strip("_") + ".sass")).write_text(sass)
         rows.append(analyse(label, label.rsplit(", ", 1)[1], name, constexprs,
-                            kernel.metadata.num_warps, gpu_compile._resources(kernel),
+                            kernel.metadata.num_warps, compile_only.resources(kernel),
                             kernel.metadata.shared, arch, sass))
     return {"arch": arch, "triton": triton.__version__,
             "elapsed_s": round(time.monotonic() - t0, 1), "kernels": rows,
-            "failed": gpu_compile.FAILED}
+            "failed": compile_only.FAILED}
 
 
 # --------------------------------------------------------------------------------------------

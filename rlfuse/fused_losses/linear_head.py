@@ -27,7 +27,7 @@ from ..shared.head import head_logits
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.objectives import SUM_COLUMNS
-from ..kernels.rows import HeadParams
+from ..kernels.head import HeadParams
 from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd

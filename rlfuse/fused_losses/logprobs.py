@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
-from ..kernels.rows import HeadParams
+from ..kernels.head import HeadParams
 from ..kernels.utils import empty
 from ._op import custom_op, register_autograd
 

@@ -22,7 +22,7 @@ from .linear_head import (chunk_tokens_for, head_fields, head_gradients,
                                         linear_logprobs_backward_op, linear_logprobs_op)
 from .logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
-from ..kernels.rows import HeadParams
+from ..kernels.head import HeadParams
 from ..scaleout.vocab import shard_targets, whole_rows
 
 

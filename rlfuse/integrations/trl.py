@@ -20,8 +20,9 @@ no ``[B, T, V]`` logits exist, and the loss is
   ``top_entropy_quantile``, ``off_policy_mask_threshold``);
 - ``"ggpo"``: ``rlfuse.ggpo_loss`` with TRL's ``beta`` as GGPO's β, the reference model as
   GGPO's reference (refreshed by TRL's ``sync_ref_model`` every ``ref_model_sync_steps``), the
-  group-centred rewards as rewards (``scale_rewards="none"``: GGPO is invariant to a constant
-  per group), and micro-batches of whole groups (the batch is shuffled by groups, not rows);
+  rewards centred in each group as its rewards, whatever ``scale_rewards`` says (GGPO is
+  invariant to a constant per group, not to TRL's scaling), and micro-batches of whole groups
+  (the batch is shuffled by groups, not rows);
 - ``"gr_opd"``: GR-OPD's loss (``rlfuse.gr_opd_loss``'s step: ``rlfuse.policy_loss`` with the
   clip over its advantages, ``seq-mean-token-mean``) with the advantages of
   ``rlfuse.gr_opd_advantages`` from the ``teacher_model`` replayed on the student's
@@ -39,48 +40,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-from typing import List, Optional
+from typing import List
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
     unsplit_pixel_values_by_grid
 
 import rlfuse
 from rlfuse import objectives, terms
-from rlfuse._names import GEOMETRIES, TOPOLOGIES
-from rlfuse.checks.values import (check_choice, check_chunk_tokens, check_dual_clip,
-                                  check_positive, check_sides)
 from rlfuse.integrations._models import add_head_forward, model_head, router_loss_problems
+from rlfuse.integrations._trl_config import (TOKEN_COUNT_LOSS_TYPES, RLFuseGRPOConfig,
+                                             unsupported_options)
 from rlfuse.shared.aggregation import clamped_feedback, masked_mean
 
 __all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]
-
-LOSSES = ("ppo", "gppo", "ggpo", "gr_opd")
-# TRL 1.16's loss types: every one with rlfuse_loss="ppo"; GPPO takes the aggregation of the
-# first four
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
-CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-# the loss types TRL normalises by the generation batch's tokens (not by the accumulation)
-TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
-
-
-@dataclasses.dataclass
-class RLFuseGRPOConfig(GRPOConfig):
-    """``GRPOConfig`` and the rlfuse loss with its hyper-parameters."""
-
-    rlfuse_loss: str = dataclasses.field(default="ppo", metadata={"help": "ppo, gppo, ggpo or "
-                                                                           "gr_opd"})
-    rlfuse_geometry: str = "chi2"
-    rlfuse_topology: str = "atomic"
-    rlfuse_delta: float = 0.04
-    rlfuse_dual_clip: Optional[float] = None
-    rlfuse_gr_opd_gamma: float = 0.99
-    rlfuse_gr_opd_lam: float = 0.25
-    rlfuse_gr_opd_feedback_clip: float = 5.0
-    rlfuse_gr_opd_adv_clip: float = 5.0
-    rlfuse_chunk_tokens: Optional[int] = None
 
 
 class RLFuseGRPOTrainer(GRPOTrainer):
@@ -88,7 +62,7 @@ class RLFuseGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, teacher_model=None, **kwargs):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
-        problems = _unsupported_options(config, teacher_model)   # before any model is loaded
+        problems = unsupported_options(config, teacher_model)   # before any model is loaded
         if problems:
             raise ValueError("RLFuseGRPOTrainer cannot honour: " + "; ".join(problems))
         policy = kwargs.get("model", args[0] if args else None)
@@ -147,8 +121,28 @@ class RLFuseGRPOTrainer(GRPOTrainer):
     # Batches: GR-OPD's advantages per generation batch, GGPO's whole groups
     # ----------------------------------------------------------------------------------------
 
+    def _calculate_rewards(self, *args, **kwargs):
+        self._rewards_per_func = super()._calculate_rewards(*args, **kwargs)
+        return self._rewards_per_func
+
+    def _ggpo_rewards(self, rows: int) -> torch.Tensor:
+        """GGPO's rewards of this process's ``rows``: the weighted sum of the reward functions
+        centred in each group, what TRL's advantages are with ``scale_rewards="none"`` (GGPO
+        takes the rewards themselves, whatever TRL's scaling; a constant per group does not
+        move it), an unscorable completion at its group's mean."""
+        per_func = self._rewards_per_func
+        rewards = (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1)
+        rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+        m = self.num_generations if self.model.training else self.num_generations_eval
+        means = torch.nanmean(rewards.view(-1, m), dim=1).repeat_interleave(m)
+        centred = torch.nan_to_num(rewards - means, nan=0.0)
+        start = self.accelerator.process_index * rows
+        return centred[start:start + rows]
+
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
+        if self.args.rlfuse_loss == "ggpo":
+            out["advantages"] = self._ggpo_rewards(out["advantages"].shape[0])
         if self.args.rlfuse_loss == "gr_opd" and self.model.training:
             old = out.get("old_per_token_logps")
             if old is None:
@@ -419,73 +413,3 @@ def gr_opd_metrics(inputs: dict, mask: torch.Tensor, feedback_clip: float) -> di
                                 inputs["teacher_per_token_logps"].float(), mask, feedback_clip)
     return {"adv_mean": adv.mean(), "adv_abs_mean": adv.abs().mean(),
             "feedback_mean": masked_mean(feedback, mask)}
-
-
-def _bad_rlfuse_fields(args) -> List[str]:
-    """The ``rlfuse_*`` fields out of their range, named as the user wrote them (the checks of
-    the functional API)."""
-    checks = {
-        "rlfuse_geometry": lambda name, v: check_choice(name, v, GEOMETRIES),
-        "rlfuse_topology": lambda name, v: check_choice(name, v, TOPOLOGIES),
-        "rlfuse_delta": lambda name, v: check_sides(name, v, check_positive),
-        "rlfuse_dual_clip": lambda name, v: check_dual_clip(v, name),
-        "rlfuse_chunk_tokens": check_chunk_tokens,
-        "rlfuse_gr_opd_gamma": check_positive,
-        "rlfuse_gr_opd_feedback_clip": check_positive,
-        "rlfuse_gr_opd_adv_clip": check_positive,
-    }
-    problems = []
-    for name, check in checks.items():
-        try:
-            check(name, getattr(args, name))
-        except (TypeError, ValueError) as error:
-            problems.append(str(error))
-    return problems
-
-
-def _unsupported_options(args, teacher_model) -> List[str]:
-    """Every option of ``args`` (an ``RLFuseGRPOConfig``) the rlfuse loss cannot honour."""
-    if not isinstance(args, RLFuseGRPOConfig):
-        return [f"args of type {type(args).__name__} (expected RLFuseGRPOConfig)"]
-    loss = args.rlfuse_loss
-    problems = []
-    if loss not in LOSSES:
-        problems.append(f"rlfuse_loss={loss!r} (expected one of {', '.join(LOSSES)})")
-    problems += _bad_rlfuse_fields(args)
-    types = LOSS_TYPES if loss == "ppo" else CLIP_LOSS_TYPES
-    if args.loss_type not in types:
-        problems.append(f"loss_type={args.loss_type!r} with rlfuse_loss={loss!r} (expected one "
-                        f"of {', '.join(types)})")
-    if args.rlfuse_dual_clip is not None and (args.loss_type not in CLIP_LOSS_TYPES or
-                                              args.importance_sampling_level != "token"):
-        problems.append("rlfuse_dual_clip with a loss other than the token-level clip")
-    generations = args.num_generations or 1
-    if loss == "ggpo":
-        if not args.beta > 0:
-            problems.append("beta=0 with rlfuse_loss='ggpo' (beta is GGPO's KL weight, > 0)")
-        if args.scale_rewards not in ("none", False):
-            problems.append(f"scale_rewards={args.scale_rewards!r} with rlfuse_loss='ggpo' "
-                            f"(GGPO needs the rewards: scale_rewards='none')")
-        if args.per_device_train_batch_size % generations:
-            problems.append("per_device_train_batch_size not a multiple of num_generations with "
-                            "rlfuse_loss='ggpo' (GGPO's loss couples a group)")
-    if loss == "ggpo":
-        # GGPO's loss already is a KL-regularised regression to its Gibbs target
-        for name, default in (("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0),
-                              ("entropy_coef", 0.0), ("use_adaptive_entropy", False),
-                              ("delta", None)):
-            value = getattr(args, name, default)
-            if value != default:
-                problems.append(f"{name}={value!r} with rlfuse_loss='ggpo' (GGPO takes no "
-                                f"terms: its beta and reference already are its KL, a bonus "
-                                f"or mask would move it off its Gibbs target)")
-    if loss == "gppo" and args.delta is not None:
-        problems.append(f"delta={args.delta!r} with rlfuse_loss='gppo' (TRL's ratio cap of its "
-                        f"clip; GPPO's trust region is rlfuse_geometry and rlfuse_delta)")
-    if loss == "gr_opd":
-        if teacher_model is None:
-            problems.append("rlfuse_loss='gr_opd' without teacher_model")
-        if (args.per_device_train_batch_size * (args.steps_per_generation or 1)) % generations:
-            problems.append("a per-process generation batch that splits a group, with "
-                            "rlfuse_loss='gr_opd'")
-    return problems

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from .._types import compute_dtype
-from .rows import (COMPILER_STAGES, ORDER_BACKWARD, HeadParams, at, load_target_logit,
+from .head import HeadParams
+from .rows import (COMPILER_STAGES, ORDER_BACKWARD, at, load_target_logit,
                    program_row, row_logsumexp, row_write_dlogits, row_write_zeros,
                    target_column, target_logprob)
 from .utils import (constexpr_codes, empty, fp64_values, mask_args, tl_compute_dtype,

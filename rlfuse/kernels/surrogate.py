@@ -33,7 +33,8 @@ from .objectives import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FL
                          SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW, SUM_RATIO,
                          clamped_log_ratio, objective_args)
 from .regions import region_bounds
-from .rows import (HeadParams, at, load_target_logit, program_token, row_logsumexp,
+from .head import HeadParams
+from .rows import (at, load_target_logit, program_token, row_logsumexp,
                    row_write_dlogits, row_write_zeros, target_column, target_logprob)
 from .utils import (constexpr_codes, empty, exp_accurate, fp64_values, mask_args, ones_if_none,
                     time_block, tl_compute_dtype, token_at, token_tensor)

@@ -152,7 +152,8 @@ def token_at(x, b, t):
     return x[0] + tl.cast(b, tl.int64) * x[1] + tl.cast(t, tl.int64) * x[2]
 
 
-_LOG2E = tl.constexpr(1.4426950408889634)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 _LN2_HI = tl.constexpr(0.693145751953125)          # ln 2 to 16 bits: k ln2_hi is exact
 _LN2_LO = tl.constexpr(1.4286068202862268e-06)     # ln 2 - _LN2_HI
 
@@ -167,10 +168,10 @@ def exp_accurate(x):
     y = tl.exp(x)
     if x.dtype != tl.float64:
         xc = tl.minimum(tl.maximum(x, -104.0), 89.0)   # e^x is 0 below, inf above
-        k = tl.floor(tl.fma(xc, _LOG2E, 0.5))
+        k = tl.floor(tl.fma(xc, LOG2E, 0.5))
         r = tl.fma(k, -_LN2_LO, tl.fma(k, -_LN2_HI, xc))
         half = tl.floor(k * 0.5)
-        y = tl.math.exp2(r * _LOG2E) * tl.math.exp2(half) * tl.math.exp2(k - half)
+        y = tl.math.exp2(r * LOG2E) * tl.math.exp2(half) * tl.math.exp2(k - half)
         y = tl.where(x == x, y, x)
     return y
 
