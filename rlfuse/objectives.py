@@ -190,6 +190,19 @@ class CISPOTRL(Objective):
                               check_positive("epsilon_high", self.epsilon_high))
 
 
+class _AtRatioLevel(Objective):
+    """A token-local objective of the token's ratio or of its sequence's (``ratio_level``, TRL's
+    ``importance_sampling_level``)."""
+
+    def check(self) -> None:
+        check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        super().check()
+
+    @property
+    def ratio(self) -> str:
+        return self.ratio_level
+
+
 def _taus(objective) -> Tuple[float, float]:
     return (check_positive("tau_pos", objective.tau_pos),
             check_positive("tau_neg", objective.tau_neg))
@@ -212,7 +225,7 @@ class SAPO(Objective):
 
 
 @dataclasses.dataclass(frozen=True)
-class SAPOTRL(Objective):
+class SAPOTRL(_AtRatioLevel):
     """TRL's SAPO (``sapo_temperature_pos`` / ``_neg``): verl's gate on the unclamped ratio,
     aggregated as the caller says; ``ratio_level="sequence"``: the gate of the sequence's
     ratio."""
@@ -222,14 +235,6 @@ class SAPOTRL(Objective):
     tau_pos: float = 1.0
     tau_neg: float = 1.05
     ratio_level: str = "token"
-
-    def check(self) -> None:
-        check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
-        super().check()
-
-    @property
-    def ratio(self) -> str:
-        return self.ratio_level
 
     def surrogate(self) -> TokenSurrogate:
         return _ppo_clip(self.token, 1.0, 1.0, _taus(self), math.inf)
@@ -331,7 +336,7 @@ class GSPOTRL(Objective):
 
 
 @dataclasses.dataclass(frozen=True)
-class LUSPO(Objective):
+class LUSPO(_AtRatioLevel):
     """TRL's LUSPO: the clipped surrogate at ``ratio_level`` ("sequence": TRL's GSPO), each
     sequence's loss its token sum (a sequence weighs by its length): the aggregation is
     ``seq-mean-token-sum``."""
@@ -343,14 +348,6 @@ class LUSPO(Objective):
     clip: Clip_ = 0.2
     ratio_cap: Optional[float] = None
     ratio_level: str = "sequence"
-
-    def check(self) -> None:
-        check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
-        super().check()
-
-    @property
-    def ratio(self) -> str:
-        return self.ratio_level
 
     def surrogate(self) -> TokenSurrogate:
         return _ppo_clip(self.token, *check_clip("clip", self.clip),

@@ -36,7 +36,7 @@ DEFAULT_CHUNK_BYTES = 1 << 30   # one chunk of logits: 1 GiB unless RLFUSE_CHUNK
 
 
 def head_fields(head) -> dict:
-    """The fields of a ``LinearHead`` that its ops take as floats (``rows.HeadParams``)."""
+    """The fields of a ``LinearHead`` that its ops take as floats (``head.HeadParams``)."""
     return HeadParams.of(head)._asdict()
 
 

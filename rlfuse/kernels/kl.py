@@ -68,7 +68,7 @@ def kl_term(lp, ref, log_ratio, KL: tl.constexpr, STRAIGHT: tl.constexpr,
 
 
 def kl_codes(kl):
-    """The constexprs ``(KL, STRAIGHT, WEIGHTED, CLAMP)`` of an ``rlfuse._args.KLTerm`` (None:
+    """The constexprs ``(KL, STRAIGHT, WEIGHTED, CLAMP)`` of an ``rlfuse.terms.KLTerm`` (None:
     no KL term)."""
     if kl is None:
         return NO_KL, False, False, False

@@ -37,7 +37,7 @@ def _token_logprobs_fwd_kernel(
     # sizes
     T, V,
     # scalars
-    head,                               # rows.HeadParams.kernel_args
+    head,                               # head.HeadParams.kernel_args
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -73,7 +73,7 @@ def _token_logprobs_bwd_kernel(
     # sizes
     T, S, offset, V,
     # scalars
-    head,                               # rows.HeadParams.kernel_args
+    head,                               # head.HeadParams.kernel_args
     BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):

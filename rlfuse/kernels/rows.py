@@ -178,7 +178,8 @@ def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
     w = tl.zeros([BLOCK_V // (2 * LANES)], ACC)
     n_full = V // BLOCK_V
     # Two spellings of one loop: a loop without a num_stages attribute is not the same loop as
-    # any tl.range(num_stages=k) (and Triton 3.2 cannot take num_stages=None from a constexpr).
+    # any tl.range(num_stages=k) (and older Tritons cannot take num_stages=None from a
+    # constexpr).
     block_ptr = row_ptr
     if NUM_STAGES == COMPILER_STAGES:
         for _ in range(0, n_full):

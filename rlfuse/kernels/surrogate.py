@@ -216,7 +216,6 @@ def _surrogate_logits_row(
     # gathered over the group (``scaleout.vocab``), and the row is read by the write pass alone;
     # its target is -1 where another rank holds it.
     inv_temp, cap, cap_in = head
-    row_scale_ptr, kl_scale_ptr, entropy_scale_ptr = row_weights
     token, b, s, t, in_window, is_actor = program_token(row, mask[0], T, S, offset, mask[1],
                                                         mask[2], True)
     if is_actor:
@@ -244,7 +243,7 @@ def _surrogate_logits_row(
         a = tl.load(token_at(adv, b, t)).to(ACC)
         w = tl.load(token_at(weights, b, t)).to(ACC)
         log_ratio = lp - old_lp
-        row_scale = tl.load(row_scale_ptr + b).to(ACC)
+        row_scale = tl.load(row_weights[0] + b).to(ACC)
         out = sums_ptr + at(b, T * N_SUM_COLS, t, N_SUM_COLS)    # the token b T + t
         if WRITE_DLOGITS:
             drow_ptr = token_at(dlogits, b, s)
@@ -257,13 +256,13 @@ def _surrogate_logits_row(
         if KL != NO_KL:
             ref_lp = tl.load(token_at(ref, b, t)).to(ACC)
             kl, dkl = kl_term(lp, ref_lp, log_ratio, KL, KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP)
-            coef = tl.load(kl_scale_ptr + b).to(ACC)
+            coef = tl.load(row_weights[1] + b).to(ACC)
             loss -= coef * kl
             g += coef * dkl
             bad = bad | ~(tl.abs(kl) < float("inf"))
         h = tl.zeros((), ACC)
         if WITH_ENTROPY:
-            entropy_scale = tl.load(entropy_scale_ptr + b).to(ACC)
+            entropy_scale = tl.load(row_weights[2] + b).to(ACC)
             loss += entropy_scale * entropy
             h = -entropy_scale
         tl.store(out + SUM_LOSS, loss)
@@ -297,13 +296,14 @@ def _surrogate_logits_kernel(
                                         # [B, T] (strides 0: none)
     ref,                                # [B, T] reference log-probs if KL
     row_weights,                        # pointers to the [B] row weights of the objective, of
-                                        # the KL term (if KL) and of the entropy (if WITH_ENTROPY)
+                                        # the KL term (if KL) and of the entropy (if WITH_ENTROPY;
+                                        # None otherwise: indexed, never unpacked, for Triton 3.3)
     row_stats_ptr,                      # [B*T, N_ROW_STATS] if ROW_STATS
     dlogits,                            # [B, S, V] out (may alias logits)
     sums_ptr,                           # [B*T, N_SUM_COLS] out
     # sizes
     T, S, offset, V, n_rows,            # n_rows = B S
-    # scalars (rows.HeadParams, objectives.objective_args)
+    # scalars (head.HeadParams, objectives.objective_args)
     head, region, hyper, clamp,
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,

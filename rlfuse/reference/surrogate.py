@@ -31,7 +31,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, *,
               num_sequences: Optional[float] = None) -> torch.Tensor:
     """verl's ``agg_loss`` (``verl.trainer.ppo.core_algos``) of per-token ``values`` [B, T]
     (already 0 off the mask): ``Σ_i w_i Σ_t x_it`` with the row weights ``w`` of
-    ``rlfuse._math.aggregation_weights``::
+    ``rlfuse.shared.aggregation.aggregation_weights``::
 
         token-mean               Σ_it M_it x_it / N_tok
         seq-mean-token-mean      Σ_i (Σ_t M_it x_it / T_i) / N_seq
