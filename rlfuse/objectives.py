@@ -57,8 +57,9 @@ class Objective:
 
     - ``name``: its key in ``OBJECTIVES`` (verl's ``loss_mode`` / TRL's ``loss_type``);
     - ``token``: the per-token function of a token-local or sequence objective
-      (``kernels.objectives.<token>``, ``reference.objectives.<token>``), ``flags`` the metric
-      names of that function's flags and ``surrogate()`` what it takes (a ``TokenSurrogate``);
+      (``kernels.token_functions.<token>``, ``reference.token_functions.<token>``),
+      ``flags`` the metric names of that function's flags and ``surrogate()`` what it takes
+      (a ``TokenSurrogate``);
     - ``batch``: a batch-level objective's ``[B, T]`` function (``shared.batch_objectives``);
     - ``ratio``: how a token's ratio is formed (a name of ``_names.RATIO_MODES``, "batch" for a
       batch-level objective); ``weight_ratio``: the ratio TRL's importance-weighted KL

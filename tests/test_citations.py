@@ -1,6 +1,6 @@
 """Every name and file a comment, a docstring or a page of the docs cites exists: a dotted name
 in double backticks whose first part is one of the project's modules (``head.HeadParams``,
-``rlfuse.kernels.objectives.token_function``) resolves to an attribute (an installed package's
+``rlfuse.kernels.token_functions.token_function``) resolves to an attribute (an installed package's
 name as that package's), a ``rlfuse.*`` name in the docs too, and a cited file of the project
 (a ``.py`` file, or a path under one of its folders) is there. A moved or renamed piece of code
 leaves no stale pointer behind."""

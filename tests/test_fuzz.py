@@ -22,7 +22,7 @@ import rlfuse
 from rlfuse import objectives, reference, terms
 from rlfuse.shared.aggregation import aggregation_weights
 from rlfuse._names import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
-from rlfuse.reference.objectives import clip as clipped_surrogate
+from rlfuse.reference.token_functions import clip as clipped_surrogate
 
 from conftest import assert_three_way, fp32_exact
 from loss_harness import check_against_shifted_oracle, check_three_way, with_garbage

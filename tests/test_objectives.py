@@ -14,9 +14,9 @@ import rlfuse
 from rlfuse import objectives as O
 from rlfuse._names import KL_ESTIMATORS
 from rlfuse.kernels import kl as kernel_kl
-from rlfuse.kernels import objectives as kernel_objectives
+from rlfuse.kernels import token_functions as kernel_functions
 from rlfuse.reference import kl as reference_kl
-from rlfuse.reference import objectives as reference_objectives
+from rlfuse.reference import token_functions as reference_functions
 
 import test_fuzz
 import test_policy_loss
@@ -39,21 +39,21 @@ def test_a_record_is_its_whole_objective(record):
         return
     surrogate = example.surrogate()
     assert surrogate.function == example.token
-    assert kernel_objectives.token_function(example.token) is \
-        kernel_objectives.TOKEN_FUNCTIONS[example.token]
-    assert reference_objectives.token_function(example.token).__name__ == example.token
+    assert kernel_functions.token_function(example.token) is \
+        kernel_functions.TOKEN_FUNCTIONS[example.token]
+    assert reference_functions.token_function(example.token).__name__ == example.token
     assert len(example.flags) <= 3          # the kernels' columns flag0..flag2
     assert example.ratio in ("token", "sequence", "sequence_straight")
 
 
 def test_every_per_token_function_serves_a_record():
     tokens = {cls.token for cls in RECORDS if cls.token is not None}
-    assert set(kernel_objectives.TOKEN_FUNCTIONS) == set(reference_objectives.TOKEN_FUNCTIONS) \
+    assert set(kernel_functions.TOKEN_FUNCTIONS) == set(reference_functions.TOKEN_FUNCTIONS) \
         == tokens
 
 
 def test_an_unknown_function_or_estimator_raises_in_both_implementations():
-    for lookup in (kernel_objectives.token_function, reference_objectives.token_function):
+    for lookup in (kernel_functions.token_function, reference_functions.token_function):
         with pytest.raises(ValueError, match="no per-token function 'tanh_clip'"):
             lookup("tanh_clip")
     with pytest.raises(ValueError, match="estimator: expected one of"):

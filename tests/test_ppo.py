@@ -127,6 +127,57 @@ def trl_verl_loss(lp, old, adv, mask, *, eps_low, eps_high, dual_clip=None, leve
     loss = torch.where(mask, loss.expand(mask.shape), 0.0)
     return ((loss.sum(-1) / mask.sum(-1).clamp(min=1.0))).mean()
 
+@pytest.mark.parametrize("form", ["logprobs", "logits", "head"])
+def test_one_road(form, impl, device):
+    """ppo_loss, gppo_loss and GR-OPD's loss step are policy_loss with Clip / GSPOTRL, GPPO and
+    Clip(log_ratio_clamp=None): the same ops, bit for bit the same loss, gradient and
+    metrics."""
+    from rlfuse import objectives as O
+
+    dev = device if impl is rlfuse else "cpu"
+    case = make_case(9)
+    leaf_of = {"logprobs": "lp", "logits": "logits", "head": "hidden"}[form]
+
+    def call(fn, *args, **kw):
+        leaf = case[leaf_of].float().to(dev).requires_grad_(True)
+        targets = case["targets"].to(dev)
+        policy = {"logprobs": leaf, "logits": impl.Logits(leaf, targets),
+                  "head": impl.LinearHead(leaf, case["weight"].float().to(dev), targets,
+                                          chunk_tokens=5)}[form]
+        out = fn(policy, case["old"].float().to(dev), case["adv"].float().to(dev),
+                 case["mask"].to(dev), *args, **kw)
+        return out.loss, out.metrics, torch.autograd.grad(out.loss, leaf)[0]
+
+    w = case["weights"].float().to(dev)
+    pairs = [
+        (call(impl.ppo_loss, clip=(0.2, 0.28), dual_clip=3.0, weights=w, agg="token-sum"),
+         call(impl.policy_loss, O.Clip(clip=(0.2, 0.28), dual_clip=3.0), weights=w,
+              agg="token-sum")),
+        (call(impl.ppo_loss, clip=0.1, ratio_level="sequence"),
+         call(impl.policy_loss, O.GSPOTRL(clip=0.1))),
+        (call(impl.gppo_loss, geometry="kl", topology="binary", delta=(0.05, 0.1),
+              agg="seq-mean-token-mean"),
+         call(impl.policy_loss, O.GPPO("kl", "binary", (0.05, 0.1)),
+              agg="seq-mean-token-mean"))]
+    adv = impl.gr_opd_advantages(case["old"].float().to(dev), case["old"].float().to(dev) - 0.3,
+                                 case["mask"].to(dev), group_size=2)
+    case["adv"] = adv.double().cpu()
+    gr_opd = call(lambda pol, old, a, mask: impl.gr_opd_loss(
+        pol, old, old - 0.3, mask, group_size=2, eps=(0.2, 0.28), advantages=a))
+    step = call(impl.policy_loss, O.Clip(clip=(0.2, 0.28), log_ratio_clamp=None),
+                agg="seq-mean-token-mean")
+    for a, b in pairs:
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+        torch.testing.assert_close(a[2], b[2], rtol=0, atol=0)
+        assert a[1].keys() == b[1].keys()
+        for name in a[1]:
+            torch.testing.assert_close(a[1][name], b[1][name], rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(gr_opd[0], step[0], rtol=0, atol=0)
+    torch.testing.assert_close(gr_opd[2], step[2], rtol=0, atol=0)
+    for name in ("clip_frac_low", "clip_frac_high", "overflow"):
+        torch.testing.assert_close(gr_opd[1][name], step[1][name], rtol=0, atol=0, msg=name)
+
+
 
 @pytest.mark.parametrize("level, dual, weighted", [("token", None, False), ("token", 3.0, True),
                                                    ("sequence", None, False)])

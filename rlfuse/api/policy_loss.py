@@ -65,7 +65,8 @@ def policy_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: t
     LUSPO; ``clip_frac`` / ``clip_frac_high`` of CISPO; ``dropped_frac`` / ``truncated_frac`` of
     DPPO; with ``clip_frac_low`` / ``clip_frac_high`` their per-sequence extremes
     ``clip_frac_low_seq_min`` / ``clip_frac_high_seq_max``), ``ratio_mean``, ``approx_kl``
-    (the mean of ``old − lp``, each clamped to ±20 where verl's own loss clamps it) and ``overflow``; a batch-level objective's own (``GeoMean``:
+    (the mean of ``old − lp``, each clamped to ±20 where verl's own loss clamps it) and
+    ``overflow``; a batch-level objective's own (``GeoMean``:
     ``clip_frac_high``, ``clip_frac_low``, ``approx_kl``; ``VESPO``: ``phi_mean``,
     ``approx_kl``; ``ClipCov``: ``cut_frac``, ``approx_kl``; ``KLCov``: ``approx_kl`` of
     ``|lp − old|``); ``kl`` (the mean KL term), ``entropy`` (the mean entropy),

@@ -26,7 +26,7 @@ from torch import Tensor
 from ..shared.head import head_logits
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
-from ..kernels.objectives import SUM_COLUMNS
+from ..kernels.token_functions import SUM_COLUMNS
 from ..kernels.head import HeadParams
 from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .._types import LinearHead, Logits
 from ..checks.values import raise_on_overflow
-from ..kernels.objectives import SUM_COLUMNS
+from ..kernels.token_functions import SUM_COLUMNS
 from ..kernels.head import HeadParams
 from ..kernels.scale_rows import scale_rows
 from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd

@@ -1,5 +1,6 @@
 """The surrogate losses' kernels (GPPO, GR-OPD, the PPO family): a per-token objective
-(``OBJECTIVE``, a function of ``objectives``) over each token's trust region (``regions.region_bounds``).
+(``OBJECTIVE``, a function of ``token_functions``) over each token's trust region
+(``regions.region_bounds``).
 
 Per actor token, with r = exp(lp - old_lp), advantage A, the objective J and its derivative
 dJ/dlp, and an optional per-token multiplier w: loss = -sum_bt M w J row_scale[b], where the
@@ -29,9 +30,9 @@ from .._names import RATIO_MODES
 from .._types import compute_dtype
 from . import single_pass
 from .kl import NO_KL, kl_codes, kl_term
-from .objectives import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FLAG1, SUM_FLAG2,
-                         SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW, SUM_RATIO,
-                         clamped_log_ratio, objective_args)
+from .token_functions import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FLAG1,
+                              SUM_FLAG2, SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW,
+                              SUM_RATIO, clamped_log_ratio, objective_args)
 from .regions import region_bounds
 from .head import HeadParams
 from .rows import (at, load_target_logit, program_token, row_logsumexp,
@@ -86,7 +87,7 @@ def _surrogate_fwd_kernel(
     sums_ptr, seq_ptr,                  # [B, N_SUM_COLS] out; [B] out unless TOKEN_RATIO
     # sizes
     T,
-    # scalars (objectives.objective_args; not ``params``: Triton's launcher has a local of that
+    # scalars (token_functions.objective_args; not ``params``: Triton's launcher has a local of that
     # name)
     region, hyper, clamp,
     BLOCK_T: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
@@ -303,7 +304,7 @@ def _surrogate_logits_kernel(
     sums_ptr,                           # [B*T, N_SUM_COLS] out
     # sizes
     T, S, offset, V, n_rows,            # n_rows = B S
-    # scalars (head.HeadParams, objectives.objective_args)
+    # scalars (head.HeadParams, token_functions.objective_args)
     head, region, hyper, clamp,
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,

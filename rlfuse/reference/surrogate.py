@@ -10,7 +10,7 @@ import torch
 from ..checks.values import raise_on_overflow
 from ..objectives import Objective
 from ..shared.aggregation import aggregation_weights, masked_mean, per_token, sequence_shares
-from .objectives import TokenResult, token_function
+from .token_functions import TokenResult, token_function
 from .regions import region_bounds
 
 

@@ -12,7 +12,7 @@ function's parameters (a tuple, in the order the record's ``surrogate()`` gives 
 clamp ``L`` of the log-ratio where verl's form exponentiates a clamped one (runtime floats: a
 new value does not recompile). It returns the objective (to maximise), its derivative with
 respect to the learner log-prob, and three per-token flags that the record's metrics count
-(``no_flag`` where it sets fewer). Its math in plain torch is ``rlfuse.reference.objectives``'
+(``no_flag`` where it sets fewer). Its math in plain torch is ``rlfuse.reference.token_functions``'
 function of the same name.
 
 Several objectives are ``sg(c) A lp``, a stopped coefficient times the log-prob (CISPO, GPG,
