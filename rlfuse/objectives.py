@@ -359,11 +359,12 @@ class LUSPO(_AtRatioLevel):
 class GeoMean(Objective):
     """GMPO (verl's ``geo_mean``): per sequence, the geometric mean of the token ratios, each
     log-ratio clipped to ``[-eps_low, eps_high]`` on the side of its advantage's sign, times the
-    sequence's mean advantage; a mean over the sequences (verl's own aggregation)."""
+    sequence's mean advantage; a mean over the sequences (verl's own aggregation), its terms'
+    by ``seq-mean-token-mean`` (each sequence's token mean, a mean over the sequences)."""
 
     name: ClassVar[str] = "geo_mean"
     batch: ClassVar = by_batch.geo_mean
-    agg: ClassVar[str] = "geo_mean"
+    agg: ClassVar[str] = "seq-mean-token-mean"
     clip: Clip_ = 0.4
 
     def check(self) -> None:

@@ -2,8 +2,9 @@
 when they are built). Per-token ``weights`` and the masks multiply the objective, never the KL
 or entropy terms (as TRL and verl do).
 
-- ``KLPenalty``: ``loss += coef agg(KL(lp, ref))`` with the aggregation of the objective, from
-  reference log-probs (``policy_loss(ref_logprobs=...)``).
+- ``KLPenalty``: ``loss += coef agg_KL(KL(lp, ref))``, from reference log-probs
+  (``policy_loss(ref_logprobs=...)``), with its own aggregation (default the objective's; verl's
+  actor: its ``loss_agg_mode``).
 - ``EntropyBonus``: ``loss -= coef agg_H(H)``, the policy's entropy (needs logits: ``Logits`` or
   ``LinearHead``), with its own aggregation (default the objective's; TRL: the mean over the
   tokens the entropy mask keeps).
@@ -26,13 +27,17 @@ from .checks.values import check_choice, check_nonnegative, check_number, check_
 class KLTerm(NamedTuple):
     """A KL penalty to reference log-probs, checked (``KLPenalty.term``): an estimator of
     ``_names.KL_ESTIMATORS``, its coefficient, verl's straight-through ``+`` form, TRL's
-    importance weighting and verl's clamps of k3."""
+    importance weighting, verl's clamps of k3 and its aggregation (``agg`` None: the
+    objective's)."""
 
     estimator: str
     coef: float
     straight: bool = False
     weighted: bool = False
     clamp: bool = True
+    agg: Optional[str] = None
+    num_tokens: Optional[object] = None
+    num_sequences: Optional[object] = None
 
 
 def kl_estimator(name) -> tuple:
@@ -53,17 +58,24 @@ class KLPenalty:
     (verl's ``kl_penalty`` names: ``k1``/``kl``, ``abs``, ``k2``/``mse``, ``k3``/``low_var_kl``,
     each with verl's straight-through ``+``); ``clamp``: verl's clamps of k3 (TRL: False);
     ``importance_weighted``: TRL's ``use_bias_correction_kl`` (the estimate times the
-    objective's ratio, differentiated through it)."""
+    objective's ratio, differentiated through it); ``agg``, ``num_tokens``,
+    ``num_sequences``: its aggregation (None: the objective's; verl's actor aggregates its KL
+    loss by its ``loss_agg_mode``, TRL by the loss type's)."""
 
     coef: float
     estimator: str = "k3"
     clamp: bool = True
     importance_weighted: bool = False
+    agg: Optional[str] = None
+    num_tokens: Optional[float] = None
+    num_sequences: Optional[float] = None
 
     def term(self) -> KLTerm:
         coef = check_nonnegative("kl.coef", self.coef, allow_inf=False)
         base, straight = kl_estimator(self.estimator)
-        return KLTerm(base, coef, straight, bool(self.importance_weighted), bool(self.clamp))
+        agg = None if self.agg is None else check_choice("kl.agg", self.agg, AGGREGATIONS)
+        return KLTerm(base, coef, straight, bool(self.importance_weighted), bool(self.clamp),
+                      agg, self.num_tokens, self.num_sequences)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -287,15 +287,18 @@ FUZZ_OBJECTIVES = [
 @given(data=st.data())
 def test_policy_loss(data):
     """Any objective with any terms (KL of every estimator, plain or importance-weighted; from
-    logits the entropy bonus and the top-entropy mask; the off-policy mask), any aggregation."""
+    logits the entropy bonus and the top-entropy mask; the off-policy mask), any aggregation of
+    the objective and of each term."""
     B, T, m, mask, gen, policy = draw_case(data)
     from_logits = policy[1] is not None
     old, ref = logprobs_like(gen, mask), logprobs_like(gen, mask)
     adv = torch.randn(B, generator=gen, dtype=torch.float64)
     objective = data.draw(st.sampled_from(FUZZ_OBJECTIVES))()
     kw = dict(objective=objective, validate=False)
-    if objective.name not in ("sapo", "luspo", "geo_mean"):   # their aggregation is their own
+    if objective.agg is None:   # else the objective's aggregation is its own
         kw["agg"] = data.draw(st.sampled_from(AGGREGATIONS))
+    aggs = [kw.get("agg", objective.agg)]
+    term_agg = st.sampled_from((None,) + AGGREGATIONS)
     kl_coef = ent_coef = 0.0
     if data.draw(st.booleans()):
         kl_coef = X(data.draw(st.sampled_from([0.01, 0.5])))
@@ -304,10 +307,12 @@ def test_policy_loss(data):
         kw.update(ref_logprobs=ref, kl=terms.KLPenalty(
             # TRL's unclamped k3 overflows past |lp - ref| ~ 700 (its own result is inf)
             kl_coef, estimator, clamp=data.draw(st.booleans()) or d_max > 30,
-            importance_weighted=data.draw(st.booleans())))
+            importance_weighted=data.draw(st.booleans()), agg=data.draw(term_agg)))
+        aggs.append(kw["kl"].agg)
     if from_logits and data.draw(st.booleans()):
         ent_coef = X(data.draw(st.sampled_from([0.01, 0.5])))
-        kw["entropy"] = terms.EntropyBonus(ent_coef)
+        kw["entropy"] = terms.EntropyBonus(ent_coef, agg=data.draw(term_agg))
+        aggs.append(kw["entropy"].agg)
         if data.draw(st.booleans()):
             kw["entropy_mask"] = terms.TopEntropyMask(X(data.draw(st.sampled_from([0.25, 1.0]))))
     if data.draw(st.booleans()):
@@ -323,7 +328,8 @@ def test_policy_loss(data):
                  * (1 + lp64.abs().where(mask, 0.0)) + d_old ** 2 + d_old.abs()
                  + kl_coef * d_ref.clamp(max=30).exp() * (1 + d_old.clamp(-20, 20).exp() + seq)
                  + ent_coef * math.log(max(policy[0].shape[-1], 2)))
-    weights = aggregation_weights(mask, kw.get("agg", "seq-mean-token-mean"), torch.float64)
+    weights = torch.stack([aggregation_weights(mask, agg, torch.float64)
+                           for agg in aggs if agg is not None]).amax(0)
     loss_scale = (torch.where(mask, per_token, 0.0).sum(-1) * weights).sum().item()
     # |dL/dlp| of the objective and KL (from log-probs), and the entropy's through the softmax
     grad_kw = {k: v for k, v in kw.items() if k not in ("entropy", "entropy_mask")}

@@ -150,3 +150,61 @@ def test_clear_type_errors(impl, device):
                           torch.ones(1, 2, dtype=torch.bool, device=device))
     with pytest.raises(TypeError, match="delta: expected a number"):
         impl.gppo_bounds(torch.zeros(3, device=device), geometry="kl", topology="mc", delta="0.1")
+
+
+def _loss_calls(B, T):
+    """``name -> (call(policy, **tensors), tensors)`` of every loss with every ``[B, T]`` /
+    ``[B]`` tensor argument it takes."""
+    gen = torch.Generator().manual_seed(3)
+
+    def logprobs():
+        return -torch.rand(B, T, generator=gen, dtype=torch.float64) - 0.01
+
+    seq = torch.randn(B, generator=gen, dtype=torch.float64)
+    O, terms = rlfuse.objectives, rlfuse.terms
+    return {
+        "policy_loss": (lambda impl, p, old_logprobs, advantages, mask, weights, ref_logprobs,
+                        sampling_logprobs: impl.policy_loss(
+                            p, old_logprobs, advantages, mask, O.Clip(), weights=weights,
+                            ref_logprobs=ref_logprobs, kl=terms.KLPenalty(0.1),
+                            off_policy_mask=terms.OffPolicyMask(0.5, sampling_logprobs)),
+                        dict(old_logprobs=logprobs(), advantages=seq, weights=logprobs().exp(),
+                             ref_logprobs=logprobs(), sampling_logprobs=logprobs())),
+        "ppo_loss": (lambda impl, p, old_logprobs, advantages, mask, weights: impl.ppo_loss(
+            p, old_logprobs, advantages, mask, weights=weights),
+            dict(old_logprobs=logprobs(), advantages=seq, weights=logprobs().exp())),
+        "gppo_loss": (lambda impl, p, old_logprobs, advantages, mask: impl.gppo_loss(
+            p, old_logprobs, advantages, mask), dict(old_logprobs=logprobs(), advantages=seq)),
+        "gr_opd_loss": (lambda impl, p, old_logprobs, teacher_logprobs, mask: impl.gr_opd_loss(
+            p, old_logprobs, teacher_logprobs, mask, group_size=2),
+            dict(old_logprobs=logprobs(), teacher_logprobs=logprobs())),
+        "ggpo_loss": (lambda impl, p, ref_logprobs, rewards, mask: impl.ggpo_loss(
+            p, ref_logprobs, rewards, mask, group_size=2, beta=1.0),
+            dict(ref_logprobs=logprobs(), rewards=seq)),
+    }
+
+
+@pytest.mark.parametrize("form", ["logprobs", "logits", "head", "packed"])
+@pytest.mark.parametrize("loss", ["policy_loss", "ppo_loss", "gppo_loss", "gr_opd_loss",
+                                  "ggpo_loss"])
+def test_a_shape_error_names_the_argument(loss, form, impl):
+    """Every tensor argument of every loss given one batch row or one token too many: a
+    ValueError naming that argument (packed rows, whose ``[B, T]`` only the mask and the
+    ``[B, T]`` inputs carry: the one the others outvote, or the mask and it when none do)."""
+    B, T, V, H = 4, 3, 7, 5
+    call, tensors = _loss_calls(B, T)[loss]
+    tensors["mask"] = torch.ones(B, T, dtype=torch.bool)
+    targets = torch.randint(0, V, (B, T))
+    policy = {"logprobs": -torch.rand(B, T, dtype=torch.float64),
+              "logits": rlfuse.Logits(torch.randn(B, T, V, dtype=torch.float64), targets),
+              "head": rlfuse.LinearHead(torch.randn(B, T, H, dtype=torch.float64),
+                                        torch.randn(V, H, dtype=torch.float64), targets),
+              "packed": rlfuse.Logits(torch.randn(B * T, V, dtype=torch.float64),
+                                      targets.view(-1), index=torch.arange(B * T))}[form]
+    call(impl, policy, **tensors)
+    for name, good in tensors.items():
+        for wrong in (torch.zeros_like(good[:1]).expand(B + 1, *good.shape[1:]),
+                      torch.zeros(B, T + 1, dtype=good.dtype)):
+            with pytest.raises(ValueError) as error:
+                call(impl, policy, **{**tensors, name: wrong})
+            assert name in str(error.value).split(":")[0].split(", "), str(error.value)

@@ -1,9 +1,10 @@
 """The numerics beyond the parity tests: the base-2 exponentials as a GPU computes them (MUFU.EX2
-flushes results below 2^-126 to zero; the interpreter does not), the statistics the forward
-saves, rows of one logit, the target's block written apart from the loop; extreme values (logits
-of +-1e38, a trust-region bound beyond fp32), mixed dtypes (GR-OPD in the widest), Python floats
-passed to a kernel as a GPU passes them (fp32) against the fp64 scalars of the regions, and
-groups of 256 and 1024 rows."""
+flushes results below 2^-126 to zero; the interpreter does not; ``tl.exp`` is ``ex2.approx`` of
+a rounded product, so GGPO's group softmax and GR-OPD's discounts use ``exp_accurate``), the
+statistics the forward saves, rows of one logit, the target's block written apart from the loop;
+extreme values (logits of +-1e38, a trust-region bound beyond fp32), mixed dtypes (GR-OPD in the
+widest), Python floats passed to a kernel as a GPU passes them (fp32) against the fp64 scalars
+of the regions, and groups of 256 and 1024 rows."""
 import struct
 
 import numpy as np
@@ -344,6 +345,75 @@ def test_exp_accurate(dtype, device):
     assert (got[tiny] <= 2 * torch.finfo(dtype).tiny).all()
     assert torch.isnan(got[-1]) and got[-2] == 0 and got[-3] == float("inf")
 
+
+
+@pytest.fixture
+def gpu_exp(monkeypatch):
+    """``tl.exp`` of fp32 as a GPU lowers it, ``ex2.approx`` of the fp32 product ``x log2(e)``:
+    the rounding of that product puts a relative error up to ~|x| 2^-24 into e^x (the
+    interpreter's ``np.exp`` has none) while ``.on``. ``exp_accurate`` calls ``tl.math.exp2``
+    and is not touched. On a GPU: nothing to emulate."""
+    from triton.runtime import interpreter
+
+    state = _GpuExp2()
+    if torch.cuda.is_available():
+        return state
+    plain = interpreter.InterpreterBuilder.create_exp
+
+    def exp(self, arg):
+        if not state.on or arg.data.dtype != np.float32:
+            return plain(self, arg)
+        scaled = (arg.data * np.float32(1.4426950408889634)).astype(np.float32)
+        return interpreter.TensorHandle(np.exp2(scaled).astype(np.float32), arg.dtype)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_exp", exp)
+    return state
+
+
+@triton.jit
+def _group_softmax_kernel(r_ptr, q_ptr, m, beta, BLOCK: tl.constexpr):
+    from rlfuse.kernels.ggpo import _centred_lme   # noqa: F401  (resolved by the JIT)
+    rows = tl.arange(0, BLOCK)
+    valid = rows < m
+    r = tl.load(r_ptr + rows, mask=valid, other=0.0)
+    _, q = _centred_lme(r, tl.zeros_like(r), valid, m.to(tl.float32), beta)
+    tl.store(q_ptr + rows, q, mask=valid)
+
+
+def test_ggpo_group_softmax_with_the_gpus_exp(gpu_exp, device):
+    """GGPO's group softmax ``q`` at rewards spread over 90 / beta nats: every entry within 8
+    units of fp32 rounding of float64's (``tl.exp`` would be ~80 units off at the far end)."""
+    r = torch.linspace(0.0, 90.0, 16, dtype=torch.float32)
+    q = torch.empty_like(r, device=device)
+    _group_softmax_kernel[(1,)](r.to(device), q, 16, 1.0, BLOCK=16)
+    q = q.cpu()
+    z = r.double() - r.double().mean()
+    want = torch.softmax(z, 0)
+    rel = ((q.double() - want).abs() / want).max().item()
+    assert rel <= 8 * torch.finfo(torch.float32).eps, rel
+
+
+@triton.jit
+def _discount_kernel(k_ptr, w_ptr, n, log_gamma, BLOCK: tl.constexpr):
+    from rlfuse.kernels.gr_opd import discount   # noqa: F401  (resolved by the JIT)
+    cols = tl.arange(0, BLOCK)
+    k = tl.load(k_ptr + cols, mask=cols < n, other=1)
+    tl.store(w_ptr + cols, discount(k, log_gamma, tl.float32), mask=cols < n)
+
+
+def test_gr_opd_discounts_with_the_gpus_exp(gpu_exp, device):
+    """GR-OPD's discounts ``gamma^(k-1)`` of 2,800 actor tokens (down to e^-85, fp32's normal
+    range) under the GPU's ``tl.exp``: within 8 units of fp32 rounding of float64's, given the
+    fp32 product ``(k - 1) log gamma`` (``tl.exp`` would be up to ~85 units off)."""
+    k = torch.arange(1, 2801, dtype=torch.int32)
+    w = torch.empty(2800, dtype=torch.float32, device=device)
+    log_gamma = float(torch.tensor(0.97).log().float())
+    _discount_kernel[(1,)](k.to(device), w, 2800, log_gamma, BLOCK=4096)
+    w = w.cpu()
+    exponent = ((k - 1).float() * torch.tensor(log_gamma, dtype=torch.float32)).double()
+    want = exponent.exp()
+    rel = ((w.double() - want).abs() / want).max().item()
+    assert rel <= 8 * torch.finfo(torch.float32).eps, rel
 
 def test_gr_opd_advantages_in_the_widest_dtype(device):
     """An fp64 policy with fp32 old / teacher log-probs: the advantages (a cancellation when the

@@ -10,6 +10,7 @@ from conftest import APPROX, TOL, integration  # noqa: E402
 
 core_algos = integration("verl.trainer.ppo.core_algos")
 from verl.workers.config import ActorConfig  # noqa: E402
+import rlfuse  # noqa: E402
 import rlfuse.integrations.verl  # noqa: E402,F401  (registers the losses)
 
 B, T = 6, 7
@@ -267,3 +268,85 @@ def test_every_mode_at_extreme_log_ratios_in_float64(mode, device):
         theirs = losses(mode, old, lp, adv, mask, agg, cfg, weights)
         torch.testing.assert_close(ours[0], theirs[0], **TOL["fp64_sum"])
         torch.testing.assert_close(ours[1], theirs[1], **TOL["fp64_relative"])
+
+
+def _term_batch(device):
+    """fp64 ``(lp, old, ref, adv, mask)`` with tokens in every row (verl's seq-means count the
+    non-empty rows, rlfuse's every row)."""
+    gen = torch.Generator().manual_seed(11)
+    mask = torch.rand(B, T, generator=gen) > 0.3
+    mask[:, 0] = True
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3 - 0.1
+    lp = (old + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).clamp_max(0)
+    ref = (old + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).clamp_max(0)
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    return [x.to(device) for x in (lp, old, ref, adv, mask)]
+
+
+@pytest.mark.parametrize("name", sorted(rlfuse.objectives.OBJECTIVES))
+def test_kl_term_aggregates_as_verls_actor(name, impl, device):
+    """With ``KLPenalty(agg=mode)`` the KL term of every objective is verl's actor's KL loss,
+    ``agg_loss(kl_penalty(lp, ref), mask, loss_agg_mode)``; without ``agg`` the objective's own
+    aggregation (the caller's ``agg`` where the objective has none): value and gradient in
+    fp64."""
+    lp, old, ref, adv, mask = _term_batch(device)
+    objective = rlfuse.objectives.OBJECTIVES[name].example()
+    coef = 0.3
+
+    def loss(kl, agg):
+        x = lp.clone().requires_grad_(True)
+        out = impl.policy_loss(x, old, adv, mask, objective, agg=agg, kl=kl,
+                               ref_logprobs=None if kl is None else ref,
+                               generator=torch.Generator(device).manual_seed(0))
+        return out.loss.detach(), torch.autograd.grad(out.loss, x)[0]
+
+    def verl(mode):
+        x = lp.clone().requires_grad_(True)
+        kl = core_algos.agg_loss(core_algos.kl_penalty(x, ref, "low_var_kl"), mask.double(),
+                                 mode)
+        return coef * kl.detach(), coef * torch.autograd.grad(kl, x)[0]
+
+    without = loss(None, None)
+    for mode in MODES:
+        with_kl = loss(rlfuse.terms.KLPenalty(coef, "low_var_kl", agg=mode), None)
+        expected = verl(mode)
+        for got, plain, want in zip(with_kl, without, expected):
+            # verl's +1e-8 per sequence in seq-mean-token-mean, fp64 sums in another order
+            torch.testing.assert_close(got - plain, want, rtol=1e-7, atol=1e-12)
+    own = objective.agg or "token-sum"
+    caller = None if objective.agg else own
+    default = loss(rlfuse.terms.KLPenalty(coef, "low_var_kl"), caller)
+    plain = loss(None, caller)
+    for got, base, want in zip(default, plain, verl(own)):
+        torch.testing.assert_close(got - base, want, rtol=1e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["geo_mean", "sapo", "clip"])
+def test_entropy_term_aggregates_as_verls_actor(name, impl, device):
+    """``EntropyBonus(agg=mode)`` from logits is verl's actor's entropy loss,
+    ``agg_loss(entropy, mask, loss_agg_mode)``; without ``agg`` the objective's aggregation:
+    value and the gradient to the logits in fp64."""
+    lp, old, ref, adv, mask = _term_batch(device)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(B, T, 11, generator=gen, dtype=torch.float64).to(device)
+    targets = torch.randint(0, 11, (B, T), generator=gen).to(device)
+    objective = rlfuse.objectives.OBJECTIVES[name].example()
+    coef = 0.2
+
+    def loss(entropy):
+        x = logits.clone().requires_grad_(True)
+        out = impl.policy_loss(rlfuse.Logits(x, targets), old, adv, mask, objective,
+                               entropy=entropy)
+        return out.loss.detach(), torch.autograd.grad(out.loss, x)[0]
+
+    def verl(mode):
+        x = logits.clone().requires_grad_(True)
+        h = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)
+        term = -coef * core_algos.agg_loss(h, mask.double(), mode)
+        return term.detach(), torch.autograd.grad(term, x)[0]
+
+    plain = loss(None)
+    for mode in MODES + [None]:
+        got = loss(rlfuse.terms.EntropyBonus(coef, agg=mode))
+        for g, p, want in zip(got, plain, verl(mode or objective.agg or "token-mean")):
+            torch.testing.assert_close(g - p, want, rtol=1e-7, atol=1e-12)

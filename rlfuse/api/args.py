@@ -6,6 +6,7 @@ checked: nothing reads a tensor's values, so nothing syncs with the host.
 """
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -27,10 +28,30 @@ from ..terms import (EntropyBonus, KLPenalty, KLTerm, OffPolicyMask, TopEntropyM
 def _loss_policy(policy, mask, tensors, validate: bool):
     """The policy, the bool mask and the ``[B, T]`` float ``tensors`` (name -> tensor, None
     left out) of a loss; returns ``(info, mask)``."""
-    info = check_policy(policy, getattr(mask, "shape", None))
+    shape = getattr(mask, "shape", None)
+    if isinstance(policy, (Logits, LinearHead)) and policy.index is not None:
+        shape = _packed_loss_shape(mask, tensors)
+    info = check_policy(policy, shape)
     mask = check_token_tensors(mask, {k: v for k, v in tensors.items() if v is not None},
                                shape=info.shape, device=info.device, validate=validate)
     return info, mask
+
+
+def _packed_loss_shape(mask, tensors):
+    """Packed rows have no ``[B, T]`` of their own: the shape most of the mask and ``tensors``
+    share; with no majority the mask's, after an error naming the mask and the first tensor
+    of another shape (either may be the wrong one)."""
+    named = {"mask": mask, **{k: v for k, v in tensors.items() if v is not None}}
+    shapes = {k: tuple(v.shape) for k, v in named.items() if isinstance(v, torch.Tensor)}
+    if len(set(shapes.values())) <= 1 or "mask" not in shapes:
+        return shapes.get("mask")
+    counts = collections.Counter(shapes.values())
+    shape, count = counts.most_common(1)[0]
+    if 2 * count > len(shapes):
+        return shape
+    other = next(k for k, v in shapes.items() if v != shapes["mask"])
+    raise ValueError(f"mask, {other}: shapes {shapes['mask']} and {shapes[other]} differ (packed "
+                     f"rows take the loss's [B, T] from the mask and its [B, T] inputs alike)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,8 +269,10 @@ def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *,
     num_sequences = check_count("num_sequences", num_sequences, info.device, validate)
     if entropy is not None:
         entropy.check()
-        check_count("entropy.num_tokens", entropy.num_tokens, info.device, validate)
-        check_count("entropy.num_sequences", entropy.num_sequences, info.device, validate)
+    for name, term in (("kl", kl), ("entropy", entropy)):
+        if term is not None:
+            check_count(f"{name}.num_tokens", term.num_tokens, info.device, validate)
+            check_count(f"{name}.num_sequences", term.num_sequences, info.device, validate)
     if entropy_mask is not None:
         entropy_mask.check()
     check_policy_targets(policy, mask, mask.shape, validate)

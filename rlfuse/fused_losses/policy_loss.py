@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .._types import LossOutput
 from ..shared.aggregation import aggregation_weights
-from ..shared.masks import apply_masks, entropy_weights
+from ..shared.masks import apply_masks, entropy_weights, kl_weights
 from .policy import learner_logprobs
 from .surrogate import surrogate_loss, surrogate_metrics, terms_apart
 
@@ -42,7 +42,8 @@ def policy_loss(policy, args, old_logprobs: Optional[Tensor], ref_logprobs: Opti
     if not two_pass:
         loss, totals, sums = surrogate_loss(
             policy, old, adv, mask, row_scale, objective, weights=weights, ref_lp=ref,
-            kl=args.kl, entropy_scale=entropy_weights(args, mask, cdt), validate=validate)
+            kl=args.kl, kl_scale=kl_weights(args, mask, cdt),
+            entropy_scale=entropy_weights(args, mask, cdt), validate=validate)
         metrics = surrogate_metrics(totals, sums, mask, objective.flags)
     else:
         with_entropy = args.entropy is not None or args.entropy_mask is not None
@@ -60,17 +61,18 @@ def policy_loss(policy, args, old_logprobs: Optional[Tensor], ref_logprobs: Opti
                 loss_scale=args.loss_scale, num_sequences=args.num_sequences,
                 generator=generator)
             metrics.update(found)
-            extra, totals = terms_apart(lp, old_c, mask, row_scale, objective.weight_ratio, ref,
-                                        args.kl, None, None)
+            extra, totals = terms_apart(lp, old_c, mask, objective.weight_ratio, ref, args.kl,
+                                        kl_weights(args, mask, cdt), None, None)
         else:
             loss, totals, sums = surrogate_loss(lp, old, adv, mask, row_scale, objective,
                                                 weights=weights, ref_lp=ref, kl=args.kl,
+                                                kl_scale=kl_weights(args, mask, cdt),
                                                 validate=validate)
             metrics.update(surrogate_metrics(totals, sums, mask, objective.flags))
             extra = 0.0
         scale = entropy_weights(args, entropy_mask, cdt)
-        bonus, found = terms_apart(lp, old_c, entropy_mask, row_scale, objective.weight_ratio,
-                                   None, None, h, scale)
+        bonus, found = terms_apart(lp, old_c, entropy_mask, objective.weight_ratio, None, None,
+                                   None, h, scale)
         loss = loss + extra + bonus
         totals.update(found)
         if h is not None:   # the metric: over the actor tokens, whatever the bonus covers

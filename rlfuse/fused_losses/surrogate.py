@@ -276,14 +276,16 @@ def _masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum()
 
 
-def terms_apart(lp: Tensor, old_lp: Optional[Tensor], mask: Tensor, row_scale: Tensor,
-                 ratio: str, ref_lp: Optional[Tensor], kl, entropy: Optional[Tensor],
-                 entropy_scale: Optional[Tensor]) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """The KL and entropy terms from ``[B, T]`` log-probs (and entropies): ``(loss, totals)``."""
-    loss = row_scale.new_zeros(())
+def terms_apart(lp: Tensor, old_lp: Optional[Tensor], mask: Tensor, ratio: str,
+                ref_lp: Optional[Tensor], kl, kl_scale: Optional[Tensor],
+                entropy: Optional[Tensor],
+                entropy_scale: Optional[Tensor]) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """The KL and entropy terms from ``[B, T]`` log-probs (and entropies), each with its row
+    weights (coefficient included): ``(loss, totals)``."""
+    loss = next((s for s in (kl_scale, entropy_scale) if s is not None), lp).new_zeros(())
     totals = {}
     if kl is not None:   # masked positions may hold anything: zeros go into the kernels
-        cdt = row_scale.dtype
+        cdt = kl_scale.dtype
         lp = torch.where(mask, lp.to(cdt), 0.0)
         ref = torch.where(mask, ref_lp.to(cdt), 0.0)
         value = kl_penalty_op(lp, ref, kl.estimator, kl.straight, kl.clamp)
@@ -291,7 +293,7 @@ def terms_apart(lp: Tensor, old_lp: Optional[Tensor], mask: Tensor, row_scale: T
             old = lp.detach() if old_lp is None else torch.where(mask, old_lp, 0.0)
             value = value * term_ratio(lp.to(value.dtype), old.to(value.dtype), mask, ratio)
         per_row = torch.where(mask, value, torch.zeros_like(value)).sum(-1)
-        loss = loss + kl.coef * (per_row * row_scale).sum()
+        loss = loss + (per_row * kl_scale).sum()
         totals["kl"] = per_row.detach().sum()
         totals["overflow"] = _masked_sum(~torch.isfinite(value.detach()), mask).to(loss.dtype)
     if entropy_scale is not None:
@@ -304,14 +306,15 @@ def terms_apart(lp: Tensor, old_lp: Optional[Tensor], mask: Tensor, row_scale: T
 
 def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                    row_scale: Tensor, objective: Objective, *, weights: Optional[Tensor] = None,
-                   ref_lp: Optional[Tensor] = None, kl=None,
+                   ref_lp: Optional[Tensor] = None, kl=None, kl_scale: Optional[Tensor] = None,
                    entropy_scale: Optional[Tensor] = None,
                    validate: bool) -> Tuple[Tensor, Dict[str, Tensor], Tensor]:
     """``(loss, {column: total}, sums [B, SUM_COLUMNS])`` (each sequence's column sums) of a
     token-local or sequence ``objective`` (a record of ``rlfuse.objectives``) for any policy
     form (``old_lp`` None: on policy), with the KL term ``kl`` (an ``rlfuse.terms.KLTerm``) to
-    ``ref_lp`` and the entropy bonus of weights ``entropy_scale`` (``[B]``, or ``[B, T]``
-    apart from the single pass; its coefficient included). The single pass carries the terms
+    ``ref_lp`` of row weights ``kl_scale`` (``[B]``) and the entropy bonus of weights
+    ``entropy_scale`` (``[B]``, or ``[B, T]`` apart from the single pass; the coefficients
+    included). The single pass carries the terms
     in its kernel; otherwise they are ops over the ``[B, T]`` log-probs. With ``validate`` an
     overflowing objective raises (one host sync)."""
     flat, ratio = surrogate_fields(objective.surrogate()), objective.ratio
@@ -321,12 +324,13 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     if packed is not None:
         policy, mask, found, rows = as_one_token_rows(
             policy, mask, dict(old_lp=old_lp, adv=adv, weights=weights, ref_lp=ref_lp),
-            dict(row_scale=row_scale, entropy_scale=entropy_scale))
+            dict(row_scale=row_scale, kl_scale=kl_scale, entropy_scale=entropy_scale))
         old_lp, adv, weights, ref_lp = (found[k] for k in ("old_lp", "adv", "weights", "ref_lp"))
-        row_scale, entropy_scale = rows["row_scale"], rows["entropy_scale"]
+        row_scale, kl_scale, entropy_scale = (rows[k] for k in ("row_scale", "kl_scale",
+                                                                "entropy_scale"))
         adv = adv[:, 0]
     tokens = dict(mask=mask, old_lp=old_lp, adv=adv, weights=weights, row_scale=row_scale)
-    terms_in = dict(ref_lp=ref_lp, kl_scale=None if kl is None else kl.coef * row_scale,
+    terms_in = dict(ref_lp=ref_lp, kl_scale=kl_scale,
                     entropy_scale=entropy_scale, **kl_fields(kl))
     if single and isinstance(policy, LinearHead):
         grad = torch.is_grad_enabled()
@@ -360,8 +364,8 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
         else:
             lp, entropy = learner_logprobs(policy, mask, validate=validate), None
         loss, sums, _ = surrogate_op(lp, **tokens, **flat, ratio=ratio)
-        extra, terms = terms_apart(lp, old_lp, mask, row_scale, ratio, ref_lp, kl, entropy,
-                                    entropy_scale)
+        extra, terms = terms_apart(lp, old_lp, mask, ratio, ref_lp, kl, kl_scale, entropy,
+                                   entropy_scale)
         loss = loss + extra
     if sums.shape[0] != mask.shape[0]:          # the single pass from logits: per token
         sums = sums.view(mask.shape[0], -1, len(SUM_COLUMNS)).sum(1)

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .._types import compute_dtype
-from .utils import (constexpr_codes, empty, fp64_pair, fp64_parts, group_tile, load_tile,
-                    mask_args, time_block, tl_compute_dtype)
+from .utils import (constexpr_codes, empty, exp_accurate, fp64_pair, fp64_parts, group_tile,
+                    load_tile, mask_args, time_block, tl_compute_dtype)
 
 # Columns of the per-group partial sums written by the forward kernel.
 GROUP_COLUMNS = ("gap", "loss", "q_max", "tokens", "clipped", "log_ratio")
@@ -41,7 +41,7 @@ def _centred_lme(r, x, row_valid, m, beta):
     x_mean = tl.sum(tl.where(row_valid, x, 0.0), axis=0) / m
     z = tl.where(row_valid, (r - r_mean) / beta - (x - x_mean), float("-inf"))
     z_max = tl.max(z, axis=0)
-    e = tl.exp(z - z_max)
+    e = exp_accurate(z - z_max)
     total = tl.sum(e, axis=0)
     return z_max + tl.log(total) - tl.log(m), e / total
 

@@ -15,13 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import (constexpr_codes, empty, fp64_pair, fp64_parts, group_tile, load_tile,
-                    mask_args, tl_compute_dtype)
+from .utils import (constexpr_codes, empty, exp_accurate, fp64_pair, fp64_parts, group_tile,
+                    load_tile, mask_args, tl_compute_dtype)
 
 # Columns of the per-group sums: clamped feedback and actor tokens (the feedback_mean metric).
 GROUP_COLUMNS = ("feedback", "tokens")
 GROUP_FEEDBACK, GROUP_TOKENS = constexpr_codes(GROUP_COLUMNS, *GROUP_COLUMNS)
 N_GROUP_COLS = tl.constexpr(len(GROUP_COLUMNS))
+
+
+@triton.jit
+def discount(k, log_gamma, ACC: tl.constexpr):
+    """gamma^(k - 1) of the k-th actor token (1-based), to fp32 rounding down to e^-104."""
+    return exp_accurate((k - 1).to(ACC) * log_gamma)
 
 
 @triton.jit
@@ -60,7 +66,7 @@ def _gr_opd_adv_kernel(
         teacher = load_tile(teacher_ptr, rows, cols, stride_tb, stride_tt, actor, ACC)
         r = tl.minimum(tl.maximum(teacher - old, -feedback_clip), feedback_clip)
         k = seen[:, None] + tl.cumsum(actor.to(tl.int32), axis=1)  # 1-based at actor tokens
-        w = tl.where(actor, tl.exp((k - 1).to(ACC) * log_gamma), 0.0)
+        w = tl.where(actor, discount(k, log_gamma, ACC), 0.0)
         num += tl.sum(w * r, axis=1)
         den += tl.sum(w, axis=1)
         feedback += tl.sum(r, axis=1)

@@ -140,7 +140,7 @@ def cispo(log_ratio, lp, old, adv, lo, hi, params, clamp):
 @triton.jit
 def _softplus(x):
     """log(1 + e^x) without overflow."""
-    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+    return tl.maximum(x, 0.0) + tl.log(1.0 + exp_accurate(-tl.abs(x)))
 
 
 @per_token
@@ -154,7 +154,7 @@ def sapo(log_ratio, lp, old, adv, lo, hi, params, clamp):
     tau = tl.where(adv > 0, tl.cast(params[0], dtype), tl.cast(params[1], dtype))
     clamped, inside = clamped_log_ratio(log_ratio, clamp)
     x = tau * (exp_accurate(clamped) - 1.0)
-    gate = 1.0 / (1.0 + tl.exp(-x))
+    gate = 1.0 / (1.0 + exp_accurate(-x))
     j = gate * (4.0 / tau) * adv
     dj = tl.where(inside, 4.0 * adv * gate * exp_accurate(clamped - _softplus(x)), 0.0)
     none = no_flag(log_ratio)
@@ -193,8 +193,8 @@ def _dppo(log_ratio, lp, old, adv, delta_low, delta_high, truncation, clamp,
     clamped, _ = clamped_log_ratio(log_ratio, clamp)
     ratio = exp_accurate(clamped)
     truncation = tl.cast(truncation, dtype)
-    p = tl.exp(lp)
-    mu = tl.exp(old)
+    p = exp_accurate(lp)
+    mu = exp_accurate(old)
     if BINARY_KL:
         kl = mu * (old - lp) + (1.0 - mu) * tl.log((1.0 - mu + 1e-8) / (1.0 - p + 1e-8))
         keep_pos = (kl <= delta_high) | (p <= mu)

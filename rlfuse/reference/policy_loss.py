@@ -10,7 +10,7 @@ import torch
 from .._types import LinearHead, LossOutput, Logits
 from ..checks.values import raise_on_overflow
 from ..shared.aggregation import aggregation_weights, masked_mean
-from ..shared.masks import apply_masks, entropy_weights, term_ratio
+from ..shared.masks import apply_masks, entropy_weights, kl_weights, term_ratio
 from .kl import kl_estimate
 from .logprobs import learner_logprobs, window_logprobs
 from .surrogate import surrogate, surrogate_metrics
@@ -58,7 +58,7 @@ def policy_loss(policy, args, old_logprobs: Optional[torch.Tensor],
             value = value * term_ratio(lp, lp.detach() if old is None else old, mask,
                                        objective.weight_ratio)
         value = torch.where(mask, value, 0.0)
-        loss = loss + term.coef * (value.sum(-1) * row_scale).sum()
+        loss = loss + (value.sum(-1) * kl_weights(args, mask, cdt)).sum()
         bad = (~torch.isfinite(value.detach()) & mask).sum()
         if validate:
             raise_on_overflow(bad, cdt)

@@ -101,16 +101,21 @@ def apply_masks(args, lp: Tensor, entropy: Optional[Tensor], old: Optional[Tenso
     return weights, entropy_mask, metrics
 
 
-def entropy_weights(args, mask: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
-    """The entropy bonus's row weights ``[B]`` over ``mask`` (its coefficient and the loss
-    scale included), None without one."""
-    bonus = args.entropy
-    if bonus is None:
+def _term_weights(term, args, mask: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+    """A term's row weights ``[B]`` over ``mask`` (its coefficient and the loss scale included)
+    by its own aggregation, or the objective's when it names none; None without the term."""
+    if term is None:
         return None
-    if bonus.agg is None:
-        agg, counts = args.agg, dict(num_tokens=args.num_tokens,
-                                     num_sequences=args.num_sequences)
-    else:
-        agg, counts = bonus.agg, dict(num_tokens=bonus.num_tokens,
-                                      num_sequences=bonus.num_sequences)
-    return bonus.coef * args.loss_scale * aggregation_weights(mask, agg, dtype, **counts)
+    own = term if term.agg is not None else args
+    return term.coef * args.loss_scale * aggregation_weights(
+        mask, own.agg, dtype, num_tokens=own.num_tokens, num_sequences=own.num_sequences)
+
+
+def entropy_weights(args, mask: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+    """The entropy bonus's row weights ``[B]`` over ``mask``, None without one."""
+    return _term_weights(args.entropy, args, mask, dtype)
+
+
+def kl_weights(args, mask: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+    """The KL penalty's row weights ``[B]`` over ``mask``, None without one."""
+    return _term_weights(args.kl, args, mask, dtype)
