@@ -161,8 +161,8 @@ def run(args, checkpoint=None) -> dict:
     for impl in impls:
         try:
             libs[impl] = cases.load_impl(impl)
-        except ImportError as e:   # an optional peer that is not installed: a note, no rows
-            missing[impl] = f"missing ({type(e).__name__}: {e})"
+        except Exception as e:   # an optional peer not installed or broken: a note, no rows
+            missing[impl] = f"{type(e).__name__}: {e}"
     if device.type == "cuda" and hasattr(torch, "_dynamo"):
         # One compiled graph per shape (dynamic=False); --compile-all needs more than 8.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -323,18 +323,19 @@ def main(argv=None) -> int:
     gpu = _slug(_device_name(torch.device(device))) if device == "cuda" else "cpu"
     path = directory / f"{gpu}-{_slug(args.commit)}.json"
 
-    def save(results):
+    def save(results):   # every file, after every case: a run stopped from outside keeps them
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(results, indent=1) + "\n")
         tmp.replace(path)
+        return None if args.no_report else report.render(results, path.with_suffix(""))
 
     print(f"# results: {path}", flush=True)
     results = run(args, checkpoint=save)
-    save(results)
+    table = save(results)
     header = results["header"]
     print(f"\nwrote {path}")
-    if not args.no_report:
-        print(report.render(results, path.with_suffix("")))
+    if table is not None:
+        print(table)
     for line in header["notes"]:
         print(f"note: {line}")
     for line in header["errors"]:

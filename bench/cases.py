@@ -440,7 +440,8 @@ class CompiledReference:
 
 
 def load_impl(name: str):
-    """The library object of an implementation; ``ImportError`` for a missing optional peer."""
+    """The library object of an implementation; raises for a missing or broken optional peer
+    (whatever its import raises)."""
     if name == "fused":
         return rlfuse
     if name == "reference":

@@ -54,7 +54,8 @@ def summary_line(header: dict) -> str:
             f"commit `{header['commit']}` · {header['date']} · copy bandwidth "
             f"{header['copy_bandwidth_GBps']:,.0f} GB/s")
     if header.get("missing_impls"):
-        line += " · not installed: " + ", ".join(header["missing_impls"])
+        line += " · unavailable: " + "; ".join(f"{impl} ({why})" for impl, why in
+                                               header["missing_impls"].items())
     for gemm, ms in (header.get("head_gemms_ms") or {}).items():
         line += f" · plain GEMMs {gemm}: {_ms(ms)} ms"
     return line

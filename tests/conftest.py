@@ -276,9 +276,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def integration(module: str):
-    """Imports a trainer package the integration tests run against: skipped where it is not
-    installed, an error under ``make test`` (``RLFUSE_REQUIRE_INTEGRATIONS=1``), which installs
-    it — so CI never skips them."""
+    """Imports an optional package a test module needs (a trainer the integration tests run
+    against, ``hypothesis``, ``transformers``): the module is skipped where it is not installed
+    (a bare GPU machine collects the rest), an error under ``make test``
+    (``RLFUSE_REQUIRE_INTEGRATIONS=1``), which installs it — so CI never skips them."""
     if os.environ.get("RLFUSE_REQUIRE_INTEGRATIONS") == "1":
         return importlib.import_module(module)
     return pytest.importorskip(module)

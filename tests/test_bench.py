@@ -122,3 +122,51 @@ def test_floor_bytes_and_flops():
     assert cases.OPS["token_logprobs"].flops(shape, "fwd+bwd") is None
     assert cases.OPS["gppo_head"].flops(shape, "fwd+bwd") == 3 * 2 * 16 * 32 * 1000
     assert {"ggpo_head", "gppo_head", "gr_opd_head", "ppo_head"} <= set(cases.OPS)
+
+
+def test_a_peer_that_fails_to_load_leaves_a_note(monkeypatch):
+    """Any exception loading a peer (not only ImportError): the header says why it is
+    unavailable, the summary line shows it, and the other implementations' rows are measured."""
+    from bench import __main__ as bench_main
+
+    real = cases.load_impl
+
+    def load(name):
+        if name == "liger":
+            raise RuntimeError("CUDA driver too old")
+        return real(name)
+
+    monkeypatch.setattr(cases, "load_impl", load)
+    args = bench_main.parse_args(["--quick", "--N", "16", "--V", "300", "--op", "token_logprobs",
+                                  "--impls", "fused,liger", "--cpu-reps", "1"])
+    results = bench_main.run(args)
+    assert results["header"]["missing_impls"] == {"liger": "RuntimeError: CUDA driver too old"}
+    assert "unavailable: liger (RuntimeError: CUDA driver too old)" in report.summary_line(
+        results["header"])
+    assert {r["impl"] for r in results["rows"]} == {"fused"} and results["rows"]
+
+
+def test_a_run_stopped_after_a_case_leaves_its_files(tmp_path, monkeypatch):
+    """The JSON and the report are rewritten after every case: a run stopped from outside (the
+    GPU check's timeout) leaves both with the rows measured so far."""
+    from bench import __main__ as bench_main
+
+    real, calls = bench_main.run, []
+
+    def stopped(args, checkpoint=None):
+        def save(results):
+            checkpoint(results)
+            calls.append(len(results["rows"]))
+            if results["rows"]:
+                raise TimeoutError("stopped from outside")
+        return real(args, checkpoint=save)
+
+    monkeypatch.setattr(bench_main, "run", stopped)
+    with pytest.raises(TimeoutError):
+        bench_main.main(["--quick", "--N", "16", "--V", "300", "--op", "token_logprobs,gppo",
+                         "--impls", "fused", "--cpu-reps", "1", "--out", str(tmp_path),
+                         "--commit", "stopped"])
+    results = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert calls[0] == 0 and 0 < len(results["rows"]) == calls[-1]
+    md = next(tmp_path.glob("*.md")).read_text()
+    assert all(row["op"] in md for row in results["rows"])

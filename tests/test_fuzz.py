@@ -15,8 +15,6 @@ that cancel in the result (``scale``), derived per result from float64 quantitie
 import math
 
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import rlfuse
 from rlfuse import objectives, reference, terms
@@ -24,8 +22,12 @@ from rlfuse.shared.aggregation import aggregation_weights
 from rlfuse._names import AGGREGATIONS, GEOMETRIES, TOPOLOGIES
 from rlfuse.reference.token_functions import clip as clipped_surrogate
 
-from conftest import assert_three_way, fp32_exact
+from conftest import assert_three_way, fp32_exact, integration
 from loss_harness import check_against_shifted_oracle, check_three_way, with_garbage
+
+integration("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
@@ -98,13 +100,15 @@ def surrogate_scale(lp64, old, adv, mask, lo, hi, agg, **counts):
     return (sur.value.abs().sum(-1) * weights).sum().item()
 
 
-def run(fused_fn, ref_fn, policy, args64, *, loss_scale, metric_scales, **kw):
+def run(fused_fn, ref_fn, policy, args64, *, loss_scale, metric_scales, grad_kw=None, **kw):
+    """``grad_kw``: the arguments whose loss's gradient is the gradient's scale (default
+    ``kw``)."""
     buffer, targets, dtype, temperature, lp64 = policy
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     args = tuple(a.to(acc) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args64)
     grad_scale = loss_gradient_scale(ref_fn, lp64, temperature, targets is not None, args64,
-                                     **kw)
+                                     **(kw if grad_kw is None else grad_kw))
     check_three_way(fused_fn, ref_fn, buffer, dtype=dtype, device=DEVICE, args=args,
                     args64=args64, logits_targets=targets, temperature=temperature,
                     metric_scales=metric_scales, loss_scale=max(1.0, loss_scale),
@@ -221,12 +225,15 @@ def test_gr_opd(data):
     std = scores.reshape(-1, m).std(-1, correction=0).min().item() + 1e-6
     adv_scale = (2 + adv.abs().max().item()) * (scores.abs().max().item() + 1) / std
     lo = torch.full_like(old, max(1 - kw["eps"], 0.0))
-    # the terms with |A| widened by its own error (same sign: the same branches)
-    loss_scale = surrogate_scale(policy[4], old, adv + adv.sign() * adv_scale, mask, lo, 2 - lo,
+    # the terms and the gradient with |A| widened by its own error (same sign: the same
+    # branches)
+    widened = adv + adv.sign() * adv_scale
+    loss_scale = surrogate_scale(policy[4], old, widened, mask, lo, 2 - lo,
                                  "seq-mean-token-mean")
     run(rlfuse.gr_opd_loss, reference.gr_opd_loss, policy, (old, teacher, mask),
         loss_scale=loss_scale, metric_scales={"feedback_mean": 6.0, "adv_mean": adv_scale,
-                                              "adv_abs_mean": adv_scale}, **kw)
+                                              "adv_abs_mean": adv_scale},
+        grad_kw=dict(kw, advantages=widened), **kw)
 
 
 @FUZZ

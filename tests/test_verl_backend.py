@@ -7,9 +7,10 @@ import copy
 
 import pytest
 import torch
-import transformers
 
 from conftest import APPROX, TOL, assert_three_way, integration  # noqa: E402
+
+transformers = integration("transformers")
 
 monkey_patch = integration("verl.models.transformers.monkey_patch")
 from tensordict import TensorDict  # noqa: E402
