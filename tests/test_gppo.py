@@ -708,8 +708,8 @@ def run_linear_head(fn, case, dtype, device, *, chunk, **kw):
                             .requires_grad_(True) for k in ("hidden", "weight", "bias"))
     policy = rlfuse.LinearHead(hidden, weight, case["targets"].to(device), bias, HEAD_TEMPERATURE,
                                offset=HEAD_OFFSET, chunk_tokens=chunk)
-    out = fn(policy, case["old"].to(dtype=acc, device=device),
-             case["adv"].to(dtype=acc, device=device), case["mask"].to(device), **kw)
+    old = None if case["old"] is None else case["old"].to(dtype=acc, device=device)
+    out = fn(policy, old, case["adv"].to(dtype=acc, device=device), case["mask"].to(device), **kw)
     grads = torch.autograd.grad(out.loss, (hidden, weight, bias))
     return (out.loss.detach().cpu(), {k: v.detach().cpu() for k, v in out.metrics.items()},
             [g.cpu() for g in grads])
@@ -741,6 +741,40 @@ def test_linear_head_matches_float64(dtype, geometry, topology, agg, chunk, devi
         assert fused[1][name].dim() == 0
         assert_three_way(fused[1][name], ref[1][name], ref64[1][name], name, atol_dtype=acc,
                          scale=scales.get(name))
+
+
+@pytest.mark.parametrize("geometry", ["kl", "two_sided_log"])
+@pytest.mark.parametrize("form", ["logits", "head"])
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_root_found_cells_from_rows(geometry, form, on_policy, device):
+    """The binary kl and two_sided_log cells from Logits and a LinearHead in fp64, whose row
+    kernel reads the bounds found once per token beforehand (off policy) or takes [1, 1] on
+    policy (r = 1): loss, metrics and gradient equal the reference's to fp64 rounding, with
+    tokens clipped on both sides off policy."""
+    case = linear_head_case(11, torch.float64, per_token_adv=True)
+    if on_policy:
+        case["old"] = None
+    kw = dict(geometry=geometry, topology="binary", delta=0.02)
+    if form == "head":
+        fused, ref = (run_linear_head(fn, case, torch.float64, dev, chunk=7, **kw)
+                      for fn, dev in ((rlfuse.gppo_loss, device), (reference.gppo_loss, "cpu")))
+        fused, ref = (r[:2] + (r[2][0],) for r in (fused, ref))
+    else:
+        # one row past the window: run_loss's pad
+        logits = (case["hidden"][:, HEAD_OFFSET:HEAD_OFFSET + HEAD_T + 1] @ case["weight"].T
+                  + case["bias"])
+        args = (case["old"], case["adv"], case["mask"])
+        fused, ref = (run_loss(fn, logits, dtype=torch.float64, device=dev, args=args,
+                               logits_targets=case["targets"], temperature=HEAD_TEMPERATURE, **kw)
+                      for fn, dev in ((rlfuse.gppo_loss, device), (reference.gppo_loss, "cpu")))
+    torch.testing.assert_close(fused[0].cpu(), ref[0], **TOL["fp64"])
+    torch.testing.assert_close(fused[2].cpu(), ref[2], **TOL["fp64"])
+    assert set(fused[1]) == set(ref[1])
+    for name in fused[1]:
+        torch.testing.assert_close(fused[1][name].cpu(), ref[1][name], **TOL["fp64"])
+    clipped = fused[1]["clip_frac_low"] + fused[1]["clip_frac_high"]
+    assert (clipped == 0) if on_policy else (fused[1]["clip_frac_low"] > 0 <
+                                               fused[1]["clip_frac_high"])
 
 
 def test_logits_upstream_gradient_and_inplace(device):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from rlfuse._names import GEOMETRIES, TOPOLOGIES
+from rlfuse.kernels.regions import ROOT_FOUND
 from tools import sass
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,10 +33,15 @@ LABELS = ("token_logprobs fwd", "token_logprobs bwd", "token_logprobs fwd + entr
           "scale_rows (upstream grad != 1)", "single pass PPO clip",
           "single pass GPPO, no grad")
 BF16_ONLY = ("GGPO fwd (log-probs)", "GGPO bwd (dlogits)")
-EXPECTED = {f"{label}, bf16" for label in LABELS + BF16_ONLY} | {f"{label}, fp32"
-                                                                 for label in LABELS}
-assert EXPECTED == {f"{label}, {dtype}" for label, _, _, dtypes in sass.VARIANTS
-                    for dtype in dtypes}
+# every GPPO cell but chi2/atomic (above) off policy, the root-found cells on policy too
+CELLS = {f"single pass GPPO {g}/{t}{', on policy' if on else ''}, bf16"
+         for g in GEOMETRIES for t in TOPOLOGIES for on in (False, True)
+         if (g, t) != ("chi2", "atomic") and (not on or (g, t) in ROOT_FOUND)}
+EXPECTED = ({f"{label}, bf16" for label in LABELS + BF16_ONLY} |
+            {f"{label}, fp32" for label in LABELS} | CELLS)
+assert len(CELLS) == 16 and EXPECTED == (
+    {f"{label}, {dtype}" for label, _, _, dtypes in sass.VARIANTS for dtype in dtypes} |
+    {f"{label}, {sass.CELL_DTYPE}" for label, *_ in sass.cell_variants()})
 
 
 def _nvidia_backend():
@@ -102,8 +109,9 @@ def test_loop_finder_on_a_listing():
     assert [lp["counted"] for lp in row["loops"]] == [False, True, False]
     assert row["loops"][1]["logits_loaded_per_thread"] == 8
     assert sum(row["classes_per_logit"].values()) == pytest.approx(1.25)
-    # outside the loops: S2R, MOV, EXIT (the trap and the padding are not code)
-    assert row["per_row"] == 3
+    # outside the inner loops: S2R, MOV, the outer loop's own IADD3, STG, ISETP, BRA, and EXIT
+    # (the trap and the padding are not code; the store-only loop is a masked row's)
+    assert row["per_row"] == 7
     # 40 registers x 128 threads: 12 blocks of 4 warps by registers, 16 by warps
     assert row["blocks_per_sm"] == 12 and row["occupancy"] == 0.75
     assert row["limited_by"] == "registers"
@@ -112,15 +120,51 @@ def test_loop_finder_on_a_listing():
     assert h200["issue_over_memory"] > 0 and h200["mufu_over_memory"] > 0
 
 
+# A row's fixed loop outside the vocabulary loop (0x40-0x70: no memory access, the counter UR5
+# set to 48 before it and stepped down to 0), as a root find compiles.
+FIXED_LOOP = """
+        .section        .text._surrogate_logits_kernel,"ax",@progbits
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/                   UMOV UR5, 0x30 ;
+        /*0030*/                   MOV R3, R2 ;
+.L_x_5:
+        /*0040*/                   DADD R6, R6, R2 ;
+        /*0050*/                   UIADD3 UR5, UR5, -0x1, URZ ;
+        /*0060*/                   ISETP.NE.U32.AND P1, PT, RZ, UR5, PT ;
+        /*0070*/               @P1 BRA `(.L_x_5) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_a_fixed_loop_counts_once_per_iteration():
+    row = sass.analyse("fixed, bf16", "bf16", "_surrogate_logits_kernel",
+                       {"BLOCK_V": "1024", "WRITE_DLOGITS": "True"}, 4, {"reg": 40}, 0, 90,
+                       FIXED_LOOP)
+    assert [lp["trips"] for lp in row["loops"]] == [48]
+    assert row["per_row"] == 5 + 48 * 4
+    # no counter set to an immediate before the loop: the count fails rather than leave it out
+    unreadable = FIXED_LOOP.replace("UMOV UR5, 0x30", "UMOV UR5, UR7")
+    with pytest.raises(ValueError, match="trip count"):
+        sass.analyse("fixed, bf16", "bf16", "_surrogate_logits_kernel",
+                     {"BLOCK_V": "1024", "WRITE_DLOGITS": "True"}, 4, {"reg": 40}, 0, 90,
+                     unreadable)
+
+
 def test_pins_fail_a_rise_only():
-    kernels = [{"label": label, "instr_per_logit": n}
-               for label, n in (("held", 10.4), ("rose", 10.6), ("fell", 9.0), ("new", 5.0))]
-    pins = {"pins": {"sm_90": {"held": 10.0, "rose": 10.0, "fell": 10.0, "gone": 1.0}}}
+    kernels = [{"label": label, "instr_per_logit": n, "row_instr_per_logit": row}
+               for label, n, row in (("held", 10.4, 12.0), ("rose", 10.6, 12.0),
+                                     ("fell", 9.0, 12.0), ("new", 5.0, 6.0),
+                                     ("row rose", 10.0, 12.6))]
+    pins = {"pins": {"sm_90": {"held": 10.0, "rose": 10.0, "fell": 10.0, "gone": 1.0,
+                               "row rose": 10.0, "row rose (whole row)": 12.0,
+                               **{f"{k} (whole row)": 12.0 for k in ("held", "rose", "fell")}}}}
     rises, drops, missing, unpinned = sass.compare_pins([{"arch": 90, "kernels": kernels}], pins,
                                                         TOLERANCE)
-    assert [line.split(":")[0] for line in rises] == ["sm_90 rose"]
+    assert [line.split(":")[0] for line in rises] == ["sm_90 rose", "sm_90 row rose (whole row)"]
     assert [line.split(":")[0] for line in drops] == ["sm_90 fell"]
-    assert missing == ["sm_90 gone"] and [line.split(":")[0] for line in unpinned] == ["sm_90 new"]
+    assert missing == ["sm_90 gone"]
+    assert [line.split(":")[0] for line in unpinned] == ["sm_90 new", "sm_90 new (whole row)"]
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +202,19 @@ def test_every_row_kernel_counted(counted):
                 assert m["mufu_over_memory"] >= 0, f"{where} {gpu}"
                 if r["classes_per_logit"]["mufu"]:
                     assert m["mufu_over_memory"] > 0, f"{where} {gpu}"
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+def test_every_row_kernel_within_the_issue_budget(counted):
+    """Counted over the whole row (the code outside the vocabulary loops with its fixed loops),
+    every row kernel issues its instructions in less time than it moves its bytes at the
+    headline shape, on each GPU of the model: memory-bound by the model, every GPPO cell
+    included."""
+    for result in counted["results"]:
+        for r in result["kernels"]:
+            for gpu, m in r["model"].items():
+                assert m["issue_over_memory"] < 1, (f"sm_{result['arch']} {r['label']} {gpu}: "
+                                                    f"{m['issue_over_memory']:.2f}")
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")

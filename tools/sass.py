@@ -34,7 +34,11 @@ HBM bandwidth. A row runs each loop body once per block it covers: ``V // BLOCK_
 loop whose global loads carry no predicate (it reads whole blocks only; the row's partial block
 is code outside it), ``ceil(V / BLOCK_V)`` times for a masked loop (the masked tail lanes issue
 too); and the code outside the loops once, counted as every instruction there, taken or not (an
-upper bound: 4-31% of a row's instructions at V = 151936, the most in the single pass).
+upper bound: 4-31% of a row's instructions at V = 151936, the most in the single pass), a loop
+there without memory accesses (a fixed computation of the row, like a root find) once per
+iteration, its count read from its counter (``trip_count``; a count it cannot read fails).
+A kernel's row pins two counts (``pinned``): per logit in the vocabulary loops, and over the
+whole row at the headline vocabulary.
 The ratios issue / memory and MUFU / memory say which limit binds; they are a model from SASS,
 not a timing.
 
@@ -390,6 +394,64 @@ def floor_of(kernel: str, constexprs: Dict[str, str]):
     raise KeyError(f"tools/sass.py: no memory floor for {kernel}; add it to floor_of")
 
 
+_IMMEDIATE = re.compile(r"^-?(0x[0-9a-f]+|\d+)$")
+
+
+def _operands(ins: Instruction) -> List[str]:
+    parts = ins.text.split(None, 1)
+    return [o.strip().split(".reuse")[0] for o in parts[1].split(",")] if len(parts) > 1 else []
+
+
+def _immediate(text: str) -> Optional[int]:
+    return int(text, 0) if _IMMEDIATE.match(text) else None
+
+
+def trip_count(loop: Loop, instructions: List[Instruction]) -> int:
+    """The iterations of a loop that counts: a register the loop steps by one
+    (``(U)IADD3 X, X, -0x1``), set to an immediate before the header (``(U)MOV X, n`` or
+    ``IMAD.MOV.U32 X, RZ, RZ, n``), counting down to 0 or up to an immediate it is compared
+    with. A loop outside the vocabulary loops whose count this cannot read fails the count,
+    rather than be left out of it."""
+    for ins in loop.instructions:
+        ops = _operands(ins)
+        if ins.base not in ("IADD3", "UIADD3") or len(ops) < 3 or ops[0] != ops[1] or \
+                _immediate(ops[2]) not in (1, -1):
+            continue
+        counter, step = ops[0], _immediate(ops[2])
+        start = None
+        for before in reversed([i for i in instructions if i.addr < loop.header]):
+            written = _operands(before)
+            if written and written[0] == counter:
+                start = _immediate(written[-1]) if before.base in ("MOV", "UMOV", "IMAD") \
+                    else None
+                break
+        if start is None:
+            continue
+        if step < 0:
+            return start
+        limits = [_immediate(o) for i in loop.instructions if i.base in ("ISETP", "UISETP")
+                  for o in _operands(i) if counter in _operands(i)]
+        limits = [n for n in limits if n is not None]
+        if len(limits) == 1:
+            return limits[0] - start
+    raise ValueError(f"tools/sass.py: the loop at {loop.header:#06x} runs outside the "
+                     f"vocabulary loops and its trip count is not read from a counter")
+
+
+def vocab_trips(full_blocks: bool, block_v: int, vocab: int) -> int:
+    """Iterations of a vocabulary loop over a row of ``vocab``: whole blocks only for a loop
+    whose loads carry no predicate, every block (the masked tail too) otherwise."""
+    return vocab // block_v if full_blocks else math.ceil(vocab / block_v)
+
+
+def row_instructions(counted: List[Loop], per_row: int, block_v: int,
+                     vocab: int = HEADLINE_V) -> int:
+    """A thread's instructions over one row of ``vocab``: each vocabulary loop's body once per
+    block, and the row's code outside them."""
+    return per_row + sum(vocab_trips(lp.full_blocks, block_v, vocab) * len(lp.instructions)
+                         for lp in counted)
+
+
 def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num_warps: int,
             resources: Dict[str, int], shared: int, arch: int, sass: str) -> dict:
     """One kernel variant's row of the table: its loops, counts per logit and the model."""
@@ -400,10 +462,17 @@ def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num
     element = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}[dtype]
     counted = [lp for lp in loops if lp.inner and lp.loads]
     body = sum(len(lp.instructions) for lp in counted)
-    # a row's code outside the loops, once: every instruction there, taken or not
-    in_loops = {i.addr for lp in loops for i in lp.instructions}
-    per_row = [i for i in instructions if i.addr not in in_loops and i.base != "NOP"
-               and not (i.base == "BRA" and labels.get(i.target) == i.addr)]
+    # a row's code outside the vocabulary loops: every instruction there once, taken or not,
+    # and a fixed loop's (no memory access: the row's own math) once per iteration; a loop that
+    # only stores (a masked row's zeros) is what a masked row runs instead
+    fixed = {lp.header: trip_count(lp, instructions) for lp in loops
+             if lp.inner and not lp.loads and not lp.stores}
+    repeats = {i.addr: (fixed.get(lp.header, 0) if lp.inner and not lp.loads and not lp.stores
+                        else 0)
+               for lp in loops if lp.inner for i in lp.instructions}
+    per_row = [i for i in instructions if i.base != "NOP"
+               and not (i.base == "BRA" and labels.get(i.target) == i.addr)
+               for _ in range(repeats.get(i.addr, 1))]
     classes = Counter()
     for lp in counted:
         classes.update(lp.classes)
@@ -417,7 +486,8 @@ def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num
         "loops": [{"header": f"{lp.header:#06x}", "latch": f"{lp.latch:#06x}",
                    "blocks": len(lp.blocks), "instructions": len(lp.instructions),
                    "inner": lp.inner, "loads": lp.loads, "stores": lp.stores,
-                   "counted": lp in counted, "full_blocks": lp.full_blocks, "classes": lp.classes,
+                   "counted": lp in counted, "trips": fixed.get(lp.header),
+                   "full_blocks": lp.full_blocks, "classes": lp.classes,
                    "calls": sum(i.base == "CALL" for i in lp.instructions),
                    "logits_loaded_per_thread": lp.global_bytes("load") / element,
                    "logits_stored_per_thread": lp.global_bytes("store") / element}
@@ -428,6 +498,9 @@ def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num
         "per_row": len(per_row),
         "per_row_mufu": sum(i.cls == "mufu" for i in per_row),
         "instr_per_logit": body / per_thread,
+        # the whole row's at the headline vocabulary
+        "row_instr_per_logit": row_instructions(counted, len(per_row), block_v)
+        / (HEADLINE_V / (32 * num_warps)),
         "classes_per_logit": {c: classes.get(c, 0) / per_thread for c in CLASSES},
         "floor": {"reads": reads, "writes": writes, "bytes_per_logit": (reads + writes) * element},
     }
@@ -443,8 +516,7 @@ def model(row: dict, arch: int, n_rows: int = HEADLINE_N, vocab: int = HEADLINE_
     body = mufu = 0
     for lp in row["loops"]:
         if lp["counted"]:
-            trips = (vocab // row["BLOCK_V"] if lp["full_blocks"]
-                     else math.ceil(vocab / row["BLOCK_V"]))
+            trips = vocab_trips(lp["full_blocks"], row["BLOCK_V"], vocab)
             body += trips * lp["instructions"]
             mufu += trips * lp["classes"]["mufu"]
     warp_instr = n_rows * row["num_warps"] * (body + row["per_row"])
@@ -484,6 +556,19 @@ VARIANTS = (
     ("GGPO bwd (dlogits)", "ggpo_logits", "bwd", ("bf16",)),
 )
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# Every GPPO cell's single pass (bf16, with the gradient), off policy, and on policy where that
+# compiles another region (the root-found cells: regions.row_region), besides chi2/atomic above.
+CELL_DTYPE = "bf16"
+
+
+def cell_variants():
+    """(label, geometry, topology, on policy) of the GPPO cells' single passes."""
+    from rlfuse._names import GEOMETRIES, TOPOLOGIES
+    from rlfuse.kernels.regions import ROOT_FOUND
+
+    cells = [(f"single pass GPPO {g}/{t}", g, t, False) for g in GEOMETRIES for t in TOPOLOGIES
+             if (g, t) != ("chi2", "atomic")]
+    return cells + [(f"single pass GPPO {g}/{t}, on policy", g, t, True) for g, t in ROOT_FOUND]
 
 _CURRENT_LABEL: List[Optional[str]] = [None]
 LAUNCHES = []    # (label, kernel name, compiled kernel, constexprs), in launch order
@@ -524,6 +609,14 @@ def _drive(dtype_names):
             if step == "bwd":
                 with _Labelled(f"{label}, {name}"):
                     torch.autograd.grad(outputs, x.logits, [torch.ones_like(o) for o in outputs])
+        if name != CELL_DTYPE:
+            continue
+        x = cases.make_inputs(shape, "cpu")
+        for label, geometry, topology, on_policy in cell_variants():
+            with _Labelled(f"{label}, {name}"):
+                rlfuse.gppo_loss(rlfuse.Logits(x.logits, x.targets), None if on_policy
+                                 else x.old_lp, x.advantages, x.mask, geometry=geometry,
+                                 topology=topology)
 
 
 def worker(arch: int, dtypes, sass_dir: Optional[Path]) -> dict:
@@ -570,8 +663,11 @@ def worker(arch: int, dtypes, sass_dir: Optional[Path]) -> dict:
 # Tables, pins, the command line
 # --------------------------------------------------------------------------------------------
 
-def pin_key(row: dict) -> str:
-    return row["label"]
+def pinned(row: dict) -> List[Tuple[str, float]]:
+    """A kernel's pinned counts: instructions per logit in its vocabulary loops, and over its
+    whole row at the headline vocabulary (the code outside the loops included)."""
+    return [(row["label"], round(row["instr_per_logit"], 2)),
+            (f"{row['label']} (whole row)", round(row["row_instr_per_logit"], 2))]
 
 
 def render(result: dict) -> str:
@@ -579,15 +675,19 @@ def render(result: dict) -> str:
     gpus = [g for g in GPUS if g.arch == arch]
     lines = [f"sm_{arch} (triton {result['triton']}): instructions per logit in the inner "
              f"vocabulary loops (per thread: loop body x 32 x warps / BLOCK_V), by class; rest: "
-             f"instructions per thread outside the loops, once per row", ""]
-    head = (f"{'kernel':42s} {'BLOCK_V':>7s} {'warps':>5s} {'regs':>4s} {'occ':>4s} "
-            f"{'loops':>5s} {'rest':>4s} {'instr':>6s} " + " ".join(f"{c:>6s}" for c in CLASSES))
+             f"instructions per thread outside the loops, once per row (a fixed loop's once per "
+             f"iteration); row: the whole row's per logit at V = {HEADLINE_V}", ""]
+    width = max(len(r["label"]) for r in rows)
+    head = (f"{'kernel':{width}s} {'BLOCK_V':>7s} {'warps':>5s} {'regs':>4s} {'occ':>4s} "
+            f"{'loops':>5s} {'rest':>5s} {'row':>6s} {'instr':>6s} " +
+            " ".join(f"{c:>6s}" for c in CLASSES))
     lines += [head, "-" * len(head)]
     for r in rows:
         n_loops = sum(lp["counted"] for lp in r["loops"])
         lines.append(
-            f"{r['label']:42s} {r['BLOCK_V']:7d} {r['num_warps']:5d} {r['registers']:4d} "
-            f"{r['occupancy']:4.0%} {n_loops:5d} {r['per_row']:4d} {r['instr_per_logit']:6.2f} " +
+            f"{r['label']:{width}s} {r['BLOCK_V']:7d} {r['num_warps']:5d} {r['registers']:4d} "
+            f"{r['occupancy']:4.0%} {n_loops:5d} {r['per_row']:5d} "
+            f"{r['row_instr_per_logit']:6.2f} {r['instr_per_logit']:6.2f} " +
             " ".join(f"{r['classes_per_logit'][c]:6.2f}" for c in CLASSES))
     lines += ["", f"model at N = {HEADLINE_N} rows x V = {HEADLINE_V}: issue (warp-instructions "
               f"/ {ISSUE_PER_CLOCK_PER_SM} per clock per SM) and MUFU (/ "
@@ -595,7 +695,7 @@ def render(result: dict) -> str:
               f"per logit / {HBM_EFFICIENCY:.0%} of peak HBM); a model from SASS, not a timing",
               "  " + "; ".join(f"{g.name}: {g.sms} SMs, {g.clock_ghz} GHz, {g.hbm_tbps} TB/s "
                                f"({g.source})" for g in gpus), ""]
-    head = f"{'kernel':42s} {'floor':>6s} " + " ".join(
+    head = f"{'kernel':{width}s} {'floor':>6s} " + " ".join(
         f"{g.name + ' ' + k:>11s}" for g in gpus for k in ("issue", "MUFU", "mem ms"))
     lines += [head, "-" * len(head)]
     for r in rows:
@@ -606,7 +706,7 @@ def render(result: dict) -> str:
             m = r["model"][g.name]
             cells += [f"{m['issue_over_memory']:10.2f}x", f"{m['mufu_over_memory']:10.2f}x",
                       f"{m['memory_ms']:11.3f}"]
-        lines.append(f"{r['label']:42s} {floor:>6s} " + " ".join(cells))
+        lines.append(f"{r['label']:{width}s} {floor:>6s} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -616,9 +716,7 @@ def compare_pins(results: List[dict], pins: dict, tolerance: float):
     rises, drops, missing, unpinned = [], [], [], []
     for result in results:
         arch_pins = dict(pins.get("pins", {}).get(f"sm_{result['arch']}", {}))
-        for row in result["kernels"]:
-            key = pin_key(row)
-            now = round(row["instr_per_logit"], 2)
+        for key, now in (pin for row in result["kernels"] for pin in pinned(row)):
             if key not in arch_pins:
                 unpinned.append(f"sm_{result['arch']} {key}: {now:.2f}")
                 continue
@@ -636,11 +734,11 @@ def write_pins(results: List[dict], path: Path):
     old = json.loads(path.read_text()) if path.exists() else {}
     pins = dict(old.get("pins", {}))
     for result in results:
-        pins[f"sm_{result['arch']}"] = {pin_key(r): round(r["instr_per_logit"], 2)
-                                        for r in result["kernels"]}
+        pins[f"sm_{result['arch']}"] = dict(pin for r in result["kernels"] for pin in pinned(r))
     path.write_text(json.dumps({
-        "about": "instructions per logit in the inner vocabulary loops of each row kernel (tools/"
-                 "sass.py); tests/test_sass.py fails a rise of more than 0.5 over a pin. "
+        "about": "instructions per logit in the inner vocabulary loops of each row kernel, and "
+                 "over its whole row at V = 151936 (tools/sass.py); tests/test_sass.py fails a "
+                 "rise of more than 0.5 over a pin. "
                  "Refresh: python -m tools.sass --write-pins tests/sass_pins.json",
         "triton": results[0]["triton"], "pins": pins}, indent=1, sort_keys=False) + "\n")
 

@@ -4,9 +4,14 @@ ratio (``ratio_range``: TRL's CISPO cap, verl's unclipped ratio of ``kl_cov``), 
 inside the kernels, plus an elementwise kernel that exports them (``gppo_bounds``).
 
 ``region_bounds`` is the one device function every kernel uses (bounds export, the surrogate
-losses from log-probs and from logits).
+losses from log-probs and from logits). A row kernel (one token per program: the single pass)
+computes a token's scalars in every thread of the program, so the two cells whose bounds take a
+root find (binary kl and two_sided_log, ~20k instructions) reach it as ``row_region`` arranges:
+found once per token by the bounds kernel beforehand and read (``token_bounds``).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -15,12 +20,17 @@ import triton.language as tl
 from .._names import MU_MIN as _MU_MIN
 from .._names import REGION_GEOMETRIES, TOPOLOGIES
 from .._types import compute_dtype
-from .utils import constexpr_codes, empty, fp64_args, fp64_values
+from .utils import (constexpr_codes, empty, fp64_args, fp64_values, tl_compute_dtype, token_at,
+                    token_tensor)
 
 TV, CHI2, HELLINGER, KL, TWO_SIDED_LOG, PPO_CLIP, RATIO_RANGE = constexpr_codes(
     REGION_GEOMETRIES, "tv", "chi2", "hellinger", "kl", "two_sided_log", "ppo_clip",
     "ratio_range")
 MC, ATOMIC, BINARY = constexpr_codes(TOPOLOGIES, "mc", "atomic", "binary")
+# A row kernel's GEOMETRY when the bounds are given per token (``row_region``), not a region's
+GIVEN = tl.constexpr(len(REGION_GEOMETRIES))
+# The cells whose bounds take a root find (``_binary_root_*``)
+ROOT_FOUND = (("kl", "binary"), ("two_sided_log", "binary"))
 
 
 def region_codes(geometry: str, topology: str):
@@ -199,6 +209,18 @@ def region_bounds(old_lp, region, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr
 
 
 @triton.jit
+def token_bounds(old_lp, region, b, t, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr):
+    """``(l, u)`` of token (b, t) in a row kernel: ``region_bounds``, or with GEOMETRY == GIVEN
+    read from ``region``, the ``(lo, hi)`` token tensors of ``row_region``."""
+    if GEOMETRY == GIVEN:
+        lo = tl.load(token_at(region[0], b, t))
+        hi = tl.load(token_at(region[1], b, t))
+    else:
+        lo, hi = region_bounds(old_lp, region, GEOMETRY, TOPOLOGY)
+    return lo, hi
+
+
+@triton.jit
 def _gppo_bounds_kernel(
     # pointers
     old_ptr, lo_ptr, hi_ptr,  # [N] in (any float dtype), [N] out
@@ -206,11 +228,12 @@ def _gppo_bounds_kernel(
     N,
     # scalars
     region,                   # the region sizes of each side (region_bounds)
-    BLOCK: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr,
+    BLOCK: tl.constexpr, GEOMETRY: tl.constexpr, TOPOLOGY: tl.constexpr, ACC: tl.constexpr,
 ):
+    # ACC: the log-probs rounded to it first, as a kernel computing in ACC holds them
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < N
-    old = tl.load(old_ptr + offs, mask=inside, other=0.0)
+    old = tl.load(old_ptr + offs, mask=inside, other=0.0).to(ACC)
     lo, hi = region_bounds(old, region, GEOMETRY, TOPOLOGY)
     tl.store(lo_ptr + offs, lo.to(lo_ptr.dtype.element_ty), mask=inside)
     tl.store(hi_ptr + offs, hi.to(hi_ptr.dtype.element_ty), mask=inside)
@@ -222,10 +245,10 @@ def region_sizes(delta_low: float, delta_high: float) -> tuple:
 
 
 def gppo_bounds_fwd(old_lp: torch.Tensor, geometry: str, topology: str, delta_low: float,
-                    delta_high: float):
+                    delta_high: float, acc: Optional[torch.dtype] = None):
     """Launches the bounds kernel on any-shaped ``old_lp``; returns ``(lo, hi)`` of its shape in
-    fp32 (fp64 for fp64 input)."""
-    out_dtype = compute_dtype(old_lp.dtype)
+    ``acc`` (default: fp32, fp64 for fp64 input), the log-probs rounded to it first."""
+    out_dtype = acc or compute_dtype(old_lp.dtype)
     flat = old_lp.reshape(-1)
     lo = empty(flat.shape, dtype=out_dtype, device=old_lp.device)
     hi = empty(flat.shape, dtype=out_dtype, device=old_lp.device)
@@ -238,5 +261,22 @@ def gppo_bounds_fwd(old_lp: torch.Tensor, geometry: str, topology: str, delta_lo
             n,
             region_sizes(delta_low, delta_high),
             BLOCK=block, GEOMETRY=geometry_code, TOPOLOGY=topology_code,
+            ACC=tl_compute_dtype(out_dtype),
         )
     return lo.view(old_lp.shape), hi.view(old_lp.shape)
+
+
+def row_region(geometry: str, topology: str, delta_low: float, delta_high: float,
+               old_lp: Optional[torch.Tensor], acc: torch.dtype):
+    """``(GEOMETRY, TOPOLOGY, region)`` of a row kernel computing in ``acc`` (``token_bounds``).
+    A root-found cell's bounds off policy: found by the bounds kernel, once per token of
+    ``old_lp [B, T]``, and given. On policy r = 1 identically, and a surrogate compares it with
+    bounds l <= 1 <= u (D(1) = 0; the roots keep l = e^(x - log mu) with x <= log mu and
+    u = p / mu with p >= mu): [1, 1] (``ppo_clip`` of sizes 0) gives the same value, gradient
+    and flags."""
+    if (geometry, topology) not in ROOT_FOUND:
+        return region_codes(geometry, topology) + (region_sizes(delta_low, delta_high),)
+    if old_lp is None:
+        return region_codes("ppo_clip", topology) + (region_sizes(0.0, 0.0),)
+    lo, hi = gppo_bounds_fwd(old_lp, geometry, topology, delta_low, delta_high, acc)
+    return GIVEN, region_codes(geometry, topology)[1], (token_tensor(lo), token_tensor(hi))

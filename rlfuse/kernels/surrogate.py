@@ -33,7 +33,7 @@ from .kl import NO_KL, kl_codes, kl_term
 from .token_functions import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FLAG1,
                               SUM_FLAG2, SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW,
                               SUM_RATIO, clamped_log_ratio, objective_args)
-from .regions import region_bounds
+from .regions import region_bounds, row_region, token_bounds
 from .head import HeadParams
 from .rows import (at, load_target_logit, program_token, row_logsumexp,
                    row_write_dlogits, row_write_zeros, target_column, target_logprob)
@@ -248,7 +248,7 @@ def _surrogate_logits_row(
         out = sums_ptr + at(b, T * N_SUM_COLS, t, N_SUM_COLS)    # the token b T + t
         if WRITE_DLOGITS:
             drow_ptr = token_at(dlogits, b, s)
-        lo, hi = region_bounds(old_lp, region, GEOMETRY, TOPOLOGY)
+        lo, hi = token_bounds(old_lp, region, b, t, GEOMETRY, TOPOLOGY)
         j, dj, f0, f1, f2 = OBJECTIVE(log_ratio, lp, old_lp, a, lo, hi, hyper, clamp)
         bad = ~(tl.abs(j) < float("inf"))
         loss = j * w * row_scale
@@ -304,7 +304,8 @@ def _surrogate_logits_kernel(
     sums_ptr,                           # [B*T, N_SUM_COLS] out
     # sizes
     T, S, offset, V, n_rows,            # n_rows = B S
-    # scalars (head.HeadParams, token_functions.objective_args)
+    # scalars (head.HeadParams, token_functions.objective_args; region: regions.row_region's,
+    # the region's sizes or, with GEOMETRY == regions.GIVEN, the [B, T] bounds)
     head, region, hyper, clamp,
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
@@ -413,7 +414,9 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
     sums = empty((B * T, len(SUM_COLUMNS)), dtype=acc, device=logits.device)
     if B * S == 0:
         return dlogits, sums
-    (objective_code, geometry_code, topology_code), scalars = objective_args(objective)
+    (objective_code, _, _), (_, hyper, clamp) = objective_args(objective)
+    # the region's codes and argument as a row kernel takes them
+    geometry_code, topology_code, region = row_region(*objective[1:5], old_lp, acc)
     kl_code, kl_straight, kl_weighted, kl_clamp = kl_codes(kl)
     config = single_pass.current()
     block_v, num_warps = config.block_and_warps(V, logits.element_size())
@@ -427,7 +430,7 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
         token_tensor(dlogits if write_dlogits else None),
         sums,
         T, S, offset, V, B * S,
-        head_args, *scalars,
+        head_args, region, hyper, clamp,
         BLOCK_V=block_v, OBJECTIVE=objective_code, GEOMETRY=geometry_code,
         TOPOLOGY=topology_code, ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits,
         HAS_OLD=old_lp is not None, KL=kl_code, KL_STRAIGHT=kl_straight,
