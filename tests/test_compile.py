@@ -311,6 +311,10 @@ def _op_cases(device):
              [1.0, 1.05], 20.0, "k1", True, False, False, 1, 7, False, [True, True, True])],
         "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6,
                                torch.float64)],
+        "scale_cast": [(torch.randn(7, 5, device=device), torch.tensor(0.3, device=device),
+                        torch.bfloat16),
+                       (torch.randn(3, device=device, dtype=torch.float64),
+                        torch.tensor(-2.0, device=device, dtype=torch.float64), torch.float64)],
     }
 
 
@@ -323,7 +327,8 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "gppo_bounds": regions.gppo_bounds_op, "gr_opd_advantages": gr_opd.gr_opd_advantages_op,
        "linear_logprobs": linear_head.linear_logprobs_op,
        "linear_logprobs_backward": linear_head.linear_logprobs_backward_op,
-       "linear_surrogate": linear_head.linear_surrogate_op, "kl_penalty": kl.kl_penalty_op,
+       "linear_surrogate": linear_head.linear_surrogate_op,
+       "scale_cast": linear_head.scale_cast_op, "kl_penalty": kl.kl_penalty_op,
        "kl_penalty_backward": kl.kl_penalty_backward_op}
 ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")

@@ -4,6 +4,7 @@ actor tokens, gathering the actor rows, tied embeddings, bad heads, the chunk bu
 it allocates (no ``[N, V]`` tensor)."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rlfuse
 from rlfuse import reference
@@ -158,12 +159,99 @@ def test_no_logits_sized_allocation(name, device):
     assert max(n for _, n, _ in allocs.outputs) >= B * S * V
 
 
-def test_default_chunk_from_the_budget(monkeypatch):
+class Ops(TorchDispatchMode):
+    """Every op run while the mode is on, rlfuse's ops and the ops inside them: (name, whether
+    it adds at indices, its new tensors' shapes, the single pass op's outputs), a new tensor
+    being one whose storage is none of its arguments'. Nothing else is kept: a tensor held
+    here would be copied by autograd rather than passed on."""
+
+    def __init__(self):
+        super().__init__()
+        self.ran = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if func.namespace == "rlfuse":     # its implementation, with the mode on: its ops too
+            with self:
+                out = func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args,
+                                  **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        # an atomic add on a GPU: the sums' bits depend on the order the threads arrive in
+        adds = (any(op in name for op in ("index_add", "scatter_add", "scatter_reduce")) or
+                ("index_put" in name and bool(args[3] if len(args) > 3
+                                              else kwargs.get("accumulate", False))))
+        inputs = {a.untyped_storage().data_ptr() for a in (*args, *kwargs.values())
+                  if isinstance(a, torch.Tensor)}
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        new = [tuple(t.shape) for t in outs if func.namespace != "rlfuse"     # seen inside
+               and isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+        self.ran.append((name, adds, new, outs if "linear_surrogate" in name else None))
+        return out
+
+    def adding_at_indices(self):
+        return [name for name, adds, _, _ in self.ran if adds]
+
+
+@pytest.mark.parametrize("name", ["gppo", "policy_logprobs"])
+def test_one_weight_sized_gradient_and_no_atomic_add(name, device):
+    """A bf16 head under an upstream gradient of 0.75, forward and backward: two [V, H]
+    buffers, the fp32 accumulator and the returned gradient (no cast held from the forward, no
+    chunk's product, no scaled copy: the single pass's backward scales and casts the
+    accumulator in one pass), and no op that adds at indices."""
+    case = make_case(8, device)
+    c = {k: v.float() if v.is_floating_point() else v for k, v in case.items()}
+    hidden = case["hidden"].to(torch.bfloat16).requires_grad_(True)
+    weight = case["weight"].to(torch.bfloat16).requires_grad_(True)
+    with Ops() as ops:
+        policy = rlfuse.LinearHead(hidden, weight, c["targets"], offset=OFFSET, chunk_tokens=3)
+        (LOSSES[name](rlfuse, policy, c) * 0.75).backward()
+    assert weight.grad is not None and weight.grad.dtype == torch.bfloat16
+    weight_sized = [op for op, _, shapes, _ in ops.ran for shape in shapes if shape == (V, H)]
+    assert len(weight_sized) == 2, weight_sized
+    assert not ops.adding_at_indices(), ops.adding_at_indices()
+
+
+def test_the_upstream_gradient_scales_the_accumulation_rounded_once(device):
+    """A bf16 head's weight and bias gradients under an upstream gradient c = 0.3 are c times
+    the single pass's fp32 accumulations, rounded to bf16 once."""
+    case = make_case(9, device)
+    c = {k: v.float() if v.is_floating_point() else v for k, v in case.items()}
+    hidden, weight, bias = (case[k].to(torch.bfloat16).requires_grad_(True)
+                            for k in ("hidden", "weight", "bias"))
+    with Ops() as ops:
+        policy = rlfuse.LinearHead(hidden, weight, c["targets"], bias, offset=OFFSET,
+                                   chunk_tokens=3)
+        (LOSSES["gppo"](rlfuse, policy, c) * 0.3).backward()
+    (outputs,) = [out for name, _, _, out in ops.ran if "linear_surrogate" in name]
+    dweight, dbias = outputs[3:]
+    assert dweight.dtype == dbias.dtype == torch.float32
+    scale = torch.tensor(0.3, dtype=torch.float32, device=dweight.device)
+    assert torch.equal(weight.grad, _bf16_as_a_kernel_rounds(dweight * scale))
+    assert torch.equal(bias.grad, _bf16_as_a_kernel_rounds(dbias * scale))
+
+
+def _bf16_as_a_kernel_rounds(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 as a kernel's cast rounds: to nearest even on a GPU, toward zero in
+    Triton's interpreter (its cast takes no rounding mode)."""
+    if x.is_cuda:
+        return x.to(torch.bfloat16)
+    return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+def test_default_chunk_from_the_head(monkeypatch):
+    """H tokens a chunk (at least 256, at most 1 GiB of logits), whatever the number of
+    tokens: a chunk's logits no larger than the weight; RLFUSE_CHUNK_BYTES sets a budget."""
     from rlfuse.fused_losses.linear_head import chunk_tokens_for
 
-    assert chunk_tokens_for(151936, 2, None) == (1 << 30) // (151936 * 2)
-    assert chunk_tokens_for(151936, 2, 100) == 100
+    monkeypatch.delenv("RLFUSE_CHUNK_BYTES", raising=False)
+    bf16 = lambda V, H: torch.empty(V, H, dtype=torch.bfloat16, device="meta")  # noqa: E731
+    assert chunk_tokens_for(bf16(32768, 512), None) == 512
+    assert chunk_tokens_for(bf16(32768, 64), None) == 256
+    assert chunk_tokens_for(bf16(151936, 8192), None) == (1 << 30) // (151936 * 2)
+    assert chunk_tokens_for(bf16(151936, 4096), 100) == 100
     monkeypatch.setenv("RLFUSE_CHUNK_BYTES", str(151936 * 4 * 10))
-    assert chunk_tokens_for(151936, 4, None) == 10
+    assert chunk_tokens_for(torch.empty(151936, 8, device="meta"), None) == 10
     monkeypatch.setenv("RLFUSE_CHUNK_BYTES", "1")
-    assert chunk_tokens_for(151936, 4, None) == 1
+    assert chunk_tokens_for(torch.empty(151936, 8, device="meta"), None) == 1

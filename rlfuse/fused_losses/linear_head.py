@@ -26,13 +26,15 @@ from torch import Tensor
 from ..shared.head import head_logits
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
+from ..kernels.scale_rows import scale_cast
 from ..kernels.token_functions import SUM_COLUMNS
 from ..kernels.head import HeadParams
 from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd
 
-DEFAULT_CHUNK_BYTES = 1 << 30   # one chunk of logits: 1 GiB unless RLFUSE_CHUNK_BYTES says
+DEFAULT_CHUNK_BYTES = 1 << 30   # the most a default chunk of logits takes: 1 GiB
+MIN_CHUNK_TOKENS = 256          # the fewest tokens a default chunk takes (the matmul's M)
 
 
 def head_fields(head) -> dict:
@@ -40,13 +42,19 @@ def head_fields(head) -> dict:
     return HeadParams.of(head)._asdict()
 
 
-def chunk_tokens_for(vocab_size: int, element_size: int, chunk_tokens: Optional[int]) -> int:
-    """Tokens per chunk: ``chunk_tokens``, else the chunk budget (bytes of chunk logits,
-    ``RLFUSE_CHUNK_BYTES`` or 1 GiB) over the bytes of one row of logits."""
+def chunk_tokens_for(weight: Tensor, chunk_tokens: Optional[int]) -> int:
+    """Tokens per chunk of a head of ``weight [V, H]``: ``chunk_tokens``; else the budget of
+    chunk logits in bytes given by ``RLFUSE_CHUNK_BYTES`` over the bytes of one row; else H
+    tokens (at least ``MIN_CHUNK_TOKENS``, at most 1 GiB of logits): a chunk's logits no
+    larger than the weight itself, whose fp32 gradient the loss holds anyway, so that the
+    chunk adds at most what the head already costs, at any number of tokens."""
     if chunk_tokens:
         return chunk_tokens
-    budget = int(os.environ.get("RLFUSE_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
-    return max(1, budget // (vocab_size * element_size))
+    vocab_size, hidden_size = weight.shape
+    row = vocab_size * weight.element_size()
+    if "RLFUSE_CHUNK_BYTES" in os.environ:
+        return max(1, int(os.environ["RLFUSE_CHUNK_BYTES"]) // row)
+    return max(1, min(DEFAULT_CHUNK_BYTES // row, max(MIN_CHUNK_TOKENS, hidden_size)))
 
 
 class Rows:
@@ -74,18 +82,31 @@ def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
     return torch.nn.functional.linear(h_rows, weight, bias).unsqueeze(1)
 
 
-# cuBLAS matmuls of bf16 / fp16 inputs with an fp32 output (torch's addmm with out_dtype: CUDA)
-_FP32_OUTPUT_MATMUL = "dtype_out" in torch.ops.aten.addmm.overloads()
+# cuBLAS matmuls of bf16 / fp16 inputs with an fp32 output (torch's mm / addmm with out_dtype:
+# CUDA)
+_FP32_OUTPUT_MATMUL = ("dtype_out" in torch.ops.aten.addmm.overloads()
+                       and "dtype" in torch.ops.aten.mm.overloads())
+
+
+def _fp32_output(a: Tensor, dtype: torch.dtype) -> bool:
+    return a.dtype != dtype and a.is_cuda and _FP32_OUTPUT_MATMUL
 
 
 def add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """``out += a @ b`` for an fp32 ``out`` (the weight gradient over the chunks): on CUDA with
-    bf16 / fp16 inputs one matmul accumulating into ``out`` in fp32 (no product rounded to the
-    inputs' dtype, no second ``[V, H]`` buffer); otherwise the product formed and added."""
-    if out.dtype != a.dtype and a.is_cuda and _FP32_OUTPUT_MATMUL:
+    """``out += a @ b`` for an fp32 ``out`` (the weight gradient over the chunks), accumulated
+    in fp32 without a ``[V, H]`` product: on CUDA one matmul into ``out`` (bf16 / fp16 inputs
+    with an fp32 output); elsewhere the chunk-sized ``a`` and ``b`` in ``out``'s dtype."""
+    if _fp32_output(a, out.dtype):
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
-        out += (a @ b).to(out.dtype)
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
+def product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a @ b`` in ``dtype``, rounded once (on CUDA an fp32 output of bf16 / fp16 inputs)."""
+    if _fp32_output(a, dtype):
+        return torch.mm(a, b, out_dtype=dtype)
+    return (a @ b).to(dtype)
 
 
 class HeadGradients:
@@ -110,23 +131,27 @@ class HeadGradients:
         """dL/dh = dlogits W, dL/dW += dlogits^T h, dL/db += sum of dlogits, for one chunk."""
         dlogits = dlogits.squeeze(1)
         if self.dhidden is not None:
-            self.dhidden.index_copy_(0, rows, (dlogits @ self.weight).to(self.dhidden.dtype))
+            self.dhidden.index_copy_(0, rows, product(dlogits, self.weight, self.dhidden.dtype))
         if self.dweight is not None:
             add_product(self.dweight, dlogits.t(), h_rows)
         if self.dbias is not None:
             self.dbias += dlogits.sum(0, dtype=self.dbias.dtype)
 
-    def results(self, hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def results(self, hidden: Tensor, weight: Tensor,
+                accumulated: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
         """The three gradients in their tensors' dtypes (the hidden states' summed over the
         group first: one all-reduce, once however often this is called), a new empty tensor for
-        each one not computed (an op's outputs alias nothing)."""
+        each one not computed (an op's outputs alias nothing). ``accumulated``: the weight's and
+        the bias's as accumulated (fp32), for a backward that scales and casts them at once."""
         if self.group_name and self.dhidden is not None:
             vocab.group_sum(self.dhidden, self.group_name)
             self.group_name = ""
         dhidden = None if self.dhidden is None else self.dhidden.view(hidden.shape).to(hidden.dtype)
+        dtype = self.dweight.dtype if accumulated and self.dweight is not None else weight.dtype
         return (hidden.new_empty(0) if dhidden is None else dhidden,
-                weight.new_empty(0) if self.dweight is None else self.dweight.to(weight.dtype),
-                weight.new_empty(0) if self.dbias is None else self.dbias.to(weight.dtype))
+                weight.new_empty(0) if self.dweight is None else self.dweight.to(dtype),
+                weight.new_empty(0) if self.dbias is None else
+                self.dbias.to(self.dbias.dtype if accumulated else weight.dtype))
 
 
 def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
@@ -158,10 +183,12 @@ def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, head: HeadPa
     return local, torch.stack([logp.reshape(-1), stats[:, 0], stats[:, 1], entropy], -1)
 
 
-def _gradients_fake(hidden, weight, bias, needs):
+def _gradients_fake(hidden, weight, bias, needs, accumulated=False):
+    dtype = compute_dtype(weight.dtype) if accumulated else weight.dtype
     return (hidden.new_empty(hidden.shape if needs[0] else (0,)),
-            weight.new_empty(weight.shape if needs[1] else (0,)),
-            weight.new_empty((weight.shape[0],) if needs[2] and bias is not None else (0,)))
+            weight.new_empty(weight.shape if needs[1] else (0,), dtype=dtype),
+            weight.new_empty((weight.shape[0],) if needs[2] and bias is not None else (0,),
+                             dtype=dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,7 +324,9 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     """``(loss, sums [B, SUM_COLUMNS], dhidden, dweight, dbias)``: the surrogate ``objective``
     over the head's window (``old_lp`` None: on policy) with its terms (those of
     ``surrogate.surrogate_logits_op``) and its gradients for an upstream gradient of 1 (empty
-    where not needed), each chunk's logits formed once.
+    where not needed; the weight's and the bias's as accumulated, in fp32: the backward scales
+    and casts them in one pass), each chunk's logits formed once. The sums are kept per token
+    and summed over each row at the end: no atomic add, the same bits on every run.
 
     ``group_name``: the head is this rank's shard of a vocabulary split over that group; each
     chunk's whole-row statistics are gathered before its gradient is written (one all-gather of
@@ -309,8 +338,8 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name)
     write = any(needs)
     B, T = targets.shape
-    sums_of_rows = torch.zeros((B, len(SUM_COLUMNS)), dtype=row_scale.dtype,
-                               device=hidden.device)
+    sums_of_tokens = torch.zeros((B * T, len(SUM_COLUMNS)), dtype=row_scale.dtype,
+                                 device=hidden.device)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
     old_flat, w_flat, ref_flat = _flat(old_lp), _flat(weights), _flat(ref_lp)
     adv_flat = _flat(adv.unsqueeze(-1).expand(B, T) if adv.dim() == 1 else adv)
@@ -333,11 +362,12 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
             kl_scale=None if kl_flat is None else kl_flat[tokens],
             entropy_scale=None if entropy_flat is None else entropy_flat[tokens],
             row_stats=row_stats)
-        sums_of_rows.index_add_(0, tokens // T, sums)
+        sums_of_tokens[tokens] = sums
         if write:
             grads.add(logits, h_rows, rows)
+    sums_of_rows = sums_of_tokens.view(B, T, -1).sum(1)
     loss = -sums_of_rows[:, SUM_COLUMNS.index("loss")].sum()
-    return (loss, sums_of_rows) + grads.results(hidden, weight)
+    return (loss, sums_of_rows) + grads.results(hidden, weight, accumulated=True)
 
 
 @linear_surrogate_op.register_fake
@@ -346,13 +376,26 @@ def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_
       delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
       offset, chunk_tokens, gather, needs, group_name=""):
     sums = row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS)))
-    return (row_scale.new_empty(()), sums) + _gradients_fake(hidden, weight, bias, needs)
+    return (row_scale.new_empty(()), sums) + _gradients_fake(hidden, weight, bias, needs,
+                                                             accumulated=True)
+
+
+@custom_op("scale_cast")
+def scale_cast_op(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(x * scale).to(dtype)`` in one pass (``kernels.scale_rows.scale_cast``)."""
+    return scale_cast(x, scale, dtype)
+
+
+@scale_cast_op.register_fake
+def _(x, scale, dtype):
+    return x.new_empty(x.shape, dtype=dtype)
 
 
 def _surrogate_setup(ctx, inputs, output):
     _, sums, dh, dw, db = output
     ctx.save_for_backward(dh, dw, db)
     ctx.needs, ctx.has_bias = inputs.needs, inputs.bias is not None
+    ctx.weight_dtype = inputs.weight.dtype
     ctx.mark_non_differentiable(sums, dh, dw, db)
     ctx.set_materialize_grads(False)
 
@@ -361,8 +404,10 @@ def _surrogate_backward(ctx, grad_loss, *_):
     if grad_loss is None:
         return None
     needs = head_gradients(ctx.needs, ctx.has_bias, *ctx.saved_tensors)
-    # one pass over a [N, H] / [V, H] gradient each, no host sync
-    return {name: grad * grad_loss.to(grad.dtype) for name, grad in needs.items()}
+    # one pass over each gradient, no host sync: the hidden states' scaled, the weight's and
+    # the bias's fp32 accumulators scaled into new tensors of their parameters' dtype
+    return {name: grad * grad_loss.to(grad.dtype) if name == "hidden" else
+            scale_cast_op(grad, grad_loss, ctx.weight_dtype) for name, grad in needs.items()}
 
 
 register_autograd(linear_surrogate_op, _surrogate_backward, _surrogate_setup)

@@ -1,7 +1,8 @@
 """The single pass's backward (``surrogate.surrogate_logits_fwd`` writes ``dlogits`` for an
 upstream gradient of 1): the actor rows of that buffer multiplied in place by the upstream
 gradient, read on the device, so that a gradient of 1 costs no pass over them and no host
-sync."""
+sync; and a ``LinearHead``'s weight and bias gradients, accumulated in fp32 by the forward,
+scaled by it and cast to the parameters' dtype in the same pass (``scale_cast``)."""
 from __future__ import annotations
 
 import torch
@@ -53,3 +54,30 @@ def scale_rows(dlogits: torch.Tensor, mask: torch.Tensor, grad: torch.Tensor,
         T, S, offset, V,
         BLOCK_V=block_v, ACC=tl_compute_dtype(dlogits.dtype), num_warps=num_warps,
     )
+
+
+@triton.jit
+def _scale_cast_kernel(
+    # pointers
+    x_ptr, scale_ptr, out_ptr,  # [n] fp32 / fp64 in, 0-dim, [n] out in its dtype
+    # sizes
+    n,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    x = tl.load(x_ptr + offs, mask=inside)
+    scale = tl.load(scale_ptr).to(x.dtype)
+    tl.store(out_ptr + offs, (x * scale).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def scale_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(x * scale).to(dtype)`` in one pass, rounded once: a head's fp32 gradient accumulator
+    (contiguous) times the 0-dim upstream gradient, read on the device, into a new tensor of
+    the parameter's dtype."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    n = x.numel()
+    if n:
+        block = 1024
+        _scale_cast_kernel[(triton.cdiv(n, block),)](x, scale, out, n, BLOCK=block)
+    return out
