@@ -7,14 +7,17 @@
 #   0. (background, from t = 0) Triton's cache warmed: python -m tools.gpu_compile --jobs J
 #      compiles every kernel variant the public API launches for this GPU's arch, J processes
 #      at once; meanwhile the environment is recorded and rlfuse (and a carried Liger wheel)
-#      installed. The tests start when the warm-up ends or at WARMUP_S (90 s).
-#   1. the GPU tests (-m gpu, -v, each test failed after TEST_TIMEOUT s)   -> pytest.txt
-#   2. the tests whose kernels run natively and whose results differ on a GPU (GPU math),
+#      installed.
+#   1. the headline benchmarks at once, beside the warm-up (each case compiles what the cache
+#      lacks: the first number once its case has compiled; python -m bench --headline:
+#      N 16384, V 151936, bf16, every op on logits and on a LinearHead at H 4096; fused, eager
+#      reference, Liger, then torch.compile(reference); the floor, GB/s, TFLOP/s beside the
+#      plain GEMMs of the same shapes timed in the run), within BENCH_S
+#                                                   -> <gpu>-<commit>.json, .md, .png
+#   2. the GPU tests (-m gpu, -v, each test failed after TEST_TIMEOUT s), once the warm-up has
+#      ended or WARMUP_S (90 s) has passed                                  -> pytest.txt
+#   3. the tests whose kernels run natively and whose results differ on a GPU (GPU math),
 #      CUDA_TESTS, within CUDA_TESTS_S                                      -> pytest.txt
-#   3. the headline benchmarks (python -m bench --headline: N 16384, V 151936, bf16, every op
-#      on logits and on a LinearHead at H 4096; fused, eager reference, Liger, then
-#      torch.compile(reference); the floor, GB/s, TFLOP/s beside the plain GEMMs of the same
-#      shapes timed in the run), within BENCH_S     -> <gpu>-<commit>.json, .md, .png
 #   4. the single-pass sweep in one process (python -m bench.sweep: each configuration's loss
 #      and gradient checked against the default before it is timed), with what is left
 #                                                   -> sweep.json, sweep.md
@@ -88,6 +91,15 @@ phase "environment"
     fi
 } 2>&1 | tee -a "$LOG"
 
+bench_s=$(cap "$BENCH_S")
+phase "python -m bench --headline (${bench_s}s)"
+# The JSON is checkpointed after every case: the hard timeout keeps what was measured.
+# shellcheck disable=SC2086  # option lists
+timeout "$bench_s" "$PY" -m bench --headline --out "$OUT" --budget-s $((bench_s > 40 ?
+    bench_s - 30 : bench_s / 2)) $BENCH_ARGS 2>&1 | tee -a "$LOG"
+bench_rc=${PIPESTATUS[0]}
+echo "bench exit code: $bench_rc" | tee -a "$LOG"
+
 if [[ -n $warmup_pid ]]; then
     wait "$warmup_pid"
     phase "warm-up: tools.gpu_compile exit code $? (124: stopped at ${WARMUP_S}s)"
@@ -112,15 +124,6 @@ phase "pytest -m 'not gpu' $CUDA_TESTS (${CUDA_TESTS_S}s)"
 tests "$CUDA_TESTS_S" -q -m "not gpu" $CUDA_TESTS
 cuda_rc=$?
 echo "pytest exit codes: gpu $gpu_rc, cuda $cuda_rc (124: stopped at its time)" | tee -a "$LOG"
-
-bench_s=$(cap "$BENCH_S")
-phase "python -m bench --headline (${bench_s}s)"
-# The JSON is checkpointed after every case: the hard timeout keeps what was measured.
-# shellcheck disable=SC2086  # option lists
-timeout "$bench_s" "$PY" -m bench --headline --out "$OUT" --budget-s $((bench_s > 40 ?
-    bench_s - 30 : bench_s / 2)) $BENCH_ARGS 2>&1 | tee -a "$LOG"
-bench_rc=${PIPESTATUS[0]}
-echo "bench exit code: $bench_rc" | tee -a "$LOG"
 
 phase "vocabulary split: bytes per call (computed; one GPU cannot time a split)"
 timeout "$(cap 20)" "$PY" -m tools.traffic --comm 2>&1 | tee -a "$LOG"
