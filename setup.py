@@ -9,7 +9,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=find_packages(include=["rlfuse", "rlfuse.*"]),
-    install_requires=["torch>=2.3", "triton>=3.3"],
+    install_requires=["torch>=2.10", "triton>=3.3"],
     extras_require={
         # trl, deepspeed and verl: the integrations are tested against the real packages. verl is
         # installed with --no-deps by `make setup` (its own pins clash with ours); these are

@@ -440,7 +440,7 @@ def as_objective(objective) -> Objective:
             raise ValueError(f"objective: expected one of {', '.join(map(repr, OBJECTIVES))} or "
                              f"an instance of rlfuse.objectives, got {objective!r}")
         return OBJECTIVES[objective]()
-    if type(objective) not in OBJECTIVES.values():
+    if OBJECTIVES.get(getattr(objective, "name", None)) is not type(objective):  # a record
         raise TypeError(f"objective: expected a name or an instance of rlfuse.objectives "
                         f"({', '.join(c.__name__ for c in OBJECTIVES.values())}), got "
                         f"{type(objective).__name__}")

@@ -228,16 +228,8 @@ def test_the_upstream_gradient_scales_the_accumulation_rounded_once(device):
     dweight, dbias = outputs[3:]
     assert dweight.dtype == dbias.dtype == torch.float32
     scale = torch.tensor(0.3, dtype=torch.float32, device=dweight.device)
-    assert torch.equal(weight.grad, _bf16_as_a_kernel_rounds(dweight * scale))
-    assert torch.equal(bias.grad, _bf16_as_a_kernel_rounds(dbias * scale))
-
-
-def _bf16_as_a_kernel_rounds(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> bf16 as a kernel's cast rounds: to nearest even on a GPU, toward zero in
-    Triton's interpreter (its cast takes no rounding mode)."""
-    if x.is_cuda:
-        return x.to(torch.bfloat16)
-    return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    assert torch.equal(weight.grad, (dweight * scale).to(torch.bfloat16))
+    assert torch.equal(bias.grad, (dbias * scale).to(torch.bfloat16))
 
 
 def test_default_chunk_from_the_head(monkeypatch):

@@ -346,6 +346,22 @@ def test_exp_accurate(dtype, device):
     assert torch.isnan(got[-1]) and got[-2] == 0 and got[-3] == float("inf")
 
 
+def test_bf16_outputs_round_to_nearest_even(device):
+    """A kernel's fp32 -> bf16 cast rounds to nearest, ties to even, as a GPU's does (the
+    interpreter is made to, conftest): exact halves both ways, values just off a half, the
+    largest finite values, subnormals, infinities and NaN, against torch's own conversion."""
+    from rlfuse.kernels.scale_rows import scale_cast
+
+    one = 1.0 + 2.0 ** -8                                    # halfway between two bf16
+    x = torch.tensor([one, 1.0 + 3 * 2.0 ** -8, -one, one + 2.0 ** -20, one - 2.0 ** -20,
+                      3.3895e38, -3.3895e38, 1e-39, -2.5e-40, 0.0, -0.0, float("inf"),
+                      float("-inf"), float("nan")])
+    x = torch.cat([x, torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 100])
+    got = scale_cast(x.to(device), torch.tensor(1.0, device=device), torch.bfloat16).cpu()
+    want = x.to(torch.bfloat16)
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    assert same.all(), (x[~same], got[~same], want[~same])
+
 
 @pytest.fixture
 def gpu_exp(monkeypatch):

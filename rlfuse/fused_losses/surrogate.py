@@ -282,7 +282,8 @@ def terms_apart(lp: Tensor, old_lp: Optional[Tensor], mask: Tensor, ratio: str,
                 entropy_scale: Optional[Tensor]) -> Tuple[Tensor, Dict[str, Tensor]]:
     """The KL and entropy terms from ``[B, T]`` log-probs (and entropies), each with its row
     weights (coefficient included): ``(loss, totals)``."""
-    loss = next((s for s in (kl_scale, entropy_scale) if s is not None), lp).new_zeros(())
+    scales = [s for s in (kl_scale, entropy_scale) if s is not None]
+    loss = (scales[0] if scales else lp).new_zeros(())
     totals = {}
     if kl is not None:   # masked positions may hold anything: zeros go into the kernels
         cdt = kl_scale.dtype
