@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--N", action="append", help="tokens B*T (default 16384,4096; B = 16)")
     p.add_argument("--V", action="append", help="vocabulary (default 151936,128256,32000)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a CPU smoke run")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="H of the LinearHead ops (default 4096; 32 with --quick)")
     p.add_argument("--headline", action="store_true",
                    help="the headline cases only (what the GPU check runs): N 16384, V 151936, "
                         "bf16, fwd and fwd+bwd, every op on logits or a LinearHead (H 4096), "
@@ -167,7 +169,8 @@ def run(args, checkpoint=None) -> dict:
         # One compiled graph per shape (dynamic=False); --compile-all needs more than 8.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
-    shapes = cases.make_shapes(args.N, args.V, args.dtype, quick=args.quick)
+    shapes = cases.make_shapes(args.N, args.V, args.dtype, quick=args.quick,
+                               hidden=args.hidden)
     ops = [cases.OPS[name] for name in args.op]
     plan, compiled_at = [], {}
     for shape in shapes:

@@ -68,7 +68,8 @@ class Shape:
 
 
 def make_shapes(Ns: Sequence[int] = (), Vs: Sequence[int] = (),
-                dtypes: Sequence[torch.dtype] = (), *, quick: bool = False):
+                dtypes: Sequence[torch.dtype] = (), *, quick: bool = False,
+                hidden: Optional[int] = None):
     """The grid, headline shape first (largest N and V): logits shapes for every (N, V, dtype)
     and one log-prob shape per N. With no ``dtypes`` given: bf16, plus fp32 at ``FP32_SHAPE``."""
     batch = QUICK_BATCH if quick else BATCH
@@ -77,7 +78,7 @@ def make_shapes(Ns: Sequence[int] = (), Vs: Sequence[int] = (),
     for n in Ns:
         if n % batch:
             raise ValueError(f"--N: expected a multiple of B = {batch}, got {n}")
-    hidden = QUICK_HIDDEN if quick else HIDDEN
+    hidden = hidden or (QUICK_HIDDEN if quick else HIDDEN)
     shape = lambda n, v, dt: Shape(n, v, dt, batch, GROUP_SIZE, hidden)  # noqa: E731
     logits = [shape(n, v, dt) for dt in (dtypes or (torch.bfloat16,)) for n in Ns for v in Vs]
     if not dtypes:

@@ -2,6 +2,9 @@
 the plain GEMMs of a head."""
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 from typing import Callable, Optional, Tuple
 
@@ -59,7 +62,13 @@ def time_ms(step: Callable, device: torch.device, *, warmup_ms: float = 25, rep_
 
 def peak_memory(step: Callable, device: torch.device) -> Optional[int]:
     """Bytes allocated by one ``step`` beyond what was allocated before it (inputs, and in bwd
-    mode the forward graph); None off CUDA."""
+    mode the forward graph): on CUDA the allocator's peak; on the CPU the highest running total
+    of the allocations the profiler records during the step, less their frees (a buffer from
+    before the step is not seen freed: in bwd mode an upper bound). Triton's interpreter keeps
+    a kernel's temporaries in numpy, outside it, as a GPU keeps them in registers. None
+    elsewhere."""
+    if device.type == "cpu":
+        return _cpu_peak(step)
     if device.type != "cuda":
         return None
     torch.cuda.synchronize()
@@ -68,6 +77,20 @@ def peak_memory(step: Callable, device: torch.device) -> Optional[int]:
     step()
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated() - before)
+
+
+def _cpu_peak(step: Callable) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return int(max((e["args"]["Total Allocated"] for e in events
+                    if e.get("name") == "[memory]"), default=0))
 
 
 def head_gemms_ms(rows: int, hidden: int, vocab: int, dtype: torch.dtype,

@@ -64,7 +64,8 @@ def summary_line(header: dict) -> str:
 def markdown(results: dict, modes: Optional[Iterable[str]] = None) -> str:
     """One table row per (op, mode, dtype, N, V): the median ms of every implementation, the
     fused speed-up over the reference (and Liger), the fused share of the HBM floor, and the
-    peak extra memory of each implementation (CUDA only)."""
+    peak extra memory of each implementation (on CUDA the allocator's, on the CPU the
+    profiler's: measure.peak_memory)."""
     header = results["header"]
     modes = tuple(modes or MODE_ORDER)
     rows = [r for r in results["rows"] if r["mode"] in modes]
