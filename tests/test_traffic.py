@@ -96,7 +96,10 @@ def _expected(name, op, mode):
     if op.matmuls is not None:
         rows = {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": actor}
         formed = 1 if single_pass else 2        # GGPO forms each chunk twice
-        return rows, {"linear": (0, formed), "matmul": (2, 0)}, 0.0
+        # dhidden = dlogits W (one read of the chunk), dweight += dlogits^T h accumulated in
+        # fp32 (here: addmm_ of the chunk cast to fp32, two rows' bytes; on CUDA one matmul of
+        # the bf16 chunk with an fp32 output)
+        return rows, {"linear": (0, formed), "matmul": (1, 0), "addmm_": (2, 0)}, 0.0
     rows = {"actor": actor, "masked": (0, 0, writes)}
     window_rows = 1.0
     if "offset" in name or "packed" in name:   # the rows outside the window: zeros written

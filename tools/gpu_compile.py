@@ -161,6 +161,9 @@ def _drive():
 
     weight = torch.randn(V, 64, generator=g).to(torch.bfloat16)
     hidden = torch.randn(B, T, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    # a trainable head: its gradients' fp32 accumulators scaled and cast in the backward
+    trainable = rlfuse.LinearHead(hidden, weight.clone().requires_grad_(), targets)
+    backward(rlfuse.ppo_loss(trainable, old, adv_seq, mask, validate=False).loss)
     # every objective of the registry (a token-local one's per-token function in the surrogate
     # kernels; GSPO's ratio modes; the batch-level ones run the log-prob kernels)
     for objective in (cls.example() for cls in objectives.OBJECTIVES.values()):

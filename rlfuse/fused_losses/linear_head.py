@@ -365,7 +365,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
         sums_of_tokens[tokens] = sums
         if write:
             grads.add(logits, h_rows, rows)
-    sums_of_rows = sums_of_tokens.view(B, T, -1).sum(1)
+    sums_of_rows = sums_of_tokens.view(B, T, len(SUM_COLUMNS)).sum(1)
     loss = -sums_of_rows[:, SUM_COLUMNS.index("loss")].sum()
     return (loss, sums_of_rows) + grads.results(hidden, weight, accumulated=True)
 
