@@ -4,6 +4,7 @@ actor tokens, gathering the actor rows, tied embeddings, bad heads, the chunk bu
 it allocates (no ``[N, V]`` tensor)."""
 import pytest
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rlfuse
@@ -172,10 +173,10 @@ class Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func)
-        if func.namespace == "rlfuse":     # its implementation, with the mode on: its ops too
+        opdef = _maybe_get_opdef(func) if func.namespace == "rlfuse" else None
+        if opdef is not None:     # its implementation with the mode on (as tools.traffic)
             with self:
-                out = func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args,
-                                  **kwargs)
+                out = opdef._init_fn(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         # an atomic add on a GPU: the sums' bits depend on the order the threads arrive in

@@ -444,12 +444,16 @@ def vocab_trips(full_blocks: bool, block_v: int, vocab: int) -> int:
     return vocab // block_v if full_blocks else math.ceil(vocab / block_v)
 
 
-def row_instructions(counted: List[Loop], per_row: int, block_v: int,
-                     vocab: int = HEADLINE_V) -> int:
-    """A thread's instructions over one row of ``vocab``: each vocabulary loop's body once per
-    block, and the row's code outside them."""
-    return per_row + sum(vocab_trips(lp.full_blocks, block_v, vocab) * len(lp.instructions)
-                         for lp in counted)
+def row_counts(row: dict, vocab: int) -> Tuple[int, int]:
+    """A thread's (instructions, MUFU operations) over one row of ``vocab``: each vocabulary
+    loop's body once per block it runs over, and the row's code outside them."""
+    body, mufu = row["per_row"], row["per_row_mufu"]
+    for lp in row["loops"]:
+        if lp["counted"]:
+            trips = vocab_trips(lp["full_blocks"], row["BLOCK_V"], vocab)
+            body += trips * lp["instructions"]
+            mufu += trips * lp["classes"]["mufu"]
+    return body, mufu
 
 
 def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num_warps: int,
@@ -467,9 +471,8 @@ def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num
     # only stores (a masked row's zeros) is what a masked row runs instead
     fixed = {lp.header: trip_count(lp, instructions) for lp in loops
              if lp.inner and not lp.loads and not lp.stores}
-    repeats = {i.addr: (fixed.get(lp.header, 0) if lp.inner and not lp.loads and not lp.stores
-                        else 0)
-               for lp in loops if lp.inner for i in lp.instructions}
+    repeats = {i.addr: fixed.get(lp.header, 0) for lp in loops if lp.inner
+               for i in lp.instructions}
     per_row = [i for i in instructions if i.base != "NOP"
                and not (i.base == "BRA" and labels.get(i.target) == i.addr)
                for _ in range(repeats.get(i.addr, 1))]
@@ -498,12 +501,11 @@ def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num
         "per_row": len(per_row),
         "per_row_mufu": sum(i.cls == "mufu" for i in per_row),
         "instr_per_logit": body / per_thread,
-        # the whole row's at the headline vocabulary
-        "row_instr_per_logit": row_instructions(counted, len(per_row), block_v)
-        / (HEADLINE_V / (32 * num_warps)),
         "classes_per_logit": {c: classes.get(c, 0) / per_thread for c in CLASSES},
         "floor": {"reads": reads, "writes": writes, "bytes_per_logit": (reads + writes) * element},
     }
+    # the whole row's at the headline vocabulary
+    row["row_instr_per_logit"] = row_counts(row, HEADLINE_V)[0] / (HEADLINE_V / (32 * num_warps))
     row["model"] = model(row, arch)
     return row
 
@@ -511,16 +513,9 @@ def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num
 def model(row: dict, arch: int, n_rows: int = HEADLINE_N, vocab: int = HEADLINE_V) -> dict:
     """Issue, MUFU and memory time (ms) of one launch over ``n_rows x vocab`` logits on each GPU
     that runs this arch's SASS, and issue / memory and MUFU / memory."""
-    # per thread and row: each vocabulary loop's body once per block it runs over (V // BLOCK_V
-    # full blocks, ceil(V / BLOCK_V) for a masked loop), the code outside the loops once
-    body = mufu = 0
-    for lp in row["loops"]:
-        if lp["counted"]:
-            trips = vocab_trips(lp["full_blocks"], row["BLOCK_V"], vocab)
-            body += trips * lp["instructions"]
-            mufu += trips * lp["classes"]["mufu"]
-    warp_instr = n_rows * row["num_warps"] * (body + row["per_row"])
-    mufu_lanes = n_rows * row["num_warps"] * 32 * (mufu + row["per_row_mufu"])
+    body, mufu = row_counts(row, vocab)
+    warp_instr = n_rows * row["num_warps"] * body
+    mufu_lanes = n_rows * row["num_warps"] * 32 * mufu
     nbytes = n_rows * vocab * row["floor"]["bytes_per_logit"]
     out = {}
     for gpu in GPUS:

@@ -147,11 +147,14 @@ class HeadGradients:
             vocab.group_sum(self.dhidden, self.group_name)
             self.group_name = ""
         dhidden = None if self.dhidden is None else self.dhidden.view(hidden.shape).to(hidden.dtype)
-        dtype = self.dweight.dtype if accumulated and self.dweight is not None else weight.dtype
+
+        def of_weight(grad):
+            if grad is None:
+                return weight.new_empty(0)
+            return grad if accumulated else grad.to(weight.dtype)
+
         return (hidden.new_empty(0) if dhidden is None else dhidden,
-                weight.new_empty(0) if self.dweight is None else self.dweight.to(dtype),
-                weight.new_empty(0) if self.dbias is None else
-                self.dbias.to(self.dbias.dtype if accumulated else weight.dtype))
+                of_weight(self.dweight), of_weight(self.dbias))
 
 
 def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
