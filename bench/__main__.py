@@ -42,13 +42,6 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-# --headline: every op on logits or a LinearHead, in this order (a time budget, which drops the
-# compiled reference's cases first, keeps those of the first ops)
-_FIRST = ("token_logprobs", "gppo_logits", "gppo_head")
-HEADLINE_OPS = _FIRST + tuple(name for name, op in cases.OPS.items()
-                              if op.from_logits and name not in _FIRST)
-
-
 def _split(values, convert=str):
     """Repeatable and comma-separated options: ``--op a,b --op c`` -> [a, b, c]."""
     return [convert(v) for value in values or () for v in value.split(",") if v]
@@ -92,10 +85,11 @@ def parse_args(argv=None):
     p.add_argument("--commit", help="commit to record (default: $RLFUSE_COMMIT, else git)")
     args = p.parse_args(argv)
     if args.headline:
-        args.op = args.op or [",".join(HEADLINE_OPS)]
-        args.mode = args.mode or ["fwd,fwd+bwd"]
-        args.N, args.V = args.N or ["16384"], args.V or ["151936"]
-        args.dtype = args.dtype or ["bf16"]
+        args.op = args.op or [",".join(cases.HEADLINE_OPS)]
+        args.mode = args.mode or [",".join(cases.HEADLINE_MODES)]
+        args.N = args.N or [str(cases.HEADLINE.N)]
+        args.V = args.V or [str(cases.HEADLINE.V)]
+        args.dtype = args.dtype or [str(cases.HEADLINE.dtype).replace("torch.", "")]
     args.op = _split(args.op) or list(cases.OPS)
     for name in args.op:
         if name not in cases.OPS:

@@ -88,6 +88,14 @@ def make_shapes(Ns: Sequence[int] = (), Vs: Sequence[int] = (),
     return logits[:1] + logprobs + logits[1:]
 
 
+def headline_ops():
+    """The headline's ops in the order they run (a time budget, which drops the compiled
+    reference's cases first, keeps those of the first ops): every op on logits or a LinearHead,
+    these three first."""
+    first = ("token_logprobs", "gppo_logits", "gppo_head")
+    return first + tuple(name for name, op in OPS.items() if op.from_logits and name not in first)
+
+
 # --------------------------------------------------------------------------------------------
 # The one input factory
 # --------------------------------------------------------------------------------------------
@@ -417,6 +425,10 @@ def _ops():
 
 OPS = _ops()
 VARIANTS = _variants()
+# The headline (``python -m bench --headline``, the GPU check's cases): its shape, ops, modes.
+HEADLINE = Shape(DEFAULT_N[0], DEFAULT_V[0], torch.bfloat16, BATCH, GROUP_SIZE, HIDDEN)
+HEADLINE_OPS = headline_ops()
+HEADLINE_MODES = ("fwd", "fwd+bwd")
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@
 # and by the deadline:
 #   0. (background, from t = 0) Triton's cache warmed: python -m tools.gpu_compile --jobs J
 #      compiles every kernel variant the public API launches for this GPU's arch, J processes
-#      at once; meanwhile the environment is recorded and rlfuse (and a carried Liger wheel)
-#      installed.
+#      at once, the headline's own first (the same keys in Triton's cache as the headline's
+#      launches: tests/test_gpu_compile.py); meanwhile the environment is recorded and rlfuse
+#      (and a carried Liger wheel) installed.
 #   1. the headline benchmarks at once, beside the warm-up (each case compiles what the cache
 #      lacks: the first number once its case has compiled; python -m bench --headline:
 #      N 16384, V 151936, bf16, every op on logits and on a LinearHead at H 4096; fused, eager

@@ -4,8 +4,10 @@ there: what ``tools.gpu_compile`` and ``tools.sass`` both drive the public API t
 ``install(arch)`` makes every ``JITFunction`` launch compile its kernel for CUDA ``sm_<arch>``
 (recorded in ``COMPILED``, a failure in ``FAILED``) and return without running, CPU tensors take
 the kernel path, and kernel outputs are zero-filled so the host-side logic goes on; with
-``SHARD`` set, a process compiles only its share of the variants. It must run in a process of
-its own, without ``TRITON_INTERPRET=1``.
+``SHARD`` set, a process compiles only its share of the variants; ``install(arch,
+keys_only=True)`` compiles nothing and records each launch's key in Triton's cache of compiled
+kernels (``KEYS``: the kernel, its arguments' specialisation and its options, as Triton 3.3+
+computes it). It must run in a process of its own, without ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from triton.runtime.jit import JITFunction
 COMPILED = {}     # (kernel name, hash) -> (compiled kernel, its constexpr arguments)
 FAILED = []       # (kernel, error)
 SHARD = [0, 1]    # [this process's share, the number of shares]
+KEYS = []         # (kernel name, cache key) of each launch, with keys_only
 
 
 class CompileOnlyDriver:
@@ -80,15 +83,25 @@ def compile_only(run):
     return compile_run
 
 
-def install(arch: int, wrap=None) -> None:
+def launch_key(self, *args, grid, warmup, **kwargs):
+    """``JITFunction.run`` made to record the launch's key in the kernel's cache (``KEYS``) and
+    return None: two launches with one key run one compiled kernel."""
+    from triton.runtime.jit import compute_cache_key
+
+    *_, binder = self.device_caches[driver.active.get_current_device()]
+    _, specialization, options = binder(*args, **kwargs)
+    KEYS.append((self.fn.__name__, compute_cache_key({}, specialization, options)))
+
+
+def install(arch: int, wrap=None, keys_only: bool = False) -> None:
     """The compile-only driver for ``sm_<arch>``, every launch through ``compile_only`` (and
-    then ``wrap(compile_run)``, when given), CPU tensors on the kernel path, kernel outputs
-    zero-filled (the launches write nothing)."""
+    then ``wrap(compile_run)``, when given) or, ``keys_only``, ``launch_key``; CPU tensors on
+    the kernel path, kernel outputs zero-filled (the launches write nothing)."""
     import rlfuse._dispatch
     from rlfuse.kernels import utils
 
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
-    run = compile_only(JITFunction.run)
+    run = launch_key if keys_only else compile_only(JITFunction.run)
     JITFunction.run = run if wrap is None else wrap(run)
     rlfuse._dispatch.INTERPRET = True
     utils.OUTPUT_FILL = 0

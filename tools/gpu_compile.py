@@ -22,6 +22,8 @@ subroutine calls live there).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib
 import json
 import math
@@ -35,6 +37,7 @@ import time
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     sys.exit("tools.gpu_compile: unset TRITON_INTERPRET (the kernels must be compiled, not "
              "interpreted)")
+os.environ["TRITON_INTERPRET"] = "0"     # bench, imported by the drive, would choose it off CUDA
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -42,10 +45,13 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import rlfuse  # noqa: E402
 import rlfuse.kernels  # noqa: E402
+from bench import cases, measure  # noqa: E402
 from rlfuse._names import GEOMETRIES, TOPOLOGIES  # noqa: E402
 from rlfuse.kernels import single_pass, surrogate  # noqa: E402
+from rlfuse.fused_losses.linear_head import chunk_tokens_for  # noqa: E402
 from rlfuse.kernels.head import HeadParams  # noqa: E402
 from rlfuse.kernels.single_pass import single_pass_config  # noqa: E402
+from rlfuse.kernels.utils import vocab_launch_config  # noqa: E402
 from tools import compile_only, sass  # noqa: E402
 
 
@@ -65,9 +71,61 @@ SINGLE_PASS_VARIANTS = tuple(c for c in single_pass.CANDIDATES if c != "default"
 )
 
 
+# The warm-up drives the headline's cases first, each launch with the key it has in the headline
+# (Triton's cache of compiled kernels: the kernel, the constexprs, and of an integer argument
+# whether it is 1 or a multiple of 16), at a cost a CPU drives in seconds: the headline's [B, T]
+# side itself (B 16, T 1024, the same seed: the same mask, hence the same number of actor
+# tokens), a vocabulary of the headline's launch configuration and divisibility (12288: blocks
+# of 8192 in 16 warps, as 151936 in bf16; more than one block) and a head of H 64 whose chunks
+# hold as many tokens as the headline's default chunk (RLFUSE_CHUNK_BYTES).
+# tests/test_gpu_compile.py compares these keys with those of ``python -m bench --headline``.
+HEADLINE_STAND_IN = dict(V=12288, hidden=64)
+
+
+@contextlib.contextmanager
+def headline_stand_in(V: int = HEADLINE_STAND_IN["V"],
+                      hidden: int = HEADLINE_STAND_IN["hidden"]):
+    """The headline's shape with vocabulary ``V`` and hidden size ``hidden`` and, inside, a
+    chunk budget that gives its head the headline's chunks; ValueError for a ``V`` whose
+    launches would differ from the headline's."""
+    headline = cases.HEADLINE
+    config = vocab_launch_config(headline.V, headline.element_size)
+    if V % 16 != headline.V % 16 or V <= config[0] or \
+            vocab_launch_config(V, headline.element_size) != config:
+        raise ValueError(f"V={V}: expected a multiple of 16 above {config[0]} with the "
+                         f"headline's launch configuration {config}")
+    shape = dataclasses.replace(headline, V=V, hidden=hidden)
+    weight = torch.empty(headline.V, headline.hidden, dtype=headline.dtype, device="meta")
+    chunk_bytes = chunk_tokens_for(weight, None) * V * headline.element_size
+    saved = os.environ.get("RLFUSE_CHUNK_BYTES")
+    os.environ["RLFUSE_CHUNK_BYTES"] = str(chunk_bytes)
+    try:
+        yield shape
+    finally:
+        if saved is None:
+            del os.environ["RLFUSE_CHUNK_BYTES"]
+        else:
+            os.environ["RLFUSE_CHUNK_BYTES"] = saved
+
+
+def _drive_headline():
+    """Every case of ``python -m bench --headline`` (fused), through the benchmark's own calls,
+    at the headline's stand-in (``headline_stand_in``)."""
+    with headline_stand_in() as shape:
+        x = cases.make_inputs(shape, "cpu")
+        for name in cases.HEADLINE_OPS:
+            op = cases.OPS[name]
+            forward = cases.forward_fn(op, "fused", rlfuse, x)
+            for mode in cases.HEADLINE_MODES:
+                if mode in cases.modes_for(op, "fused"):
+                    measure.make_step(forward, mode)()
+
+
 def _drive():
-    """Every public entry point, over the dtypes and the kernels' constexpr variants, with a real
-    vocabulary size (the launch configuration, hence the register use, depends on it)."""
+    """The headline's cases (``_drive_headline``), then every public entry point, over the
+    dtypes and the kernels' constexpr variants, with a real vocabulary size (the launch
+    configuration, hence the register use, depends on it)."""
+    _drive_headline()
     g = torch.Generator().manual_seed(0)
     B, T, V, m = 4, 3, 151936, 2
 
