@@ -76,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warmup (CUDA)")
     p.add_argument("--cpu-reps", type=int, default=None,
                    help="timed repeats on the CPU (default 3; 2 with --quick)")
+    p.add_argument("--memory", action="store_true",
+                   help="peak memory only: one untimed step per case (no times, no floors)")
     p.add_argument("--compile-all", action="store_true",
                    help="torch.compile the reference at every shape (default: at each op's "
                         "first shape only; compilation time dominates)")
@@ -152,7 +154,7 @@ def run(args, checkpoint=None) -> dict:
     notes, errors, missing = [], [], {}
     impls = args.impls or (list(cases.IMPLS) if device.type == "cuda" else ["fused", "reference"])
     if device.type != "cuda" and not args.impls:
-        notes.append("CPU: compiled and liger not run (name them in --impls to force)")
+        notes.append("CPU: compiled, liger and trl not run (name them in --impls to force)")
     libs = {}
     for impl in impls:
         try:
@@ -183,7 +185,8 @@ def run(args, checkpoint=None) -> dict:
     plan.sort(key=lambda case: case[2] == "compiled")
 
     bandwidth = measure.copy_bandwidth_GBps(device)
-    timing = dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, cpu_reps=args.cpu_reps)
+    timing = None if args.memory else dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                                           cpu_reps=args.cpu_reps)
     gemms = {}       # "rows x H x V dtype" -> ms of the plain GEMMs of a head's step
 
     def gemm_ms(shape, rows: int) -> float:
@@ -206,7 +209,8 @@ def run(args, checkpoint=None) -> dict:
             "fused_backend": _fused_backend(device),
             "layout": {"B": shapes[0].batch, "group_size": shapes[0].group_size,
                        "mask": "padded responses, ~85% actor tokens"},
-            "timing": (f"triton.testing.do_bench median, p20, p80 (warmup {args.warmup_ms:g} ms, "
+            "timing": "none: peak memory only (--memory)" if args.memory else (
+                       f"triton.testing.do_bench median, p20, p80 (warmup {args.warmup_ms:g} ms, "
                        f"rep {args.rep_ms:g} ms)" if device.type == "cuda" else
                        f"wall clock, median of {args.cpu_reps} after one warm-up"),
             "validate": not args.no_validate, "truncated": truncated,
@@ -248,8 +252,9 @@ def run(args, checkpoint=None) -> dict:
                 _free(device)
                 continue
             rows.append(row)
-            print(f"{op.name:24s} {impl:9s} {mode:7s} {str(shape):32s} {row['ms']:10.4f} ms  "
-                  f"floor {row['fraction_of_floor']:6.1%}", flush=True)
+            print(f"{op.name:24s} {impl:9s} {mode:7s} {str(shape):32s} " + (
+                f"peak {row['peak_mem_bytes'] / 2 ** 20:10.1f} MiB" if timing is None else
+                f"{row['ms']:10.4f} ms  floor {row['fraction_of_floor']:6.1%}"), flush=True)
         if checkpoint is not None:
             checkpoint(results())
     x = None
@@ -260,9 +265,16 @@ def run(args, checkpoint=None) -> dict:
 def _measure(timing, device, bandwidth, gemm_ms, shape, op, impl, mode, forward, actor_rows
              ) -> dict:
     step = measure.make_step(forward, mode)
+    dtype = str(shape.dtype).replace("torch.", "")
+    if timing is None:     # --memory
+        return {"op": op.name, "impl": impl, "mode": mode, "dtype": dtype, "N": shape.N,
+                "V": shape.V, "actor_rows": actor_rows, "ms": None, "ms_p20": None,
+                "ms_p80": None, "peak_mem_bytes": measure.peak_memory(step, device),
+                "floor_ms": None, "fraction_of_floor": None, "bytes": None, "flops": None,
+                "floor_ms_dense": None, "fraction_of_floor_dense": None, "bytes_dense": None,
+                "GBps": None, "TFLOPs": None}
     ms, p20, p80 = measure.time_ms(step, device, **timing)
     peak = measure.peak_memory(step, device)
-    dtype = str(shape.dtype).replace("torch.", "")
 
     def floor(rows):
         """(bytes, flops, ms): the minimal HBM bytes over the copy bandwidth, or for the

@@ -9,7 +9,8 @@ through the same call (``Op.run(lib, x)`` with ``lib`` = ``rlfuse``, ``rlfuse.re
 compiled reference), so the rows of one op differ only in the implementation. Liger-Kernel, where
 it does the same work, has its own adapter (``Op.liger``): it wants ``[B, T+1, V]`` contiguous
 logits, which is why the factory allocates those and hands the other implementations the
-``logits[:, :-1]`` view (the layout a trainer passes; it must not be copied).
+``logits[:, :-1]`` view (the layout a trainer passes; it must not be copied). TRL's chunked head
+(``Op.trl``) is the peer of the LinearHead ops.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 import rlfuse
 
 MODES = ("fwd", "bwd", "fwd+bwd")
-IMPLS = ("fused", "reference", "compiled", "liger")
+IMPLS = ("fused", "reference", "compiled", "liger", "trl")
 
 # Every shape is B sequences of T = N / B positions, in groups of GROUP_SIZE rows (4 groups).
 BATCH, GROUP_SIZE = 16, 4
@@ -43,6 +44,11 @@ BETA = 0.1            # GGPO's KL weight (a runtime kernel argument; any value c
 PPO_CLIP = (0.2, 0.28)
 PPO_AGG = "seq-mean-token-mean"
 LIGER_MODULE = "liger_kernel.ops.grpo_loss"   # selective log-softmax and the GRPO loss
+# TRL's chunked head (its GRPOTrainer's fused LM head: log-probs from the hidden states and the
+# head without the [N, V] logits; Triton on CUDA, torch tiles elsewhere) and the vocabulary
+# chunk its trainer passes
+TRL_MODULE = "trl.kernels.chunked_logprob"
+TRL_CHUNK_ATTR = ("trl.trainer.utils", "_CHUNKED_LOGPROB_CHUNK_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +180,7 @@ class Op:
     floor: Dict[str, Tuple[int, int, int]]
     liger: Optional[Callable] = None      # (liger module, x) -> output(s), grads to logits_full
     liger_modes: Tuple[str, ...] = MODES
+    trl: Optional[Callable] = None        # (TRL's module, x) -> output(s) (the LinearHead ops)
     # The single pass from logits writes dlogits in its forward and hands that buffer out in
     # ONE backward: its bwd alone cannot be repeated over one graph (and is almost free).
     fused_modes: Tuple[str, ...] = MODES
@@ -312,6 +319,21 @@ def _liger_head_grpo(advantages: str, eps_high: float = 0.2):
     return run
 
 
+def _trl_head(loss: str):
+    """TRL 1.16's chunked head (``ChunkedLogProbFunction``, as its GRPOTrainer calls it: the
+    actor tokens' hidden rows, its trainer's vocabulary chunk, log-probs only), then the loss on
+    the ``[B, T]`` log-probs (``rlfuse.reference``, the same math): the peer of the LinearHead
+    losses that a TRL user runs today."""
+    def run(trl_module, x):
+        chunk = getattr(importlib.import_module(TRL_CHUNK_ATTR[0]), TRL_CHUNK_ATTR[1])
+        hidden = x.hidden[:, :-1]
+        actor = trl_module.ChunkedLogProbFunction.apply(
+            hidden[x.mask], x.weight, None, x.targets[x.mask], 1.0, chunk, None, 1.0, ())[0]
+        lp = actor.new_zeros(x.mask.shape).masked_scatter(x.mask, actor)
+        return _LOSSES[loss](rlfuse.reference, lp, x)
+    return run
+
+
 # LinearHead: every implementation does the training step (fwd+bwd). Its floor: the logits
 # once, then dhidden and dweight: 3 matmuls (a chunked GGPO forms each chunk's logits twice, 4).
 _HEAD_MATMULS = {"fwd+bwd": 3}
@@ -354,7 +376,7 @@ def _variants():
     step = ("fwd+bwd",)
 
     def variant(op, **fields):
-        return dataclasses.replace(op, liger=None, **fields)
+        return dataclasses.replace(op, liger=None, trl=None, **fields)
 
     return {v.name: v for v in (
         variant(logits, name="gppo_logits, full output + offset",
@@ -419,6 +441,7 @@ def _ops():
         step = ("fwd+bwd",)
         ops.append(Op(loss + "_head", True, functools.partial(_run_loss, call, "head"),
                       _HEAD_FLOOR, liger=liger_head.get(loss), liger_modes=step,
+                      trl=_trl_head(loss),
                       fused_modes=step, modes=step, matmuls=_HEAD_MATMULS))
     return {op.name: op for op in ops}
 
@@ -463,16 +486,20 @@ def load_impl(name: str):
         return CompiledReference()
     if name == "liger":
         return importlib.import_module(LIGER_MODULE)
+    if name == "trl":
+        return importlib.import_module(TRL_MODULE)
     raise ValueError(f"--impls: expected some of {', '.join(IMPLS)}, got {name!r}")
 
 
 def modes_for(op: Op, impl: str) -> Tuple[str, ...]:
-    return {"liger": op.liger_modes, "fused": op.fused_modes}.get(impl, op.modes)
+    return {"liger": op.liger_modes, "fused": op.fused_modes,
+            "trl": ("fwd+bwd",)}.get(impl, op.modes)
 
 
 def forward_fn(op: Op, impl: str, lib, x) -> Optional[Callable]:
     """``forward() -> (outputs tuple, leaves)`` of ``impl`` on ``op``; None when ``impl`` has no
-    such op (Liger has no GGPO and no entropy). The leaves: the logits (Liger: its
+    such op (Liger has no GGPO and no entropy; TRL's chunked head serves the LinearHead ops
+    only). The leaves: the logits (Liger: its
     ``[B, T+1, V]`` logits), the log-probs, or a LinearHead's hidden states and weight."""
     if op.leaves is not None:
         leaves = op.leaves(x)
@@ -482,10 +509,11 @@ def forward_fn(op: Op, impl: str, lib, x) -> Optional[Callable]:
         leaves = x.logits_full
     else:
         leaves = x.logits if op.from_logits else x.lp
-    if impl == "liger":
-        if op.liger is None:
+    if impl in ("liger", "trl"):
+        adapter = getattr(op, impl)
+        if adapter is None:
             return None
-        run = lambda: op.liger(lib, x)  # noqa: E731
+        run = lambda: adapter(lib, x)  # noqa: E731
     else:
         run = lambda: op.run(lib, x)  # noqa: E731
     return lambda: (as_tuple(run()), leaves)

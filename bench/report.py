@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MARK_BEGIN, MARK_END = "<!-- bench:begin -->", "<!-- bench:end -->"
-IMPL_ORDER = ("fused", "reference", "compiled", "liger")
+IMPL_ORDER = ("fused", "reference", "compiled", "liger", "trl")
 MODE_ORDER = ("fwd", "bwd", "fwd+bwd")
 
 
@@ -77,7 +77,7 @@ def markdown(results: dict, modes: Optional[Iterable[str]] = None) -> str:
     order = sorted(groups, key=lambda k: (ops.index(k[0]), MODE_ORDER.index(k[1]), k[2],
                                           -k[3], -(k[4] or 0)))
     has_mem = any(r["peak_mem_bytes"] is not None for r in rows)
-    peers = [p for p in ("reference", "compiled", "liger") if p in impls]
+    peers = [p for p in IMPL_ORDER[1:] if p in impls]
 
     cols = ["op", "mode", "dtype", "N", "V", "floor ms"] + [f"{i} ms" for i in impls]
     cols += [f"fused vs {p}" for p in peers] + ["fused % of floor", "fused GB/s or TFLOP/s"]
@@ -92,7 +92,7 @@ def markdown(results: dict, modes: Optional[Iterable[str]] = None) -> str:
                  _ms(any_row["floor_ms"])]
         cells += [_ms(by_impl[i]["ms"]) if i in by_impl else "—" for i in impls]
         for p in peers:
-            ok = fused and p in by_impl and fused["ms"] > 0
+            ok = fused and p in by_impl and (fused["ms"] or 0) > 0 and by_impl[p]["ms"]
             cells.append(f"{by_impl[p]['ms'] / fused['ms']:.2f}×" if ok else "—")
         frac = fused and fused["fraction_of_floor"]
         dense = fused and fused.get("fraction_of_floor_dense")
@@ -126,8 +126,8 @@ def plot(results: dict, path, mode: str = "fwd+bwd") -> Optional[Path]:
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install matplotlib)")
         return None
-    rows = [r for r in results["rows"] if r["V"] and r["mode"] == mode]
-    if not rows:
+    rows = [r for r in results["rows"] if r["V"] and r["mode"] == mode and r["ms"] is not None]
+    if not rows:          # none, or peak memory only (bench --memory)
         return None
     dtypes = [r["dtype"] for r in rows]
     dtype = max(set(dtypes), key=dtypes.count)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import rlfuse
 from bench import cases, report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,3 +190,50 @@ def test_a_run_stopped_after_a_case_leaves_its_files(tmp_path, monkeypatch):
     assert calls[0] == 0 and 0 < len(results["rows"]) == calls[-1]
     md = next(tmp_path.glob("*.md")).read_text()
     assert all(row["op"] in md for row in results["rows"])
+
+
+@pytest.mark.parametrize("name", ["ggpo_head", "gppo_head", "gr_opd_head", "ppo_head"])
+def test_trl_chunked_head_peer_does_rlfuse_work(name):
+    """The TRL peer of the LinearHead ops (TRL 1.16's ChunkedLogProbFunction as its trainer
+    calls it, then the loss on the [B, T] log-probs) gives rlfuse's loss and gradients of the
+    hidden states and the weight: fp32, the two differ in summation order only (a few ulps of
+    each gradient's scale: the weight's gradient sums over every token)."""
+    from conftest import PEER_GRAD_RTOL
+
+    trl_module = pytest.importorskip(cases.TRL_MODULE)
+    shape = next(s for s in cases.make_shapes(quick=True)
+                 if s.V is not None and s.dtype == torch.float32)
+    x = cases.make_inputs(shape, "cpu", seed=3)
+    op = cases.OPS[name]
+    outputs = {}
+    for impl, lib in (("fused", rlfuse), ("trl", trl_module)):
+        out, leaves = cases.forward_fn(op, impl, lib, x)()
+        outputs[impl] = (out[0].detach(), torch.autograd.grad(out[0], leaves))
+    (ours, ours_grads), (theirs, their_grads) = outputs["fused"], outputs["trl"]
+    assert abs(ours.item() - theirs.item()) <= 1e-5 * max(1.0, abs(theirs.item()))
+    for what, a, b in zip(("dhidden", "dweight"), ours_grads, their_grads):
+        scale = b.abs().max().item()
+        assert scale > 0, what
+        assert (a - b).abs().max().item() <= 4 * PEER_GRAD_RTOL[torch.float32] * scale, what
+
+
+def test_memory_mode_measures_peak_memory_side_by_side(tmp_path):
+    """``--memory``: one untimed step per case, its peak memory, with every implementation of
+    the head ops side by side (TRL's chunked head included when installed); the report renders
+    the peaks and no times."""
+    from bench import __main__ as bench_main
+
+    pytest.importorskip(cases.TRL_MODULE)
+    args = bench_main.parse_args(["--quick", "--N", "16", "--V", "300", "--op", "ppo_head",
+                                  "--impls", "fused,reference,trl", "--memory", "--dtype",
+                                  "fp32", "--out", str(tmp_path)])
+    results = bench_main.run(args)
+    assert results["header"]["errors"] == [] and results["header"]["timing"].startswith("none")
+    rows = {r["impl"]: r for r in results["rows"]}
+    assert set(rows) == {"fused", "reference", "trl"}
+    for row in rows.values():
+        assert row["ms"] is None and row["peak_mem_bytes"] > 0
+    # the reference forms the whole [N, V] logits (fp32) and their gradient; the others chunks
+    assert rows["reference"]["peak_mem_bytes"] >= 16 * 300 * 4
+    table = report.markdown(results)
+    assert "peak MiB trl" in table and "fused vs trl" in table

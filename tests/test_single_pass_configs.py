@@ -21,12 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # Logits [B, S, V]: a model's whole output; rows OFFSET..OFFSET+T-1 predict the T targets, the
 # others get zero rows. V = 301 is no multiple of any block: with BLOCK_V = 64, four full blocks
 # and a tail of 45. B * S = 12 rows, more than a persistent grid's 2-6 programs
-# (single_pass.INTERPRETER_SM_COUNT = 2 SMs off CUDA).
+# (single_pass.INTERPRETER_SM_COUNT = 2 SMs off CUDA; the default sized from the L2 stand-in
+# takes 2: an fp32 row of 301 is 1204 bytes).
 B, S, T, OFFSET, V, M = 2, 6, 4, 1, 301, 2
 BLOCK = "block_v=64"
 
 CONFIGS = [
-    "default",                     # the table's one block per row
+    "default",                     # the table's one block per row; programs sized from the L2
+    "programs_per_sm=none",        # one program per row
     BLOCK,
     f"{BLOCK},evict=1",
     f"{BLOCK},programs_per_sm=1",
@@ -126,7 +128,7 @@ def _single_pass_outputs(config, device, *, inplace=False, head=False):
 
 
 @pytest.mark.parametrize("config", [
-    "evict=1", "programs_per_sm=1", "programs_per_sm=5", "order=forward", "num_stages=3",
+    "evict=1", "programs_per_sm=none", "programs_per_sm=1", "programs_per_sm=5", "order=forward", "num_stages=3",
     "num_warps=1", "evict=1,programs_per_sm=2,order=forward,num_warps=2,num_stages=2"])
 def test_launch_alone_changes_no_bit(config, device):
     """With the same BLOCK_V the sums run in the same order, so a switch of the launch alone
@@ -151,7 +153,8 @@ def test_parse_and_text():
                    "num_stages=3")
     assert config == SinglePassConfig(True, 2, "forward", 8, 4096, 3)
     assert str(SinglePassConfig()) == "default"
-    assert parse("programs_per_sm=none,num_warps=None") == SinglePassConfig()
+    assert parse("programs_per_sm=l2,num_warps=None") == SinglePassConfig()
+    assert parse("programs_per_sm=none") == SinglePassConfig(programs_per_sm=None)
     for text in single_pass.CANDIDATES:
         assert str(parse(text)) == text            # canonical: the sweep's names
     assert parse(str(config)) == config
@@ -208,20 +211,42 @@ def test_environment_and_context(monkeypatch):
 def test_launch_parameters():
     config = parse("programs_per_sm=3,block_v=4096")
     cpu = torch.device("cpu")
-    assert config.programs(1000, cpu) == 3 * single_pass.INTERPRETER_SM_COUNT
-    assert config.programs(4, cpu) == 4                  # never more programs than rows
-    assert SinglePassConfig().programs(1000, cpu) == 1000
+    sms = single_pass.INTERPRETER_SM_COUNT
+    assert config.grid(1000, 8192, 8, cpu)[0] == 3 * sms
+    assert config.grid(4, 8192, 8, cpu)[0] == 4                  # never more programs than rows
+    assert parse("programs_per_sm=none").grid(1000, 8192, 16, cpu) == (1000, None)
     assert config.block_and_warps(151936, 2) == (4096, 8)   # the table's warps for the block
     assert config.block_and_warps(300, 2) == (512, 4)       # no block wider than the row
     assert parse("num_warps=2").block_and_warps(151936, 2) == (8192, 2)
     assert SinglePassConfig().block_and_warps(151936, 2) == (8192, 16)
     # a persistent program gets the registers that let programs_per_sm of them share an SM
-    assert SinglePassConfig().maxnreg(16) is None
-    assert parse("programs_per_sm=2").maxnreg(16) == 64
-    assert parse("programs_per_sm=2").maxnreg(8) == 128
-    assert parse("programs_per_sm=1").maxnreg(4) == 248                  # PTX's most, in 8s
-    assert parse("programs_per_sm=3").maxnreg(8) == 80
-    assert parse("programs_per_sm=8").maxnreg(16) is None                # more than an SM holds
+    maxnreg = lambda text, warps: parse(text).grid(1000, 8192, warps, cpu)[1]  # noqa: E731
+    assert maxnreg("programs_per_sm=2", 16) == 64
+    assert maxnreg("programs_per_sm=2", 8) == 128
+    assert maxnreg("programs_per_sm=1", 4) == 248                  # PTX's most, in 8s
+    assert maxnreg("programs_per_sm=3", 8) == 80
+    assert maxnreg("programs_per_sm=8", 16) is None                # more than an SM holds
+
+
+def test_default_grid_is_sized_from_the_l2(monkeypatch):
+    """The default keeps k programs an SM, each with one row in flight, the most whose rows fit
+    in L2_BUDGET of the L2: at least one, at most what an SM holds at once."""
+    cpu = torch.device("cpu")
+    budget = int(single_pass.L2_BUDGET * single_pass.INTERPRETER_L2_BYTES)
+    sms = single_pass.INTERPRETER_SM_COUNT
+    default = SinglePassConfig()
+    for row_bytes, per_sm in ((budget // sms + 1, 1), (budget // (3 * sms), 3),
+                              (budget // (2 * sms), 2), (1, 4), (budget * 10, 1)):
+        programs, maxnreg = default.grid(1000, row_bytes, 16, cpu)   # 16 warps: 4 an SM
+        assert programs == per_sm * sms, row_bytes
+        assert maxnreg == 65536 // (32 * 16 * per_sm) // 8 * 8        # k share an SM
+        assert (programs * row_bytes <= budget) or per_sm == 1
+    assert default.grid(3, 1, 16, cpu)[0] == 3                  # never more programs than rows
+    # a GPU's own L2 and SM count: the H200's at the headline, one program an SM
+    monkeypatch.setattr(single_pass, "sm_count", lambda device: 132)
+    monkeypatch.setattr(single_pass, "l2_bytes", lambda device: 50 * 2 ** 20)
+    assert default.grid(16 * 1025, 151936 * 2, 16, cpu) == (132, 128)
+    assert default.grid(16 * 1025, 32000 * 2, 16, cpu)[0] == 3 * 132   # 64 KB rows: 3 an SM
 
 
 # --------------------------------------------------------------------------------------------

@@ -222,3 +222,33 @@ def test_vocab_parallel_communication_is_computed_per_rank():
     assert logits["logits_shard"] == 1000 * 16 * 2
     table = traffic.communication_table(1000, 64, 16, 2, worlds=(4,))
     assert "| 4 | LinearHead | 0.05 MiB | 0.09 MiB | 0.03 MiB | 450.00% |" in table
+
+
+def test_default_single_pass_keeps_its_rows_in_flight_within_the_l2():
+    """The model of the single pass's rows in flight (``traffic.rows_in_flight``): one program
+    per row holds an SM's 4 programs of 16 warps in flight, 153 MiB on an H200 at the headline,
+    beyond its L2, so the second read comes from HBM (at most 2/3 of the floor); the default,
+    sized from the L2, holds one an SM there (38 MiB) and a bf16 row of every benchmark
+    vocabulary within the L2 of every GPU of the model. An fp32 row of 151936 (608 KB) does not
+    fit even one an SM: there the default can only hold the fewest."""
+    from rlfuse.kernels.single_pass import L2_BUDGET, parse
+    from tools.sass import GPUS
+
+    h200 = next(gpu for gpu in GPUS if gpu.name == "H200")
+    per_row = traffic.rows_in_flight(parse("programs_per_sm=none"), 151936, 2, h200)
+    assert (per_row["programs_per_sm"], per_row["bytes_in_flight"]) == (4, 4 * 132 * 303872)
+    assert per_row["hbm_reads"] == 2 and per_row["floor_fraction_bound"] == pytest.approx(2 / 3)
+    for gpu in GPUS:
+        for V, element_size in traffic.L2_SHAPES:
+            model = traffic.rows_in_flight(parse("default"), V, element_size, gpu)
+            fits_one = gpu.sms * V * element_size <= L2_BUDGET * gpu.l2_mib * 2 ** 20
+            assert model["programs_per_sm"] >= 1
+            assert (model["hbm_reads"] == 1) == (element_size == 2), (gpu.name, V)
+            if fits_one:   # within the budget, and no fewer programs than fit
+                assert model["bytes_in_flight"] <= L2_BUDGET * model["l2_bytes"]
+                more = (model["programs_per_sm"] + 1) * gpu.sms * V * element_size
+                assert more > L2_BUDGET * model["l2_bytes"] or model["programs_per_sm"] == 4
+            else:
+                assert model["programs_per_sm"] == 1
+    table = traffic.l2_table(["default", "programs_per_sm=none"])
+    assert "| H200 | 151936 | 2 | default | 1 | 0.29 MiB | 38 MiB | 50 MiB | L2 | 100% |" in table

@@ -83,6 +83,19 @@ def compile_only(run):
     return compile_run
 
 
+def target_gpu(arch: int):
+    """(SMs, L2 bytes) of the GPU the kernels are compiled for, which size the single pass's
+    grid and its registers (``single_pass.SinglePassConfig.grid``): this machine's GPU, else
+    the first of ``tools.sass.GPUS`` of that arch (the H200 for sm_90)."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.multi_processor_count, props.L2_cache_size
+    from tools.sass import GPUS
+
+    gpu = next(gpu for gpu in GPUS if gpu.arch == arch)
+    return gpu.sms, gpu.l2_mib * 2 ** 20
+
+
 def launch_key(self, *args, grid, warmup, **kwargs):
     """``JITFunction.run`` made to record the launch's key in the kernel's cache (``KEYS``) and
     return None: two launches with one key run one compiled kernel."""
@@ -96,9 +109,12 @@ def launch_key(self, *args, grid, warmup, **kwargs):
 def install(arch: int, wrap=None, keys_only: bool = False) -> None:
     """The compile-only driver for ``sm_<arch>``, every launch through ``compile_only`` (and
     then ``wrap(compile_run)``, when given) or, ``keys_only``, ``launch_key``; CPU tensors on
-    the kernel path, kernel outputs zero-filled (the launches write nothing)."""
+    the kernel path, kernel outputs zero-filled (the launches write nothing); the single pass's
+    grid sized for the GPU (``target_gpu``)."""
     import rlfuse._dispatch
-    from rlfuse.kernels import utils
+    from rlfuse.kernels import single_pass, utils
+
+    single_pass.INTERPRETER_SM_COUNT, single_pass.INTERPRETER_L2_BYTES = target_gpu(arch)
 
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
     run = launch_key if keys_only else compile_only(JITFunction.run)

@@ -1,5 +1,6 @@
-"""What every kernel moves, counted on the CPU (``python -m tools.traffic``), and what a
-vocabulary split sends per call (``python -m tools.traffic --comm``).
+"""What every kernel moves, counted on the CPU (``python -m tools.traffic``), what a
+vocabulary split sends per call (``python -m tools.traffic --comm``), and the single pass's
+rows in flight against each GPU's L2 (``python -m tools.traffic --l2``, a model).
 
 The Triton interpreter runs the real kernels; ``KernelCounter`` records the address of every
 element each launch loads and stores (unmasked lanes only) and ``TorchPasses`` every torch op
@@ -497,6 +498,65 @@ def communication_table(N: int, V: int, H: int, element_size: int,
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------
+# The single pass's rows in flight against the L2 (a model, from the launch configuration)
+# --------------------------------------------------------------------------------------------
+
+# The vocabularies and dtypes of the benchmark's logits shapes, the headline first.
+L2_SHAPES = ((151936, 2), (128256, 2), (32000, 2), (151936, 4))
+
+
+def rows_in_flight(config, V: int, element_size: int, gpu) -> dict:
+    """What the single pass in launch configuration ``config`` (a ``SinglePassConfig``) keeps
+    in flight on ``gpu`` (a ``tools.sass.GPU``) over rows of ``V`` logits. A program holds one
+    row between its two reads (the logsumexp pass, then the write pass), so the rows in flight
+    are the programs resident at once: a persistent grid's programs an SM (at most what an SM
+    holds: the rest wait), or with one program per row as many as an SM holds (its warps'
+    limit; registers can hold fewer: ``tools.sass``'s occupancy). The second read is served by
+    the L2 at best while those rows fit in it, else by HBM: the HBM's bytes per logit, 1 read +
+    1 write or 2 reads + 1 write, and the floor (1 + 1) over them, the most of the floor the
+    kernel can reach."""
+    from tools.sass import MAX_WARPS_PER_SM
+
+    _, num_warps = config.block_and_warps(V, element_size)
+    row, l2 = V * element_size, gpu.l2_mib * 2 ** 20
+    resident = MAX_WARPS_PER_SM // num_warps
+    per_sm = config.programs_per_sm_on(gpu.sms, l2, row, num_warps)
+    per_sm = resident if per_sm is None else min(per_sm, resident)
+    in_flight = per_sm * gpu.sms * row
+    reads = 1 if in_flight <= l2 else 2
+    return {"config": str(config), "gpu": gpu.name, "V": V, "element_size": element_size,
+            "num_warps": num_warps, "programs_per_sm": per_sm,
+            "bytes_in_flight_per_sm": per_sm * row, "bytes_in_flight": in_flight,
+            "l2_bytes": l2, "hbm_reads": reads, "floor_fraction_bound": 2 / (reads + 1)}
+
+
+def l2_table(configs: Sequence[str] = ()) -> str:
+    """``rows_in_flight`` of each configuration (default: the GPU sweep's candidates) on each GPU
+    of ``tools.sass.GPUS``, at each of ``L2_SHAPES``."""
+    from rlfuse.kernels.single_pass import CANDIDATES, parse
+    from tools.sass import GPUS
+
+    lines = ["The single pass's rows in flight between a row's two reads against the L2 (a model "
+             "from the launch configuration; `tools.traffic.rows_in_flight`): where they fit, "
+             "the re-read can come from L2 (1 read + 1 write of HBM a logit), else from HBM "
+             "(2 + 1); floor bound: the most of the floor (1 + 1) those bytes allow, not a "
+             "time.", "",
+             "| GPU | V | bytes | configuration | programs / SM | in flight / SM | in flight | "
+             "L2 | re-read from | floor bound |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for gpu in GPUS:
+        for V, element_size in L2_SHAPES:
+            for text in configs or CANDIDATES:
+                m = rows_in_flight(parse(text), V, element_size, gpu)
+                lines.append(
+                    f"| {gpu.name} | {V} | {element_size} | {text} | {m['programs_per_sm']} | "
+                    f"{m['bytes_in_flight_per_sm'] / 2 ** 20:.2f} MiB | "
+                    f"{m['bytes_in_flight'] / 2 ** 20:.0f} MiB | {gpu.l2_mib} MiB | "
+                    f"{'L2' if m['hbm_reads'] == 1 else 'HBM'} | "
+                    f"{m['floor_fraction_bound']:.0%} |")
+    return "\n".join(lines)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2 ** 20:,.2f} MiB"
 
@@ -522,7 +582,15 @@ def main(argv=None) -> int:
                    help="print the bytes a vocabulary split over 2, 4, 8 ranks sends per call "
                         "(computed) at --N rows, --V and --dtype")
     p.add_argument("--N", type=int, default=max(bench_cases.DEFAULT_N), help="rows, for --comm")
+    p.add_argument("--l2", action="store_true",
+                   help="print the single pass's rows in flight against each GPU's L2 (a "
+                        "model) for the sweep's candidates, or --config")
+    p.add_argument("--config", action="append", default=[],
+                   help="an RLFUSE_SINGLE_PASS configuration for --l2, repeatable")
     args = p.parse_args(argv)
+    if args.l2:
+        print(l2_table(args.config))
+        return 0
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.comm:
         print(communication_table(args.N, args.V, bench_cases.HIDDEN,

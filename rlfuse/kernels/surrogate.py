@@ -42,6 +42,7 @@ from .utils import (constexpr_codes, empty, exp_accurate, fp64_values, mask_args
 
 TOKEN_RATIO, SEQUENCE_RATIO, STRAIGHT_RATIO = constexpr_codes(RATIO_MODES, *RATIO_MODES)
 _STRAIGHT_LOG_MAX = tl.constexpr(10.0)    # verl's GSPO clamps log s_bt at 10
+FWD_BLOCK_T = 128    # tokens of a program of the forward from log-probs
 # The whole-row statistics of a shard's rows (``row_stats``), gathered over the group.
 ROW_STAT_COLUMNS = ("logp", "max", "log_sum", "entropy")
 N_ROW_STATS = tl.constexpr(len(ROW_STAT_COLUMNS))
@@ -84,69 +85,56 @@ def _surrogate_fwd_kernel(
     lp, old, adv, mask, weights,        # [B, T] (old: None on policy, old = lp; adv: [B, T] or
                                         # [B]; weights: strides 0 for none)
     row_scale_ptr,                      # [B]
-    sums_ptr, seq_ptr,                  # [B, N_SUM_COLS] out; [B] out unless TOKEN_RATIO
+    sums_ptr, seq_ptr,                  # [B * n_t_blocks, N_SUM_COLS] out; [B * n_t_blocks] out
+                                        # unless TOKEN_RATIO
     # sizes
-    T,
+    T, n_t_blocks,
     # scalars (token_functions.objective_args; not ``params``: Triton's launcher has a local of that
     # name)
     region, hyper, clamp,
     BLOCK_T: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
     TOPOLOGY: tl.constexpr, ACC: tl.constexpr, HAS_OLD: tl.constexpr, RATIO: tl.constexpr,
 ):
-    # One row. SEQUENCE_RATIO (TRL's GSPO): every token of the row takes the row's ratio
-    # s_b = exp(mean_t (lp - old)), so dL/dlp_bt = -row_scale_b (sum_t' w dJ/dlog s) / T_b, the
-    # same for every actor token: kept in seq[b] for the backward. STRAIGHT_RATIO (verl's):
-    # log s_bt = min(log s_b, 10) with d log s_bt / d lp_bt = 1 (0 past the clamp): seq[b] keeps
-    # log s_b.
-    b = tl.program_id(0).to(tl.int64)
+    # One block of BLOCK_T tokens of row b: its sums (the launcher adds a row's blocks in
+    # order). SEQUENCE_RATIO (TRL's GSPO): every token of the row takes the row's ratio
+    # s_b = exp(mean_t (lp - old)), read by each block from the whole row, so dL/dlp_bt =
+    # -row_scale_b (sum_t' w dJ/dlog s) / T_b, the same for every actor token: each block keeps
+    # its share of it for the backward. STRAIGHT_RATIO (verl's): log s_bt = min(log s_b, 10)
+    # with d log s_bt / d lp_bt = 1 (0 past the clamp): each block keeps log s_b.
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // n_t_blocks
     hyper = fp64_values(hyper, ACC)
     if RATIO != TOKEN_RATIO:
         seq_lr, tokens = _sequence_log_ratio(lp, old, mask, b, T, BLOCK_T, HAS_OLD, ACC)
-    loss = tl.zeros([BLOCK_T], ACC)
-    flag0 = tl.zeros([BLOCK_T], ACC)
-    flag1 = tl.zeros([BLOCK_T], ACC)
-    flag2 = tl.zeros([BLOCK_T], ACC)
-    ratio = tl.zeros([BLOCK_T], ACC)
-    neg_log_ratio = tl.zeros([BLOCK_T], ACC)
-    overflow = tl.zeros([BLOCK_T], ACC)
-    seq_grad = tl.zeros([BLOCK_T], ACC)
-    for start in range(0, T, BLOCK_T):
-        cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
-        actor = tl.load(token_at(mask, b, cols), mask=cols < T, other=0) != 0
-        lp_t = tl.load(token_at(lp, b, cols), mask=actor, other=0.0).to(ACC)
-        old_t, adv_t, w = _token_inputs(lp_t, old, adv, weights, b, cols, actor, ACC, HAS_OLD)
-        lo, hi = region_bounds(old_t, region, GEOMETRY, TOPOLOGY)
-        log_ratio = lp_t - old_t
-        if RATIO == SEQUENCE_RATIO:
-            log_ratio = tl.zeros_like(lp_t) + seq_lr
-        elif RATIO == STRAIGHT_RATIO:
-            log_ratio = tl.zeros_like(lp_t) + tl.minimum(seq_lr, _STRAIGHT_LOG_MAX)
-        j, dj, f0, f1, f2 = OBJECTIVE(log_ratio, lp_t, old_t, adv_t, lo, hi, hyper, clamp)
-        bad = ~(tl.abs(j) < float("inf"))
-        loss += tl.where(actor, j * w, 0.0)
-        seq_grad += tl.where(actor, dj * w, 0.0)
-        flag0 += (actor & f0).to(ACC)
-        flag1 += (actor & f1).to(ACC)
-        flag2 += (actor & f2).to(ACC)
-        ratio += tl.where(actor, exp_accurate(log_ratio), 0.0)
-        clamped, _ = clamped_log_ratio(lp_t - old_t, clamp)
-        neg_log_ratio -= clamped
-        overflow += (actor & bad).to(ACC)
+    cols = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    actor = tl.load(token_at(mask, b, cols), mask=cols < T, other=0) != 0
+    lp_t = tl.load(token_at(lp, b, cols), mask=actor, other=0.0).to(ACC)
+    old_t, adv_t, w = _token_inputs(lp_t, old, adv, weights, b, cols, actor, ACC, HAS_OLD)
+    lo, hi = region_bounds(old_t, region, GEOMETRY, TOPOLOGY)
+    log_ratio = lp_t - old_t
+    if RATIO == SEQUENCE_RATIO:
+        log_ratio = tl.zeros_like(lp_t) + seq_lr
+    elif RATIO == STRAIGHT_RATIO:
+        log_ratio = tl.zeros_like(lp_t) + tl.minimum(seq_lr, _STRAIGHT_LOG_MAX)
+    j, dj, f0, f1, f2 = OBJECTIVE(log_ratio, lp_t, old_t, adv_t, lo, hi, hyper, clamp)
+    bad = ~(tl.abs(j) < float("inf"))
+    clamped, _ = clamped_log_ratio(lp_t - old_t, clamp)
     row_scale = tl.load(row_scale_ptr + b).to(ACC)
-    out = sums_ptr + b * N_SUM_COLS
-    tl.store(out + SUM_LOSS, tl.sum(loss, axis=0) * row_scale)
-    tl.store(out + SUM_FLAG0, tl.sum(flag0, axis=0))
-    tl.store(out + SUM_FLAG1, tl.sum(flag1, axis=0))
-    tl.store(out + SUM_FLAG2, tl.sum(flag2, axis=0))
-    tl.store(out + SUM_RATIO, tl.sum(ratio, axis=0))
-    tl.store(out + SUM_NEG_LOG_RATIO, tl.sum(neg_log_ratio, axis=0))
-    tl.store(out + SUM_OVERFLOW, tl.sum(overflow, axis=0))
+    out = sums_ptr + pid * N_SUM_COLS
+    tl.store(out + SUM_LOSS, tl.sum(tl.where(actor, j * w, 0.0), axis=0) * row_scale)
+    tl.store(out + SUM_FLAG0, tl.sum((actor & f0).to(ACC), axis=0))
+    tl.store(out + SUM_FLAG1, tl.sum((actor & f1).to(ACC), axis=0))
+    tl.store(out + SUM_FLAG2, tl.sum((actor & f2).to(ACC), axis=0))
+    tl.store(out + SUM_RATIO, tl.sum(tl.where(actor, exp_accurate(log_ratio), 0.0), axis=0))
+    tl.store(out + SUM_NEG_LOG_RATIO, -tl.sum(clamped, axis=0))
+    tl.store(out + SUM_OVERFLOW, tl.sum((actor & bad).to(ACC), axis=0))
     tl.store(out + SUM_KL, tl.zeros((), ACC))        # the terms are separate ops here
     tl.store(out + SUM_ENTROPY, tl.zeros((), ACC))
     if RATIO == SEQUENCE_RATIO:
-        tl.store(seq_ptr + b, tl.sum(seq_grad, axis=0) * row_scale / tl.maximum(tokens, 1.0))
+        seq_grad = tl.sum(tl.where(actor, dj * w, 0.0), axis=0)
+        tl.store(seq_ptr + pid, seq_grad * row_scale / tl.maximum(tokens, 1.0))
     elif RATIO == STRAIGHT_RATIO:
-        tl.store(seq_ptr + b, seq_lr)
+        tl.store(seq_ptr + pid, seq_lr)
 
 
 @triton.jit
@@ -315,9 +303,9 @@ def _surrogate_logits_kernel(
     # launch configuration (single_pass.SinglePassConfig)
     PERSISTENT: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
-    # One program per row; PERSISTENT: a grid capped near the SM count, each program taking the
-    # rows pid, pid + programs, ... in turn, so that fewer rows are in flight between the two
-    # reads of a row.
+    # One program per row; PERSISTENT: a grid sized from the L2 or the SM count, each program
+    # taking the rows pid, pid + programs, ... in turn, so that fewer rows are in flight between
+    # the two reads of a row.
     head = fp64_values(head, ACC)
     hyper = fp64_values(hyper, ACC)
     if PERSISTENT:
@@ -343,25 +331,32 @@ def surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, objective, *,
     """``(sums [B, N_SUM_COLS], seq [B] or None)`` (compute dtype) from learner log-probs
     ``lp [B, T]``; ``old_lp`` None: on policy; ``objective``: an
     ``rlfuse.objectives.TokenSurrogate``;
-    ``ratio``: a name of ``_names.RATIO_MODES``."""
+    ``ratio``: a name of ``_names.RATIO_MODES``. One program per block of ``FWD_BLOCK_T``
+    tokens (a grid over the rows' blocks, not over the rows), whose sums are added in order."""
     B, T = lp.shape
     acc = compute_dtype(lp.dtype)
-    sums = empty((B, len(SUM_COLUMNS)), dtype=acc, device=lp.device)
-    seq = empty((B,), dtype=acc, device=lp.device) if ratio != "token" else None
-    if B == 0:
-        return sums, seq
+    if B * T == 0:
+        sums = empty((B, len(SUM_COLUMNS)), dtype=acc, device=lp.device)
+        return sums.zero_(), (empty((B,), dtype=acc, device=lp.device).zero_()
+                              if ratio != "token" else None)
+    block_t = min(time_block(T), FWD_BLOCK_T)
+    n_t_blocks = triton.cdiv(T, block_t)
+    sums = empty((B, n_t_blocks, len(SUM_COLUMNS)), dtype=acc, device=lp.device)
+    seq = empty((B, n_t_blocks), dtype=acc, device=lp.device) if ratio != "token" else None
     (objective_code, geometry_code, topology_code), scalars = objective_args(objective)
-    _surrogate_fwd_kernel[(B,)](
+    _surrogate_fwd_kernel[(B * n_t_blocks,)](
         token_tensor(lp), token_tensor(old_lp), token_tensor(adv), mask_args(mask),
         ones_if_none(weights, row_scale), row_scale,
         sums, seq,
-        T,
+        T, n_t_blocks,
         *scalars,
-        BLOCK_T=time_block(T), OBJECTIVE=objective_code, GEOMETRY=geometry_code,
+        BLOCK_T=block_t, OBJECTIVE=objective_code, GEOMETRY=geometry_code,
         TOPOLOGY=topology_code, ACC=tl_compute_dtype(lp.dtype), HAS_OLD=old_lp is not None,
         RATIO=RATIO_MODES.index(ratio),
     )
-    return sums, seq
+    if seq is not None:   # a row's share of its gradient, or its log s_b in every block
+        seq = seq.sum(1) if ratio == "sequence" else seq[:, 0].contiguous()
+    return sums.sum(1), seq
 
 
 def surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq, grad, objective, *,
@@ -421,7 +416,8 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
     config = single_pass.current()
     block_v, num_warps = config.block_and_warps(V, logits.element_size())
     head_args, softcapped = head.kernel_args()
-    _surrogate_logits_kernel[(config.programs(B * S, logits.device),)](
+    programs, maxnreg = config.grid(B * S, V * logits.element_size(), num_warps, logits.device)
+    _surrogate_logits_kernel[(programs,)](
         token_tensor(logits), token_tensor(targets), mask_args(mask),
         token_tensor(old_lp), token_tensor(adv), ones_if_none(weights, row_scale),
         token_tensor(ref_lp),
@@ -437,6 +433,6 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
         KL_WEIGHTED=kl_weighted, KL_CLAMP=kl_clamp, WITH_ENTROPY=entropy_scale is not None,
         SOFTCAP=softcapped, ROW_STATS=row_stats is not None, PERSISTENT=config.persistent,
         EVICT=config.evict, NUM_STAGES=config.stages_code, ORDER=config.order_code,
-        num_warps=num_warps, maxnreg=config.maxnreg(num_warps),
+        num_warps=num_warps, maxnreg=maxnreg,
     )
     return dlogits, sums
