@@ -14,6 +14,7 @@ from . import api, reference
 from .api import Implementation, bind
 from .checks.policy import matmul_head, policy_device
 from .scaleout.dtensor import local_policy
+from .scaleout.sequence import gather_sequence
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # `@triton.jit` picks the interpreter when the kernels are decorated, at their import below
@@ -56,10 +57,11 @@ class Dispatch(NamedTuple):
     def on(self, x):
         """``(implementation, x)`` for ``x``, a policy, logits or log-probs (anything else goes
         to the reference, whose checks name what was expected), a policy holding DTensors first
-        made of its local tensors (``scaleout.dtensor``). On the kernels, a head's matmuls run
+        made of its local tensors (``scaleout.dtensor``), a sequence-parallel head of every
+        rank's rows (``scaleout.sequence``). On the kernels, a head's matmuls run
         in its ``head_dtype``, else in autocast's dtype (as autocast runs a linear layer), and
         the rest in the kernels' own precision (fp32 accumulation): autocast is off inside."""
-        x = local_policy(x)
+        x = gather_sequence(local_policy(x))
         device = policy_device(x)
         if self.fused is None or device is None or not use_kernels(device):
             yield self.reference, x

@@ -77,8 +77,14 @@ class LinearHead(NamedTuple):
     ``bias`` cast to it (differentiably: each gradient in its tensor's dtype); e.g.
     ``torch.float32`` for an fp32 head over bf16 hidden states (TRL's
     ``cast_lm_head_to_fp32``). Without it the three share one dtype (under autocast: the
-    autocast dtype). Pass ``offset``, ``chunk_tokens``, ``index``, ``vocab_parallel_group``,
-    ``logit_scale``, ``softcap`` and ``head_dtype`` by keyword.
+    autocast dtype). ``sequence_parallel`` (with a ``vocab_parallel_group``, Megatron's
+    sequence parallelism): ``hidden [B, S / W, H]`` holds this rank's slice of the rows of every
+    sequence (rank r: rows ``[r S / W, (r + 1) S / W)``; packed: ``hidden [N / W, H]``, rank r
+    the rows ``[r N / W, (r + 1) N / W)``), ``targets``, ``offset`` and ``index`` those of all
+    the rows; the rows are gathered before anything else (``scaleout.sequence``), every rank
+    gets every row's results, and the hidden-state gradient of its own rows. Pass ``offset``,
+    ``chunk_tokens``, ``index``, ``vocab_parallel_group``, ``logit_scale``, ``softcap``,
+    ``head_dtype`` and ``sequence_parallel`` by keyword.
     """
 
     hidden: torch.Tensor
@@ -93,3 +99,4 @@ class LinearHead(NamedTuple):
     logit_scale: float = 1.0
     softcap: Optional[float] = None
     head_dtype: Optional[torch.dtype] = None
+    sequence_parallel: bool = False

@@ -232,7 +232,7 @@ def test_default_single_pass_keeps_its_rows_in_flight_within_the_l2():
     vocabulary within the L2 of every GPU of the model. An fp32 row of 151936 (608 KB) does not
     fit even one an SM: there the default can only hold the fewest."""
     from rlfuse.kernels.single_pass import L2_BUDGET, parse
-    from tools.sass import GPUS
+    from tools.gpus import GPUS
 
     h200 = next(gpu for gpu in GPUS if gpu.name == "H200")
     per_row = traffic.rows_in_flight(parse("programs_per_sm=none"), 151936, 2, h200)

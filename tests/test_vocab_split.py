@@ -22,6 +22,16 @@ def test_vocab_parallel_needs_a_process_group():
         rlfuse.policy_logprobs(rlfuse.Logits(logits, targets, vocab_parallel_group="tp"))
 
 
+@pytest.mark.parametrize("lib", [rlfuse, rlfuse.reference], ids=["fused", "reference"])
+def test_sequence_parallel_needs_the_vocabulary_group(lib):
+    head = lib.LinearHead(torch.randn(1, 3, 4), torch.randn(5, 4),
+                          torch.zeros(1, 3, dtype=torch.long), sequence_parallel=True)
+    with pytest.raises(ValueError, match="policy.sequence_parallel: .* vocab_parallel_group"):
+        lib.policy_logprobs(head)
+    with pytest.raises(ValueError, match="not initialised"):
+        lib.policy_logprobs(head._replace(vocab_parallel_group="tp"))
+
+
 def run_workers(world: int, *args: str, worker: str = WORKER.name) -> None:
     """``world`` gloo processes of ``tests/<worker>``, each of which must print its ok."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1",   # tools: from the root
@@ -49,11 +59,11 @@ def test_vocab_parallel_two_ranks_bf16():
     # bf16 through the row kernels of both forms (packed rows: the float64 and 4-rank runs),
     # every head option; randomised heads (fp64 and fp32) over the split
     run_workers(2, "--dtype", "bfloat16", "--impls", "fused", "--forms",
-                 "logits,head,scaled_head,softcapped_head,capped_head,fp32_head",
+                 "logits,head,scaled_head,softcapped_head,capped_head,fp32_head,sp_head",
                  "--random-heads", "24")
 
 
 def test_vocab_parallel_four_ranks():
     run_workers(4, "--dtype", "float32", "--impls", "fused",
-                 "--forms", "logits,packed_head,scaled_head",
+                 "--forms", "logits,packed_head,scaled_head,sp_packed_head",
                  "--calls", "policy_logprobs,ggpo,gppo,gspo", "--random-heads", "12")

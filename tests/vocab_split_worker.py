@@ -59,7 +59,13 @@ def make_data(world: int, dtype: torch.dtype):
     t = (pos - P).clamp(0, T - 1)
     packed_targets = torch.where(index >= 0, targets[seq, t], torch.randint(0, V, seq.shape,
                                                                              generator=g))
-    return dict(V=V, mask=mask, targets=targets, hidden=hidden, weight=weight, bias=bias,
+    # sequence parallelism's packed rows: padded to a multiple of every group size (4) with
+    # rows no loss position uses, as Megatron pads a packed batch to the tensor-parallel size
+    pad = -len(seq) % 4
+    sp = dict(sp_packed_hidden=torch.cat([hidden[seq, pos], hidden[0, :pad]]),
+              sp_packed_targets=torch.cat([packed_targets, torch.zeros(pad, dtype=torch.long)]),
+              sp_index=torch.cat([index, torch.full((pad,), -1)]))
+    return dict(V=V, mask=mask, targets=targets, hidden=hidden, weight=weight, bias=bias, **sp,
                 logits=logits, old=old.clamp_max(0), teacher=(own - 0.5).clamp_max(0),
                 rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
                 adv=torch.randn(B, generator=g, dtype=torch.float64),
@@ -74,9 +80,13 @@ def policy(lib, form, d, leaves, group):
         return lib.Logits(leaves[0], d["targets"], offset=P, **kw)
     if form == "packed":
         return lib.Logits(leaves[0], d["packed_targets"], index=d["index"], **kw)
-    targets = d["packed_targets"] if form == "packed_head" else d["targets"]
-    extra = dict(index=d["index"]) if form == "packed_head" else dict(offset=P)
+    targets = {"packed_head": d["packed_targets"],
+               "sp_packed_head": d["sp_packed_targets"]}.get(form, d["targets"])
+    extra = {"packed_head": dict(index=d["index"]),
+             "sp_packed_head": dict(index=d["sp_index"])}.get(form, dict(offset=P))
     extra.update(HEAD_OPTIONS.get(form, {}))
+    if form.startswith("sp_"):   # sequence parallelism: this rank's rows of the hidden states
+        extra["sequence_parallel"] = group is not None
     return lib.LinearHead(leaves[0], leaves[1], targets, leaves[2], chunk_tokens=3, **kw,
                           **extra)
 
@@ -121,6 +131,16 @@ def scalar(out, d):
     return out.loss
 
 
+def own_rows(form, hidden, rank, world):
+    """This rank's rows of ``hidden`` (whole, or its gradient) under sequence parallelism: a
+    slice of the rows of every sequence (``[B, S, H]``) or of the packed rows (``[N, H]``)."""
+    if not form.startswith("sp_"):
+        return hidden
+    dim = hidden.dim() - 2
+    n = hidden.shape[dim] // world
+    return hidden.narrow(dim, rank * n, n)
+
+
 def leaves_of(form, d, rank, world):
     """(whole leaves, shard leaves, the shard's slice): fresh leaves that require grad."""
     lo, hi = rank * V_LOCAL, (rank + 1) * V_LOCAL
@@ -128,9 +148,10 @@ def leaves_of(form, d, rank, world):
         whole = (d["packed_logits" if form == "packed" else "logits"],)
         shard = (whole[0][..., lo:hi],)
     else:
-        h = d["packed_hidden" if form == "packed_head" else "hidden"]
+        h = {"packed_head": d["packed_hidden"],
+             "sp_packed_head": d["sp_packed_hidden"]}.get(form, d["hidden"])
         whole = (h, d["weight"], d["bias"])
-        shard = (h, d["weight"][lo:hi], d["bias"][lo:hi])
+        shard = (own_rows(form, h, rank, world), d["weight"][lo:hi], d["bias"][lo:hi])
     fresh = lambda xs: tuple(x.detach().clone().requires_grad_() for x in xs)  # noqa: E731
     return fresh(whole), fresh(shard), slice(lo, hi)
 
@@ -147,8 +168,9 @@ def check_case(lib, form, name, d, group, rank, world, dtype):
         torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=lambda m: f"{where}: {m}")
     grads_w = torch.autograd.grad(scalar(out_w, d), whole)
     grads_s = torch.autograd.grad(scalar(out_s, d), shard)
+    # dhidden: the whole (summed) one, of this rank's rows under sequence parallelism
     expected = [grads_w[0][..., cols]] if len(whole) == 1 else \
-        [grads_w[0], grads_w[1][cols], grads_w[2][cols]]   # dhidden: the whole (summed) one
+        [own_rows(form, grads_w[0], rank, world), grads_w[1][cols], grads_w[2][cols]]
     for i, (a, b) in enumerate(zip(expected, grads_s)):
         scale = max(1.0, a.double().abs().max().item())
         torch.testing.assert_close(b.double(), a.double(), rtol=0,
@@ -199,8 +221,9 @@ def check_random_heads(group, rank, world, draws: int):
 
 
 def check_bad_input(group, rank, world):
-    """Shards of different sizes and a target beyond the split vocabulary raise on every rank
-    (the shard-size check is itself a collective: no rank is left waiting)."""
+    """Shards of different sizes, ragged sequence-parallel rows and a target beyond the split
+    vocabulary raise on every rank (the size checks are themselves collectives: no rank is left
+    waiting)."""
     V_l = V_LOCAL + (1 if rank == world - 1 else 0)
     logits = torch.randn(1, 3, V_l)
     targets = torch.zeros(1, 3, dtype=torch.long)
@@ -211,6 +234,17 @@ def check_bad_input(group, rank, world):
             assert "same size V_local" in str(e), e
         else:
             raise AssertionError(f"rank {rank}: ragged shards were accepted")
+    # sequence parallelism with ragged row slices: raised by the gather's own count, every rank
+    hidden = torch.randn(1, 2 + (rank == world - 1), 3)
+    for lib in (rlfuse, rlfuse.reference):
+        head = lib.LinearHead(hidden, torch.randn(V_LOCAL, 3), torch.zeros(1, 2, dtype=torch.long),
+                              vocab_parallel_group=group, sequence_parallel=True)
+        try:
+            lib.policy_logprobs(head)
+        except ValueError as e:
+            assert "holds as many rows" in str(e), e
+        else:
+            raise AssertionError(f"rank {rank}: ragged sequence-parallel rows were accepted")
     logits = torch.randn(1, 3, V_LOCAL)
     targets = torch.tensor([[0, V_LOCAL * world, 1]])
     try:
@@ -254,7 +288,14 @@ def check_collectives(d, group, rank, world):
                 ("head", ggpo, True, ["all_gather"] + ["linear"] * chunks + ["all_gather"],
                  ["linear"] * chunks + ["all_reduce"]),
                 ("head", gppo, True,
-                 ["all_gather"] + ["linear", "all_gather"] * chunks + ["all_reduce"], [])):
+                 ["all_gather"] + ["linear", "all_gather"] * chunks + ["all_reduce"], []),
+                # sequence parallelism: the row counts compared, the rows gathered, then the
+                # split over every row; the backward keeps this rank's rows (no collective)
+                ("sp_head", gppo, False,
+                 ["all_gather"] * 2 + ["linear", "all_gather"] * (-(-B * T // 3)) +
+                 ["all_reduce"], []),
+                ("sp_head", ggpo, True, ["all_gather"] * 3 + ["linear"] * chunks +
+                 ["all_gather"], ["linear"] * chunks + ["all_reduce"])):
             _, shard, _ = leaves_of(form, d, rank, world)
             calls.clear()
             out = loss(policy(rlfuse, form, d, shard, group), validate)
@@ -309,7 +350,7 @@ def check_compiled(d, group, rank, world):
             (x * (i + 1)).sum() for i, x in enumerate(
                 rlfuse.policy_logprobs(pol, return_entropy=True, validate=False))),
     }
-    for form in ("logits", "head", "packed", "packed_head"):
+    for form in ("logits", "head", "packed", "packed_head", "sp_head", "sp_packed_head"):
         for name, step in steps.items():
             _, shard, _ = leaves_of(form, d, rank, world)
 
@@ -328,7 +369,7 @@ def check_compiled(d, group, rank, world):
 
 def check_opcheck(d, group, rank, world):
     """torch.library.opcheck of the split's ops (and of a LinearHead's backward and single pass
-    over the split): schema, autograd registration, the fake
+    over the split, and of sequence parallelism's gather of the rows): schema, autograd registration, the fake
     implementation against the real one, AOT dispatch with dynamic shapes."""
     from rlfuse.fused_losses import linear_head
     from rlfuse.fused_losses import vocab_split as vocab_op
@@ -369,6 +410,13 @@ def check_opcheck(d, group, rank, world):
         (hidden, weight, None, d["targets"], d["mask"], None, d["adv"], None, row_scale, None,
          None, None, 1.0, 1.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0, math.inf], 20.0, "",
          False, False, False, P, 4, True, [True, True, False], name)]
+    # sequence parallelism's gather of the rows (its backward keeps this rank's rows)
+    from rlfuse.scaleout.sequence import gather_rows
+
+    ops["gather_rows"] = gather_rows
+    cases["gather_rows"] = [(own_rows("sp_head", hidden, rank, world), 1, name),
+                            (own_rows("sp_packed_head", d["sp_packed_hidden"], rank, world)
+                             .clone().requires_grad_(), 0, name)]
     for op_name, arguments in cases.items():
         for args in arguments:
             torch.library.opcheck(ops[op_name], args)
@@ -387,7 +435,7 @@ def main():
     p.add_argument("--dtype", default="float64")
     p.add_argument("--impls", default="fused,reference")
     p.add_argument("--forms", default="logits,head,packed,packed_head,scaled_head,"
-                                      "softcapped_head,capped_head")
+                                      "softcapped_head,capped_head,sp_head,sp_packed_head")
     p.add_argument("--calls", default=",".join(CALLS))
     p.add_argument("--random-heads", type=int, default=0,
                    help="that many randomised heads over the split (check_random_heads)")

@@ -86,11 +86,11 @@ def compile_only(run):
 def target_gpu(arch: int):
     """(SMs, L2 bytes) of the GPU the kernels are compiled for, which size the single pass's
     grid and its registers (``single_pass.SinglePassConfig.grid``): this machine's GPU, else
-    the first of ``tools.sass.GPUS`` of that arch (the H200 for sm_90)."""
+    the first of ``tools.gpus.GPUS`` of that arch (the H200 for sm_90)."""
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return props.multi_processor_count, props.L2_cache_size
-    from tools.sass import GPUS
+    from tools.gpus import GPUS
 
     gpu = next(gpu for gpu in GPUS if gpu.arch == arch)
     return gpu.sms, gpu.l2_mib * 2 ** 20

@@ -26,7 +26,7 @@ single pass: the logsumexp loop and the dlogits loop). The logits loaded per thr
 are read back from the width of the loop's loads, as a check that the loop is neither unrolled
 nor split.
 
-The model (``GPUS`` below, rates with their sources) turns the counts into time at the headline
+The model (``tools.gpus.GPUS``, rates with their sources) turns the counts into time at the headline
 shape (N = 16384 rows, V = 151936): ``issue`` is the warp-instructions over 4 per clock per SM,
 ``MUFU`` the MUFU lane operations over 16 per clock per SM, ``memory`` the kernel's logical bytes
 per logit (one read; one read + one write for a kernel that writes dlogits) over 90% of the peak
@@ -65,11 +65,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from tools.gpus import GPUS
+
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = (90, 80)
 
 # --------------------------------------------------------------------------------------------
-# The model: the headline shape and the GPUs' rates, with their sources
+# The model: the headline shape and the rates of an SM, with their sources (the GPUs:
+# tools.gpus)
 # --------------------------------------------------------------------------------------------
 
 HEADLINE_N, HEADLINE_V = 16384, 151936
@@ -85,32 +88,6 @@ MUFU_PER_CLOCK_PER_SM = 16
 # bench measures the copy bandwidth of each GPU it runs on).
 HBM_EFFICIENCY = 0.9
 
-
-@dataclasses.dataclass(frozen=True)
-class GPU:
-    name: str
-    arch: int            # the SASS that runs on it
-    sms: int
-    clock_ghz: float     # a sustained clock under a streaming load, not the boost ceiling
-    hbm_tbps: float      # peak HBM bandwidth
-    l2_mib: int          # L2 cache
-    source: str
-
-
-GPUS = (
-    # 132 SMs and 50 MB of L2 (the GH100 of the SXM5 boards: H100 architecture whitepaper);
-    # 4.8 TB/s HBM3e (NVIDIA H200 Tensor Core GPU datasheet); 1.75 GHz sustained is an
-    # assumption of the model (the boost ceiling is 1.98 GHz).
-    GPU("H200", 90, 132, 1.75, 4.8, 50, "H200 SXM datasheet (4.8 TB/s); H100 whitepaper (132 SMs, "
-                                        "50 MB L2)"),
-    # 132 SMs, 50 MB of L2 and 3.35 TB/s HBM3 (NVIDIA H100 Tensor Core GPU datasheet, SXM5);
-    # same clock.
-    GPU("H100", 90, 132, 1.75, 3.35, 50, "H100 SXM5 datasheet (3.35 TB/s, 132 SMs, 50 MB L2)"),
-    # 108 SMs, 1410 MHz boost, 40 MB of L2 (NVIDIA A100 Tensor Core GPU Architecture
-    # whitepaper); 2,039 GB/s HBM2e for the 80 GB SXM4 board (NVIDIA A100 datasheet).
-    GPU("A100", 80, 108, 1.41, 2.039, 40, "A100 80GB SXM4 datasheet (2,039 GB/s); A100 "
-                                          "whitepaper (108 SMs, 1410 MHz, 40 MB L2)"),
-)
 
 # Per-SM limits that set occupancy (CUDA C++ Programming Guide, "Compute Capabilities",
 # technical specifications per compute capability): 64 resident warps, 32 resident blocks,

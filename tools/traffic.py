@@ -508,7 +508,7 @@ L2_SHAPES = ((151936, 2), (128256, 2), (32000, 2), (151936, 4))
 
 def rows_in_flight(config, V: int, element_size: int, gpu) -> dict:
     """What the single pass in launch configuration ``config`` (a ``SinglePassConfig``) keeps
-    in flight on ``gpu`` (a ``tools.sass.GPU``) over rows of ``V`` logits. A program holds one
+    in flight on ``gpu`` (a ``tools.gpus.GPU``) over rows of ``V`` logits. A program holds one
     row between its two reads (the logsumexp pass, then the write pass), so the rows in flight
     are the programs resident at once: a persistent grid's programs an SM (at most what an SM
     holds: the rest wait), or with one program per row as many as an SM holds (its warps'
@@ -533,9 +533,9 @@ def rows_in_flight(config, V: int, element_size: int, gpu) -> dict:
 
 def l2_table(configs: Sequence[str] = ()) -> str:
     """``rows_in_flight`` of each configuration (default: the GPU sweep's candidates) on each GPU
-    of ``tools.sass.GPUS``, at each of ``L2_SHAPES``."""
+    of ``tools.gpus.GPUS``, at each of ``L2_SHAPES``."""
     from rlfuse.kernels.single_pass import CANDIDATES, parse
-    from tools.sass import GPUS
+    from tools.gpus import GPUS
 
     lines = ["The single pass's rows in flight between a row's two reads against the L2 (a model "
              "from the launch configuration; `tools.traffic.rows_in_flight`): where they fit, "

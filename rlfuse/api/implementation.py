@@ -14,6 +14,7 @@ import inspect
 from typing import Callable, NamedTuple
 
 from ..scaleout.dtensor import local_policy
+from ..scaleout.sequence import gather_sequence
 
 
 class Implementation(NamedTuple):
@@ -44,8 +45,9 @@ class Implementation(NamedTuple):
     @contextlib.contextmanager
     def on(self, x):
         """``(self, x)``, a policy holding DTensors made of its local tensors
-        (``scaleout.dtensor``)."""
-        yield self, local_policy(x)
+        (``scaleout.dtensor``), a sequence-parallel head of every rank's rows
+        (``scaleout.sequence``)."""
+        yield self, gather_sequence(local_policy(x))
 
 
 def bind(definition: Callable, run) -> Callable:

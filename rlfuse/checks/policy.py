@@ -17,6 +17,7 @@ from .._types import LinearHead, Logits, compute_dtype
 from .values import (as_bool_mask, check_chunk_tokens, check_logits, check_mask,
                           check_no_overlap, check_positive, check_targets, check_tensor)
 from ..scaleout.layout import check_index, packed_rows_mask
+from ..scaleout.vocab import vocab_group_size
 
 
 class PolicyInfo(NamedTuple):
@@ -114,19 +115,6 @@ def matmul_head(policy, autocast: Optional[torch.dtype] = None):
                            bias=cast(policy.bias))
 
 
-def _group_size(group) -> int:
-    """The size of a ``vocab_parallel_group``: a process group of an initialised
-    ``torch.distributed``."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("policy.vocab_parallel_group: torch.distributed is not initialised")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"policy.vocab_parallel_group: expected a torch.distributed "
-                        f"ProcessGroup, got {type(group).__name__}")
-    return dist.get_world_size(group)
-
-
 def _check_packed(policy, loss_shape) -> Tuple[Tuple[int, ...], torch.device, torch.dtype]:
     """A packed policy: ``[N, V]`` logits or ``[N, H]`` hidden rows, ``targets [N]`` and
     ``index [N]`` (int64); its loss positions are ``loss_shape`` (the mask's), else ``(N,)``."""
@@ -163,7 +151,7 @@ def check_policy(policy, loss_shape: Optional[Tuple[int, ...]] = None) -> Policy
     into ``loss_shape`` (the mask's shape; ``(N,)`` without one). Only metadata is read here;
     the targets' and index's values are checked with the mask (``check_policy_targets``)."""
     if isinstance(policy, (Logits, LinearHead)) and policy.vocab_parallel_group is not None:
-        _group_size(policy.vocab_parallel_group)
+        vocab_group_size(policy.vocab_parallel_group)
     if isinstance(policy, (Logits, LinearHead)) and policy.index is not None:
         shape, device, dtype = _check_packed(policy, loss_shape)
     elif isinstance(policy, Logits):
@@ -206,7 +194,7 @@ def check_policy_targets(policy, mask: Optional[torch.Tensor], shape, validate: 
     device = policy_device(policy)
     vocab = vocab_size(policy)
     if policy.vocab_parallel_group is not None:
-        vocab *= _group_size(policy.vocab_parallel_group)
+        vocab *= vocab_group_size(policy.vocab_parallel_group)
     if policy.index is not None:
         shape = tuple(policy.targets.shape)
         if validate:

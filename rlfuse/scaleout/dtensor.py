@@ -102,6 +102,9 @@ def local_policy(policy):
     if policy.vocab_parallel_group is not None:
         raise ValueError(f"policy.vocab_parallel_group: {vocab_name} is a DTensor, whose mesh "
                          f"gives the split: pass None")
+    if isinstance(policy, LinearHead) and policy.sequence_parallel:
+        raise ValueError("policy.sequence_parallel: a DTensor head takes its rows from the "
+                         "hidden states' placement; sequence parallelism takes plain tensors")
     mesh_dim = _vocab_mesh_dim(vocab_name, vocab, vocab_dim)
     mesh = vocab.device_mesh
     fields = {field: _replicated(f"policy.{field}", x, mesh)

@@ -30,6 +30,19 @@ from torch import Tensor
 SHARD_COLUMNS = ("target_shift", "max", "log_sum", "entropy")
 
 
+def vocab_group_size(group) -> int:
+    """The size of a ``vocab_parallel_group``: a process group of an initialised
+    ``torch.distributed``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("policy.vocab_parallel_group: torch.distributed is not initialised")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"policy.vocab_parallel_group: expected a torch.distributed "
+                        f"ProcessGroup, got {type(group).__name__}")
+    return dist.get_world_size(group)
+
+
 def check_shard_sizes(group, vocab_local: int, device: torch.device) -> None:
     """Every rank of ``group`` holds a shard of ``vocab_local`` ids: compared in one
     collective every rank makes, so that a mismatch raises on every rank instead of hanging
