@@ -11,12 +11,12 @@ setup(
     packages=find_packages(include=["rlfuse", "rlfuse.*"]),
     install_requires=["torch>=2.10", "triton>=3.3"],
     extras_require={
-        # trl, deepspeed and verl: the integrations are tested against the real packages. verl is
-        # installed with --no-deps by `make setup` (its own pins clash with ours); these are
-        # what its core_algos, its actor loss and its model patches import.
+        # trl, deepspeed, megatron-core and verl: the integrations are tested against the real
+        # packages. verl is installed with --no-deps by `make setup` (its own pins clash with
+        # ours); these are what its core_algos, its actor loss and its model patches import.
         "test": ["pytest", "pytest-xdist", "hypothesis", "numpy", "liger-kernel==0.8.5",
-                 "trl==1.16.0", "deepspeed==0.19.8", "ray", "tensordict", "omegaconf",
-                 "codetiming", "orjson", "pillow"],
+                 "trl==1.16.0", "deepspeed==0.19.8", "megatron-core==0.16.1", "ray",
+                 "tensordict", "omegaconf", "codetiming", "orjson", "pillow"],
         "bench": ["matplotlib", "numpy", "liger-kernel"],
         "train": ["transformers", "peft"],
     },

@@ -202,7 +202,8 @@ def check_fsdp2_head(d, rank, world):
 
 def check_linear_cross_entropy(d, group, rank, world):
     """verl's Megatron-style call: each rank its ``[V_local, H]`` rows of the output layer,
-    labels global ids, flat results; equal to the whole vocabulary, gradients too."""
+    labels global ids, flat results; equal to the whole vocabulary, gradients too (the hidden
+    states': each rank's share, summed over the group)."""
     from rlfuse.integrations.verl import linear_cross_entropy, log_probs_and_entropy
 
     hidden, weight = leaf(d["hidden"]), leaf(d["weight"])
@@ -217,7 +218,12 @@ def check_linear_cross_entropy(d, group, rank, world):
     a, b = (torch.randn(B * T, generator=seed, dtype=DTYPE) for _ in "ab")
     ((want[0] * a).sum() + (want[1] * b).sum()).backward()
     ((got[0] * a).sum() + (got[1] * b).sum()).backward()
-    close(h2.grad, hidden.grad, f"linear_cross_entropy dhidden (rank {rank})", GRAD_TOL)
+    # each rank's share of dhidden, which Megatron's sequence-parallel gather sums (verl's
+    # contract: its kernel leaves each rank its shard's partial gradient)
+    close(h2.grad * world, hidden.grad, f"linear_cross_entropy dhidden (rank {rank})", GRAD_TOL)
+    summed = h2.grad.clone()
+    dist.all_reduce(summed, group=group)
+    close(summed, hidden.grad, f"linear_cross_entropy summed dhidden (rank {rank})", GRAD_TOL)
     close(w2.grad, weight.grad[rank * V_LOCAL:(rank + 1) * V_LOCAL],
           f"linear_cross_entropy dweight (rank {rank})", GRAD_TOL)
     total = linear_cross_entropy(h2, w2, d["targets"], 0.7, "sum", group)[0]

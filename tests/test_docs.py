@@ -151,6 +151,22 @@ def context_verl(tmp_path):
                 response_mask=mask, actor_config=config())
 
 
+def context_megatron(tmp_path):
+    """Megatron's tensors on one process (no parallel_state: the whole head)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(3)
+    s, b = 6, 2
+    weight = torch.randn(V, H, generator=g)
+    return dict(hidden=torch.randn(s, b, H, generator=g, requires_grad=True), weight=weight,
+                model=SimpleNamespace(output_layer=SimpleNamespace(weight=weight)),
+                labels=torch.randint(0, V, (b, s), generator=g),
+                config=SimpleNamespace(sequence_parallel=False),
+                old_logprobs=-2 * torch.rand(b, s, generator=g),
+                advantages=torch.randn(b, generator=g),
+                loss_mask=torch.ones(b, s, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("page, context", sorted(
     {(page, context) for page, language, context, _, _ in ALL if language == "python"},
     key=lambda pc: (pc[0].name, pc[1] or "")), ids=lambda x: getattr(x, "name", x))

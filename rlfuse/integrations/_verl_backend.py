@@ -9,7 +9,8 @@ rolled by one) and hands the last hidden state, the output head's weight and the
 that call is answered by ``rlfuse.LinearHead``: the head's bias, logit scale and softcap read
 from the model (checked against its own logits once), no ``[N, V]`` logits beyond one chunk.
 ``linear_cross_entropy`` is verl's vocab-parallel ``linear_cross_entropy`` (Megatron's tensor
-parallelism) over ``rlfuse``'s vocabulary split.
+parallelism) over ``rlfuse``'s vocabulary split; ``patch_megatron`` routes verl's Megatron fused
+forward through it.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from verl.models.transformers import monkey_patch
 from verl.utils.experimental import torch_functional
 
 import rlfuse
+from rlfuse.scaleout.rank_rows import MeanOverRanks
 from ._models import check_head, config_head
 
 BACKEND = "rlfuse"
@@ -138,9 +140,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ``labels`` from ``hidden [..., H]`` and ``weight [V_local, H]``, the vocabulary split over
     ``dist_process_group`` as Megatron splits its output layer (rank ``r`` holds the ids ``[r
     V_local, (r + 1) V_local)``; None: the whole vocabulary). Flat ``[N]`` fp32 results; with
-    ``reduction`` ``"sum"`` or ``"mean"`` the log-probs are summed or averaged."""
+    ``reduction`` ``"sum"`` or ``"mean"`` the log-probs are summed or averaged.
+
+    Over a group of W ranks the hidden states' gradient on each rank is its share, 1 / W of
+    the gradient, as verl's kernel leaves each rank its shard's partial gradient: verl's mcore
+    forward gathers the hidden states from Megatron's sequence-parallel region before this call,
+    and that gather's backward sums the ranks' gradients."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
+    if dist_process_group is not None:
+        hidden = MeanOverRanks.apply(hidden, torch.distributed.get_world_size(dist_process_group))
     logp, entropy = log_probs_and_entropy(hidden.reshape(-1, hidden.shape[-1]), weight,
                                           labels.reshape(-1), temperature,
                                           group=dist_process_group)
@@ -149,6 +158,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     elif reduction == "mean":
         logp = logp.mean()
     return logp, entropy
+
+
+def patch_megatron() -> None:
+    """Routes verl's Megatron fused forward (``verl.models.mcore.model_forward_fused``: its
+    GPTModel forward and its output processor) through ``linear_cross_entropy``: the module's
+    ``linear_cross_entropy``, which both look up at each call, replaced (needs megatron-core)."""
+    from verl.models.mcore import model_forward_fused
+
+    model_forward_fused.linear_cross_entropy = linear_cross_entropy
 
 
 def install() -> None:

@@ -16,7 +16,8 @@ registers other regions under other names. :func:`kl_penalty` is verl's ``kl_pen
 ``rlfuse.kl_penalty``. The losses take verl's ``[B, T]`` log-probs; the import also makes
 ``fused_kernels_backend="rlfuse"`` a backend of verl's fused-kernel forward, which computes
 those log-probs and the entropy from the last hidden state (``_verl_backend``), and
-:func:`linear_cross_entropy` is verl's tensor-parallel call over rlfuse's vocabulary split.
+:func:`linear_cross_entropy` is verl's tensor-parallel call over rlfuse's vocabulary split, and
+:func:`patch_megatron` routes verl's Megatron fused forward through it.
 
 Where verl draws at random (``clip_cov``), rlfuse draws the same numbers from the same
 generator (torch's default one): a run seeded as verl's takes verl's choice. ``bypass_mode``
@@ -38,10 +39,10 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 import rlfuse
 from rlfuse import objectives
 from ._verl_backend import (BACKEND, install, linear_cross_entropy, log_probs_and_entropy,
-                            patch_forward_with_backends)
+                            patch_forward_with_backends, patch_megatron)
 
 __all__ = ["BACKEND", "MODES", "kl_penalty", "linear_cross_entropy", "log_probs_and_entropy",
-           "patch_forward_with_backends", "register_gppo", "verl_aggregation"]
+           "patch_forward_with_backends", "patch_megatron", "register_gppo", "verl_aggregation"]
 
 
 def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor,

@@ -1,0 +1,213 @@
+"""One rank of the Megatron-core tests (``tests/test_megatron.py`` starts W of them with
+``torch.distributed.run`` over ``gloo``, Megatron's tensor-parallel group of W from its own
+``parallel_state``): ``rlfuse.integrations.megatron`` and verl's Megatron fused forward through
+rlfuse (``patch_megatron``) against Megatron's own output layer and cross entropy
+(``gather_from_sequence_parallel_region`` or ``copy_to_tensor_model_parallel_region``, the
+shard's logits, ``vocab_parallel_cross_entropy``) and verl's ``vocab_parallel_entropy`` on the
+logits the test forms, with and without sequence parallelism: log-probs, entropy and the
+gradients of this rank's hidden rows and weight shard; a loss from ``output_head`` equal to one
+process's; bad layouts raising on every rank.
+
+    python -m torch.distributed.run --standalone --nproc_per_node W tests/megatron_worker.py
+"""
+import datetime
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")       # before triton is imported
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # verl's entropy compiles an inner function
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# Megatron's sequence-parallel gather allocates its buffers on torch.cuda.current_device(): on
+# this CPU-only machine, the CPU.
+torch.cuda.current_device = lambda: "cpu"
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: E402
+from megatron.core.tensor_parallel.mappings import (  # noqa: E402
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
+from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy  # noqa: E402
+
+import rlfuse  # noqa: E402
+from conftest import SPLIT_GRAD_TOL, SPLIT_TOL  # noqa: E402  (this script's folder)
+from rlfuse.integrations import megatron as rlfuse_megatron  # noqa: E402
+
+S, B, H, V_LOCAL, TEMPERATURE = 8, 2, 6, 7, 0.7
+DTYPE = torch.float32      # Megatron's cross entropy computes in fp32 whatever it is given
+
+
+def make_data(world):
+    """The same data on every rank: hidden states ``[S, B, H]``, the whole head, labels ``[B,
+    S]``, the upstream gradients of the log-probs and the entropy, the loss inputs."""
+    g = torch.Generator().manual_seed(11)
+    V = V_LOCAL * world
+    return dict(hidden=torch.randn(S, B, H, generator=g, dtype=torch.float64).to(DTYPE),
+                weight=(3 * torch.randn(V, H, generator=g, dtype=torch.float64) / H ** 0.5)
+                .to(DTYPE),
+                labels=torch.randint(0, V, (B, S), generator=g),
+                upstream=torch.randn(2, B, S, generator=g, dtype=torch.float64).to(DTYPE),
+                old=-torch.rand(B, S, generator=g, dtype=torch.float64).to(DTYPE),
+                adv=torch.randn(B, generator=g, dtype=torch.float64).to(DTYPE),
+                mask=torch.rand(B, S, generator=g) > 0.2)
+
+
+def leaves(d, rank, world, sequence_parallel):
+    """(this rank's hidden rows, its weight shard): fresh leaves."""
+    n = S // world if sequence_parallel else S
+    start = rank * n if sequence_parallel else 0
+    hidden = d["hidden"][start:start + n].clone().requires_grad_()
+    weight = d["weight"][rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_()
+    return hidden, weight
+
+
+def megatron_step(d, rank, world, sequence_parallel):
+    """Megatron's own output layer (its sequence-parallel gather, or its copy to the
+    tensor-parallel region) and vocab-parallel cross entropy, verl's vocab-parallel entropy:
+    ``(logp [B, S], entropy [B, S], (dhidden, dweight))``."""
+    hidden, weight = leaves(d, rank, world, sequence_parallel)
+    rows = gather_from_sequence_parallel_region(hidden) if sequence_parallel else \
+        copy_to_tensor_model_parallel_region(hidden)
+    logits = rows @ weight.t() / TEMPERATURE                         # [S, B, V / tp]
+    logp = -vocab_parallel_cross_entropy(logits.clone(), d["labels"].t().contiguous()).t()
+    entropy = vocab_parallel_entropy(logits).t()
+    grads = torch.autograd.grad((logp * d["upstream"][0]).sum() +
+                                (entropy * d["upstream"][1]).sum(), (hidden, weight))
+    return logp.detach(), entropy.detach(), grads
+
+
+def close(got, want, what, tol):
+    scale = max(1.0, want.double().abs().max().item())
+    torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=tol * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def check_logprobs_and_entropy(d, rank, world):
+    """rlfuse in the output layer's place, equal to Megatron's, with and without sequence
+    parallelism, fused and through verl's Megatron fused forward (``patch_megatron``: verl
+    gathers the rows itself and hands them to ``linear_cross_entropy``)."""
+    from types import SimpleNamespace
+
+    from rlfuse.integrations import verl as rlfuse_verl
+    from verl.models.mcore import model_forward_fused
+
+    rlfuse_verl.patch_megatron()
+    assert model_forward_fused.linear_cross_entropy is rlfuse_verl.linear_cross_entropy
+    for sequence_parallel in (False, True):
+        want_logp, want_entropy, want_grads = megatron_step(d, rank, world, sequence_parallel)
+        hidden, weight = leaves(d, rank, world, sequence_parallel)
+        logp, entropy = rlfuse_megatron.logprobs_and_entropy(
+            hidden, weight, d["labels"], temperature=TEMPERATURE,
+            sequence_parallel=sequence_parallel)
+        runs = {"rlfuse.integrations.megatron": (logp, entropy, (hidden, weight))}
+        if sequence_parallel:     # verl's processor: batch 1 (its packed rows), flat results
+            for b in range(B):
+                hidden_b, weight_b = leaves(d, rank, world, True)
+                hidden_b = hidden_b[:, b:b + 1].detach().requires_grad_()
+                out = model_forward_fused.fused_output_processor(
+                    hidden_states=hidden_b, output_layer=None, output_weight=weight_b,
+                    labels=d["labels"][b:b + 1], context=SimpleNamespace(
+                        temperature=TEMPERATURE), config=SimpleNamespace(sequence_parallel=True))
+                runs[f"verl fused_output_processor, sequence {b}"] = (
+                    out.log_probs.view(1, S), out.entropy.view(1, S), (hidden_b, weight_b), b)
+        for where, (lp, ent, grad_leaves, *row) in runs.items():
+            rows = slice(row[0], row[0] + 1) if row else slice(None)
+            where = f"rank {rank}/{world} sp={sequence_parallel} {where}"
+            close(lp.detach(), want_logp[rows], f"{where} log-probs", SPLIT_TOL[DTYPE])
+            close(ent.detach(), want_entropy[rows], f"{where} entropy", SPLIT_TOL[DTYPE])
+            if row:   # one sequence's share of Megatron's gradients: its own run of Megatron
+                continue
+            grads = torch.autograd.grad((lp * d["upstream"][0]).sum() +
+                                        (ent * d["upstream"][1]).sum(), grad_leaves)
+            for name, got, want in zip(("dhidden", "dweight"), grads, want_grads):
+                close(got, want, f"{where} {name}", SPLIT_GRAD_TOL[DTYPE])
+    check_verl_gradients(d, rank, world)
+
+
+def check_verl_gradients(d, rank, world):
+    """verl's Megatron fused forward through rlfuse, one sequence (verl's packed batch of 1):
+    the gradients of this rank's rows and shard equal to Megatron's output layer's."""
+    from types import SimpleNamespace
+
+    from verl.models.mcore import model_forward_fused
+
+    one = dict(d, hidden=d["hidden"][:, :1], labels=d["labels"][:1],
+               upstream=d["upstream"][:, :1])
+    _, _, want = megatron_step(one, rank, world, True)
+    hidden, weight = leaves(one, rank, world, True)
+    out = model_forward_fused.fused_output_processor(
+        hidden_states=hidden, output_layer=None, output_weight=weight, labels=one["labels"],
+        context=SimpleNamespace(temperature=TEMPERATURE),
+        config=SimpleNamespace(sequence_parallel=True))
+    grads = torch.autograd.grad((out.log_probs * one["upstream"][0].reshape(-1)).sum() +
+                                (out.entropy * one["upstream"][1].reshape(-1)).sum(),
+                                (hidden, weight))
+    for name, got, want_grad in zip(("dhidden", "dweight"), grads, want):
+        close(got, want_grad, f"rank {rank}/{world} verl fused forward {name}",
+              SPLIT_GRAD_TOL[DTYPE])
+
+
+def check_loss_is_one_process(d, rank, world):
+    """A loss on ``output_head`` (sequence parallel): the same loss on every rank as one process
+    computes over the whole head and all the rows (fused and reference), the gradients of this
+    rank's rows and shard."""
+    for lib in (rlfuse, rlfuse.reference):
+        whole = (d["hidden"].clone().requires_grad_(), d["weight"].clone().requires_grad_())
+        one = lib.ppo_loss(lib.LinearHead(whole[0].transpose(0, 1), whole[1], d["labels"],
+                                          temperature=TEMPERATURE),
+                           d["old"], d["adv"], d["mask"], clip=(0.2, 0.28))
+        want = torch.autograd.grad(one.loss, whole)
+        hidden, weight = leaves(d, rank, world, True)
+        head = rlfuse_megatron.output_head(hidden, weight, d["labels"], temperature=TEMPERATURE,
+                                           sequence_parallel=True)
+        out = lib.ppo_loss(head, d["old"], d["adv"], d["mask"], clip=(0.2, 0.28))
+        where = f"rank {rank}/{world} {lib.__name__} ppo_loss"
+        close(out.loss.detach(), one.loss.detach(), f"{where} loss", SPLIT_TOL[DTYPE])
+        grads = torch.autograd.grad(out.loss, (hidden, weight))
+        n = S // world
+        own = (want[0][rank * n:(rank + 1) * n], want[1][rank * V_LOCAL:(rank + 1) * V_LOCAL])
+        for name, got, expected in zip(("dhidden", "dweight"), grads, own):
+            close(got, expected, f"{where} {name}", SPLIT_GRAD_TOL[DTYPE])
+
+
+def check_bad_layouts(d, rank, world):
+    """Labels of the wrong shape raise before any collective, ragged sequence-parallel rows
+    in the gather's own count: a ValueError on every rank, never a hang."""
+    hidden, weight = leaves(d, rank, world, True)
+    for labels, what in ((d["labels"][:, :-1], "labels: expected [b, s]"),
+                         (d["labels"].t(), "labels: expected [b, s]")):
+        try:
+            rlfuse_megatron.logprobs_and_entropy(hidden, weight, labels, sequence_parallel=True)
+        except ValueError as e:
+            assert what in str(e), e
+        else:
+            raise AssertionError(f"rank {rank}: labels {tuple(labels.shape)} were accepted")
+    ragged = d["hidden"][:S // world + (rank == 0)]
+    try:
+        rlfuse.policy_logprobs(rlfuse.LinearHead(
+            ragged.transpose(0, 1), weight, d["labels"],
+            vocab_parallel_group=parallel_state.get_tensor_model_parallel_group(),
+            sequence_parallel=True))
+    except ValueError as e:
+        assert "holds as many rows" in str(e), e
+    else:
+        raise AssertionError(f"rank {rank}: ragged sequence-parallel rows were accepted")
+
+
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    d = make_data(world)
+    check_logprobs_and_entropy(d, rank, world)
+    check_loss_is_one_process(d, rank, world)
+    check_bad_layouts(d, rank, world)
+    parallel_state.destroy_model_parallel()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
