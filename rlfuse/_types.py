@@ -62,9 +62,10 @@ class LinearHead(NamedTuple):
     ``weight [V, H]`` (the ``lm_head`` weight, tied to the embedding or not), ``bias [V]`` or
     None, all of one floating dtype and device. Gradients go to whichever of ``hidden``,
     ``weight``, ``bias`` require them (``weight``'s accumulated in fp32 over the chunks).
-    ``chunk_tokens``: tokens per chunk (default: H tokens, at least 256, at most 1 GiB of
-    logits, so that a chunk is no larger than the weight; or a budget of chunk-logit bytes in
-    the environment variable ``RLFUSE_CHUNK_BYTES``). ``index`` and ``vocab_parallel_group``
+    ``chunk_tokens``: tokens per chunk (default: about ``T H / V`` for ``T`` positions, a
+    multiple of 64, at least 64, at most H and 1 GiB of logits, so that a chunk's logits are
+    about as large as the hidden states and never larger than the weight; or a budget of
+    chunk-logit bytes in the environment variable ``RLFUSE_CHUNK_BYTES``). ``index`` and ``vocab_parallel_group``
     as for :class:`Logits`: packed ``hidden [N, H]`` and ``targets [N]``; a ``weight [V_local,
     H]`` (and ``bias``) shard per rank, whose hidden-state gradient is summed over the group.
     What models put after the output projection, in this order, then the temperature:

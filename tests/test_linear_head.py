@@ -234,17 +234,20 @@ def test_the_upstream_gradient_scales_the_accumulation_rounded_once(device):
 
 
 def test_default_chunk_from_the_head(monkeypatch):
-    """H tokens a chunk (at least 256, at most 1 GiB of logits), whatever the number of
-    tokens: a chunk's logits no larger than the weight; RLFUSE_CHUNK_BYTES sets a budget."""
+    """About tokens H / V tokens a chunk, in multiples of 64 (at least 64, at most H tokens and
+    1 GiB of logits): a chunk's logits about the size of the hidden states, never larger than
+    the weight; RLFUSE_CHUNK_BYTES sets a budget; chunk_tokens wins."""
     from rlfuse.fused_losses.linear_head import chunk_tokens_for
 
     monkeypatch.delenv("RLFUSE_CHUNK_BYTES", raising=False)
     bf16 = lambda V, H: torch.empty(V, H, dtype=torch.bfloat16, device="meta")  # noqa: E731
-    assert chunk_tokens_for(bf16(32768, 512), None) == 512
-    assert chunk_tokens_for(bf16(32768, 64), None) == 256
-    assert chunk_tokens_for(bf16(151936, 8192), None) == (1 << 30) // (151936 * 2)
-    assert chunk_tokens_for(bf16(151936, 4096), 100) == 100
+    assert chunk_tokens_for(bf16(32768, 512), None, 2048) == 64          # 32: the fewest
+    assert chunk_tokens_for(bf16(151936, 4096), None, 16384) == 448     # 441.7, rounded up
+    assert chunk_tokens_for(bf16(32768, 512), None, 10 ** 6) == 512      # no more than H
+    assert chunk_tokens_for(bf16(32768, 8), None, 10 ** 6) == 64
+    assert chunk_tokens_for(bf16(151936, 8192), None, 10 ** 7) == (1 << 30) // (151936 * 2)
+    assert chunk_tokens_for(bf16(151936, 4096), 100, 16384) == 100
     monkeypatch.setenv("RLFUSE_CHUNK_BYTES", str(151936 * 4 * 10))
-    assert chunk_tokens_for(torch.empty(151936, 8, device="meta"), None) == 10
+    assert chunk_tokens_for(torch.empty(151936, 8, device="meta"), None, 16384) == 10
     monkeypatch.setenv("RLFUSE_CHUNK_BYTES", "1")
-    assert chunk_tokens_for(torch.empty(151936, 8, device="meta"), None) == 1
+    assert chunk_tokens_for(torch.empty(151936, 8, device="meta"), None, 16384) == 1

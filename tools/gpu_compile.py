@@ -96,7 +96,7 @@ def headline_stand_in(V: int = HEADLINE_STAND_IN["V"],
                          f"headline's launch configuration {config}")
     shape = dataclasses.replace(headline, V=V, hidden=hidden)
     weight = torch.empty(headline.V, headline.hidden, dtype=headline.dtype, device="meta")
-    chunk_bytes = chunk_tokens_for(weight, None) * V * headline.element_size
+    chunk_bytes = chunk_tokens_for(weight, None, headline.N) * V * headline.element_size
     saved = os.environ.get("RLFUSE_CHUNK_BYTES")
     os.environ["RLFUSE_CHUNK_BYTES"] = str(chunk_bytes)
     try:

@@ -34,7 +34,8 @@ from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # the most a default chunk of logits takes: 1 GiB
-MIN_CHUNK_TOKENS = 256          # the fewest tokens a default chunk takes (the matmul's M)
+# The fewest tokens a default chunk takes (the matmul's M), and the multiple its tokens are of.
+MIN_CHUNK_TOKENS = 64
 
 
 def head_fields(head) -> dict:
@@ -42,19 +43,24 @@ def head_fields(head) -> dict:
     return HeadParams.of(head)._asdict()
 
 
-def chunk_tokens_for(weight: Tensor, chunk_tokens: Optional[int]) -> int:
-    """Tokens per chunk of a head of ``weight [V, H]``: ``chunk_tokens``; else the budget of
-    chunk logits in bytes given by ``RLFUSE_CHUNK_BYTES`` over the bytes of one row; else H
-    tokens (at least ``MIN_CHUNK_TOKENS``, at most 1 GiB of logits): a chunk's logits no
-    larger than the weight itself, whose fp32 gradient the loss holds anyway, so that the
-    chunk adds at most what the head already costs, at any number of tokens."""
+def chunk_tokens_for(weight: Tensor, chunk_tokens: Optional[int], tokens: int) -> int:
+    """Tokens per chunk of a head of ``weight [V, H]`` over ``tokens`` positions:
+    ``chunk_tokens``; else the budget of chunk logits in bytes given by ``RLFUSE_CHUNK_BYTES``
+    over the bytes of one row; else ``tokens H / V`` rounded up to a multiple of
+    ``MIN_CHUNK_TOKENS`` (at least that, at most H tokens and 1 GiB of logits): a chunk's logits
+    about as large as the hidden states ``[tokens, H]`` and never larger than the weight, so
+    that a step holds little beyond the head's own gradients, at any number of tokens (about
+    V / H chunks)."""
     if chunk_tokens:
         return chunk_tokens
     vocab_size, hidden_size = weight.shape
     row = vocab_size * weight.element_size()
     if "RLFUSE_CHUNK_BYTES" in os.environ:
         return max(1, int(os.environ["RLFUSE_CHUNK_BYTES"]) // row)
-    return max(1, min(DEFAULT_CHUNK_BYTES // row, max(MIN_CHUNK_TOKENS, hidden_size)))
+    like_hidden = -(-tokens * hidden_size // vocab_size)
+    rounded = MIN_CHUNK_TOKENS * -(-like_hidden // MIN_CHUNK_TOKENS)
+    return max(1, min(DEFAULT_CHUNK_BYTES // row,
+                      max(MIN_CHUNK_TOKENS, min(hidden_size, rounded))))
 
 
 class Rows:

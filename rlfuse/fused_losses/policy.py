@@ -25,7 +25,7 @@ def _local_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
     """``(logp, entropy or empty)`` ``[B, T]`` of a ``Logits`` / ``LinearHead`` over
     ``[B, S, ...]`` rows and the whole vocabulary."""
     if isinstance(rows, LinearHead):
-        chunk = chunk_tokens_for(rows.weight, rows.chunk_tokens)
+        chunk = chunk_tokens_for(rows.weight, rows.chunk_tokens, rows.targets.numel())
         logp, entropy, _ = linear_logprobs_op(rows.hidden, rows.weight, rows.bias, rows.targets,
                                               mask, **head_fields(rows), offset=int(rows.offset),
                                               chunk_tokens=chunk, gather=gather,

@@ -337,7 +337,7 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad
                  for t in (policy.hidden, policy.weight, policy.bias)]
-        chunk = chunk_tokens_for(policy.weight, policy.chunk_tokens)
+        chunk = chunk_tokens_for(policy.weight, policy.chunk_tokens, policy.targets.numel())
         group = policy.vocab_parallel_group
         if validate and group is not None:
             check_shard_sizes(group, policy.weight.shape[0], policy.targets.device)

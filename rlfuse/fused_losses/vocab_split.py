@@ -156,7 +156,7 @@ def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
     ``[B, S, ...]`` rows with a ``vocab_parallel_group``."""
     group_name = rows.vocab_parallel_group.group_name
     if isinstance(rows, LinearHead):
-        chunk = chunk_tokens_for(rows.weight, rows.chunk_tokens)
+        chunk = chunk_tokens_for(rows.weight, rows.chunk_tokens, rows.targets.numel())
         logp, entropy, _ = vocab_split_linear_logprobs_op(
             rows.hidden, rows.weight, rows.bias, rows.targets, mask, **head_fields(rows),
             offset=int(rows.offset), chunk_tokens=chunk, gather=gather,
