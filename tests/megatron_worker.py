@@ -6,7 +6,8 @@ rlfuse (``patch_megatron``) against Megatron's own output layer and cross entrop
 shard's logits, ``vocab_parallel_cross_entropy``) and verl's ``vocab_parallel_entropy`` on the
 logits the test forms, with and without sequence parallelism: log-probs, entropy and the
 gradients of this rank's hidden rows and weight shard; a loss from ``output_head`` equal to one
-process's; bad layouts raising on every rank.
+process's; bad layouts raising on every rank. On 4 ranks: data x context parallelism's
+counts (``global_counts``).
 
     python -m torch.distributed.run --standalone --nproc_per_node W tests/megatron_worker.py
 """
@@ -195,15 +196,48 @@ def check_bad_layouts(d, rank, world):
         raise AssertionError(f"rank {rank}: ragged sequence-parallel rows were accepted")
 
 
+def check_context_parallel_counts(rank):
+    """Data parallelism 2 x context parallelism 2 (Megatron's groups): each rank the chunks of
+    its sequences that Megatron's ``get_batch_on_this_cp_rank`` gives it; ``global_counts``
+    with both groups equals one process's counts over every sequence (one sequence's actor
+    tokens all in one rank's chunks, one without any), on every rank; without the data-parallel
+    group it raises."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                             context_parallel_size=2)
+    mask = torch.zeros(4, 8, dtype=torch.bool)
+    mask[0, :2] = True                    # chunk 0 alone: context-parallel rank 0's
+    mask[1, 1:7] = True
+    mask[3, 5:] = True                    # mask[2]: no actor token
+    dp = parallel_state.get_data_parallel_rank()
+    local = get_batch_on_this_cp_rank({"loss_mask": mask[2 * dp:2 * dp + 2].clone()})
+    tokens, sequences = rlfuse.global_counts(
+        local["loss_mask"], parallel_state.get_data_parallel_group(),
+        context_parallel_group=parallel_state.get_context_parallel_group())
+    assert (tokens.item(), sequences.item()) == (mask.sum().item(), 3), (rank, tokens, sequences)
+    try:
+        rlfuse.global_counts(local["loss_mask"],
+                             context_parallel_group=parallel_state.get_context_parallel_group())
+    except ValueError as e:
+        assert "pass the data-parallel group" in str(e), e
+    else:
+        raise AssertionError(f"rank {rank}: context parallelism without a data-parallel group")
+    parallel_state.destroy_model_parallel()
+
+
 def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    d = make_data(world)
-    check_logprobs_and_entropy(d, rank, world)
-    check_loss_is_one_process(d, rank, world)
-    check_bad_layouts(d, rank, world)
-    parallel_state.destroy_model_parallel()
+    if world == 4:
+        check_context_parallel_counts(rank)
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        d = make_data(world)
+        check_logprobs_and_entropy(d, rank, world)
+        check_loss_is_one_process(d, rank, world)
+        check_bad_layouts(d, rank, world)
+        parallel_state.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: ok", flush=True)

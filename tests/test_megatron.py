@@ -2,7 +2,8 @@
 tensor-parallel group from Megatron's own ``parallel_state``): the output layer's log-probs,
 entropy and gradients from ``rlfuse.integrations.megatron`` and through verl's Megatron fused
 forward, against Megatron's output layer and cross entropy, with and without sequence
-parallelism; a loss equal to one process's; bad layouts."""
+parallelism; a loss equal to one process's; bad layouts; on 4 processes the counts of data x
+context parallelism."""
 import pytest
 import torch
 
@@ -15,6 +16,10 @@ integration("verl")
 
 def test_megatron_tensor_and_sequence_parallel_two_ranks():
     run_workers(2, worker="megatron_worker.py")
+
+
+def test_data_times_context_parallel_counts_four_ranks():
+    run_workers(4, worker="megatron_worker.py")
 
 
 def test_output_head_without_model_parallelism():
