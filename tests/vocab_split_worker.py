@@ -316,17 +316,19 @@ def check_traffic(d, group, rank, world):
     reads each row of its one formation for the statistics (and the target logit), then in
     the write pass, and writes its gradient once; the two passes (GGPO) read the forward's
     formation once (and the target logit) and the backward's once, and write the gradient
-    once. The same kernel bytes: the single pass saves a formation, its matmul and its write."""
+    once. The same kernel bytes: the single pass saves a formation, its matmul and its write.
+    Sequence parallelism (``sp_head``) moves the same bytes: its gather is of hidden rows."""
     from tools import traffic     # the repository root is on PYTHONPATH (test_vocab_split)
 
     actor = int(d["mask"].sum())
     gppo = lambda pol: rlfuse.gppo_loss(pol, d["old"], d["adv"], d["mask"])  # noqa: E731
     ggpo = lambda pol: rlfuse.ggpo_loss(  # noqa: E731
         pol, d["old"], d["rewards"], d["mask"], group_size=GROUP, beta=0.5)
-    for name, loss in (("gppo", gppo), ("ggpo", ggpo)):
-        _, shard, _ = leaves_of("head", d, rank, world)
+    for form, name, loss in (("head", "gppo", gppo), ("head", "ggpo", ggpo),
+                             ("sp_head", "gppo", gppo), ("sp_head", "ggpo", ggpo)):
+        _, shard, _ = leaves_of(form, d, rank, world)
         with traffic.KernelCounter() as counter:
-            torch.autograd.grad(loss(policy(rlfuse, "head", d, shard, group)).loss, shard[0])
+            torch.autograd.grad(loss(policy(rlfuse, form, d, shard, group)).loss, shard[0])
         moved = [0, 0]
         for launch in counter.launches:
             chunks = {t.data_ptr(): t.numel() * t.element_size() for t in launch.tensors
@@ -337,7 +339,7 @@ def check_traffic(d, group, rank, world):
                                     for p, n in chunks.items())
         rows = tuple(m / (actor * V_LOCAL) for m in moved)
         assert abs(rows[0] - (2 + 1 / V_LOCAL)) < 1e-12 and abs(rows[1] - 1) < 1e-12, \
-            (name, rows)
+            (form, name, rows)
 
 
 def check_compiled(d, group, rank, world):
