@@ -65,8 +65,8 @@ class LinearHead(NamedTuple):
     ``chunk_tokens``: tokens per chunk (default: about ``T H / V`` for ``T`` positions, a
     multiple of 64, at least 64, at most H and 1 GiB of logits, so that a chunk's logits are
     about as large as the hidden states and never larger than the weight; or a budget of
-    chunk-logit bytes in the environment variable ``RLFUSE_CHUNK_BYTES``). ``index`` and ``vocab_parallel_group``
-    as for :class:`Logits`: packed ``hidden [N, H]`` and ``targets [N]``; a ``weight [V_local,
+    chunk-logit bytes in the environment variable ``RLFUSE_CHUNK_BYTES``). ``index`` and
+    ``vocab_parallel_group`` as for :class:`Logits`: packed ``hidden [N, H]`` and ``targets [N]``; a ``weight [V_local,
     H]`` (and ``bias``) shard per rank, whose hidden-state gradient is summed over the group.
     What models put after the output projection, in this order, then the temperature:
     ``logit_scale`` (a positive factor: Cohere's ``logit_scale``, Granite's ``1 /

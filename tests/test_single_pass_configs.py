@@ -128,8 +128,8 @@ def _single_pass_outputs(config, device, *, inplace=False, head=False):
 
 
 @pytest.mark.parametrize("config", [
-    "evict=1", "programs_per_sm=none", "programs_per_sm=1", "programs_per_sm=5", "order=forward", "num_stages=3",
-    "num_warps=1", "evict=1,programs_per_sm=2,order=forward,num_warps=2,num_stages=2"])
+    "evict=1", "programs_per_sm=none", "programs_per_sm=1", "programs_per_sm=5",
+    "order=forward", "num_stages=3", "num_warps=1", "evict=1,programs_per_sm=2,order=forward,num_warps=2,num_stages=2"])
 def test_launch_alone_changes_no_bit(config, device):
     """With the same BLOCK_V the sums run in the same order, so a switch of the launch alone
     (eviction hints, grid, block order of the write pass, warps, pipelining) gives the same bits:

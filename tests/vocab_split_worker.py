@@ -371,8 +371,9 @@ def check_compiled(d, group, rank, world):
 
 def check_opcheck(d, group, rank, world):
     """torch.library.opcheck of the split's ops (and of a LinearHead's backward and single pass
-    over the split, and of sequence parallelism's gather of the rows): schema, autograd registration, the fake
-    implementation against the real one, AOT dispatch with dynamic shapes."""
+    over the split, and of sequence parallelism's gather of the rows): schema, autograd
+    registration, the fake implementation against the real one, AOT dispatch with dynamic
+    shapes."""
     from rlfuse.fused_losses import linear_head
     from rlfuse.fused_losses import vocab_split as vocab_op
     from rlfuse.scaleout.vocab import shard_targets
