@@ -9,14 +9,10 @@ kernels and runs nothing (``tools.compile_only``); the warm-up's headline drive
 """
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import compile_only, gpu_compile  # the repository root is on PYTHONPATH
 
-from tools import compile_only, gpu_compile  # noqa: E402  (refuses TRITON_INTERPRET=1)
-
-from bench import __main__ as bench_main  # noqa: E402
+from bench import __main__ as bench_main
 
 
 def main():

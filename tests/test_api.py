@@ -326,6 +326,16 @@ def test_the_tools_import_no_cycle():
     assert not [n for n in reach if n in reach[n]], graph
 
 
+def test_tests_and_bench_import_by_package():
+    """Nothing under ``tests/``, ``bench/`` or ``tools/`` edits ``sys.path`` or loads a module
+    from a file path: a process started from a test gets the repository root on ``PYTHONPATH``."""
+    for folder in ("tests", "bench", "tools"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            text = path.read_text()
+            for word in ("sys.path", "spec_from_file_location", "SourceFileLoader"):
+                assert word not in text or path.name == "test_api.py", (str(path), word)
+
+
 def test_the_reference_holds_only_math():
     """``reference/`` never mentions kernels, Triton or the fused path."""
     for path in sorted((PACKAGE / "reference").glob("*.py")):

@@ -45,6 +45,7 @@ def test_warmup_compiles_the_headlines_own_kernels(tmp_path):
     from bench import cases
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     out = tmp_path / "keys.json"
     proc = subprocess.run([sys.executable, "tests/launch_keys_worker.py", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
