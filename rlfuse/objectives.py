@@ -63,7 +63,8 @@ class Objective:
     - ``batch``: a batch-level objective's ``[B, T]`` function (``shared.batch_objectives``);
     - ``ratio``: how a token's ratio is formed (a name of ``_names.RATIO_MODES``, "batch" for a
       batch-level objective); ``weight_ratio``: the ratio TRL's importance-weighted KL
-      multiplies by; ``agg``: the aggregation it fixes (None: the caller's);
+      multiplies by; ``agg``: the aggregation it fixes (None: the caller's); ``draws``: it
+      chooses at random (``policy_loss``'s ``generator``);
     - ``example()``: an instance, of its defaults or of a required parameter's value.
     """
 
@@ -72,6 +73,7 @@ class Objective:
     flags: ClassVar[Tuple[str, ...]] = ()
     batch: ClassVar[Optional[Callable]] = None
     agg: ClassVar[Optional[str]] = None
+    draws: ClassVar[bool] = False
 
     def __post_init__(self):
         self.check()
@@ -397,6 +399,7 @@ class ClipCov(Objective):
 
     name: ClassVar[str] = "clip_cov"
     batch: ClassVar = by_batch.clip_cov
+    draws: ClassVar[bool] = True
     clip: Clip_ = 0.2
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0

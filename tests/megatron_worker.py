@@ -7,7 +7,8 @@ shard's logits, ``vocab_parallel_cross_entropy``) and verl's ``vocab_parallel_en
 logits the test forms, with and without sequence parallelism: log-probs, entropy and the
 gradients of this rank's hidden rows and weight shard; a loss from ``output_head`` equal to one
 process's; bad layouts raising on every rank. On 4 ranks: data x context parallelism's
-counts (``global_counts``).
+counts (``global_counts``) and a loss with them; tensor (with sequence) x context parallelism
+through ``output_head`` against one process.
 
     python -m torch.distributed.run --standalone --nproc_per_node W tests/megatron_worker.py
 """
@@ -32,8 +33,9 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
 from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy  # noqa: E402
 
 import rlfuse  # noqa: E402
-from conftest import SPLIT_GRAD_TOL, SPLIT_TOL  # noqa: E402  (this script's folder)
+from conftest import SPLIT_GRAD_TOL, SPLIT_TOL, TOL  # noqa: E402  (this script's folder)
 from rlfuse.integrations import megatron as rlfuse_megatron  # noqa: E402
+from rlfuse.scaleout.context import own_positions  # noqa: E402
 
 S, B, H, V_LOCAL, TEMPERATURE = 8, 2, 6, 7, 0.7
 DTYPE = torch.float32      # Megatron's cross entropy computes in fp32 whatever it is given
@@ -223,6 +225,79 @@ def check_context_parallel_counts(rank):
         assert "pass the data-parallel group" in str(e), e
     else:
         raise AssertionError(f"rank {rank}: context parallelism without a data-parallel group")
+    # a loss of each rank's chunks with those counts: the four ranks' losses sum to one
+    # process's over the four sequences, each rank's gradient is its positions'
+    g = torch.Generator().manual_seed(2)
+    lp_all = -torch.rand(4, 8, generator=g, dtype=torch.float64)
+    old_all = -torch.rand(4, 8, generator=g, dtype=torch.float64)
+    adv_all = torch.randn(4, generator=g, dtype=torch.float64)
+    whole = lp_all.clone().requires_grad_()
+    one = rlfuse.policy_loss(whole, old_all, adv_all, mask, "gspo")
+    want = torch.autograd.grad(one.loss, whole)[0]
+    rows = slice(2 * dp, 2 * dp + 2)
+    cp_rank = parallel_state.get_context_parallel_rank()
+    batch = get_batch_on_this_cp_rank({"lp": lp_all[rows].clone(), "old": old_all[rows].clone()})
+    lp = batch["lp"].requires_grad_()
+    out = rlfuse.policy_loss(lp, batch["old"], adv_all[rows], local["loss_mask"], "gspo",
+                             num_tokens=tokens, num_sequences=4,
+                             context_parallel_group=parallel_state.get_context_parallel_group())
+    total = out.loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, one.loss.detach(), **TOL["fp64_chain"])
+    torch.testing.assert_close(torch.autograd.grad(out.loss, lp)[0],
+                               own_positions(want[rows], cp_rank, 2), **TOL["fp64_chain"])
+    # Megatron's calculate_per_token_loss: each rank returns its token sum and its own token
+    # count; Megatron sums both over the micro-batches and ranks and divides
+    out = rlfuse.policy_loss(lp, batch["old"], adv_all[rows], local["loss_mask"], "clip",
+                             agg="token-sum",
+                             context_parallel_group=parallel_state.get_context_parallel_group())
+    sums = torch.stack([out.loss.detach(), local["loss_mask"].sum().double()])
+    dist.all_reduce(sums)
+    one = rlfuse.policy_loss(lp_all, old_all, adv_all, mask, "clip")
+    torch.testing.assert_close(sums[0] / sums[1], one.loss, **TOL["fp64_chain"])
+    parallel_state.destroy_model_parallel()
+
+
+def check_tensor_times_context_parallel(rank):
+    """Tensor parallelism 2 with sequence parallelism x context parallelism 2: each rank's
+    hidden rows are its tensor-parallel slice of its context-parallel chunks of every sequence,
+    the head its vocabulary shard; a sequence-level loss (GSPO) through ``output_head``: the
+    context-parallel ranks' losses sum to one process's over the whole head and sequences,
+    each rank's gradients are those of its rows and (summed over the context-parallel ranks)
+    its shard."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
+                                             context_parallel_size=2)
+    tp, cp = parallel_state.get_tensor_model_parallel_rank(), \
+        parallel_state.get_context_parallel_rank()
+    cp_group = parallel_state.get_context_parallel_group()
+    d = make_data(2)
+    for lib in (rlfuse, rlfuse.reference):
+        whole = (d["hidden"].clone().requires_grad_(), d["weight"].clone().requires_grad_())
+        one = lib.policy_loss(lib.LinearHead(whole[0].transpose(0, 1), whole[1], d["labels"],
+                                             temperature=TEMPERATURE),
+                              d["old"], d["adv"], d["mask"], "gspo")
+        want = torch.autograd.grad(one.loss, whole)
+        batch = get_batch_on_this_cp_rank({k: d[k].clone() for k in ("labels", "old", "mask")})
+        chunks = own_positions(d["hidden"].transpose(0, 1), cp, 2).transpose(0, 1)  # [S/2, B, H]
+        n = chunks.shape[0] // 2
+        hidden = chunks[tp * n:(tp + 1) * n].clone().requires_grad_()
+        weight = d["weight"][tp * V_LOCAL:(tp + 1) * V_LOCAL].clone().requires_grad_()
+        head = rlfuse_megatron.output_head(hidden, weight, batch["labels"],
+                                           temperature=TEMPERATURE, sequence_parallel=True)
+        out = lib.policy_loss(head, batch["old"], d["adv"], batch["mask"], "gspo",
+                              context_parallel_group=cp_group)
+        where = f"rank {rank} tp {tp} cp {cp} {lib.__name__}"
+        total = out.loss.detach().clone()
+        dist.all_reduce(total, group=cp_group)
+        close(total, one.loss.detach(), f"{where} loss", SPLIT_TOL[DTYPE])
+        dhidden, dweight = torch.autograd.grad(out.loss, (hidden, weight))
+        dist.all_reduce(dweight, group=cp_group)
+        want_rows = own_positions(want[0].transpose(0, 1), cp, 2).transpose(0, 1)
+        close(dhidden, want_rows[tp * n:(tp + 1) * n], f"{where} dhidden", SPLIT_GRAD_TOL[DTYPE])
+        close(dweight, want[1][tp * V_LOCAL:(tp + 1) * V_LOCAL], f"{where} dweight",
+              SPLIT_GRAD_TOL[DTYPE])
     parallel_state.destroy_model_parallel()
 
 
@@ -231,6 +306,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 4:
         check_context_parallel_counts(rank)
+        check_tensor_times_context_parallel(rank)
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
         d = make_data(world)

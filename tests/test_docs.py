@@ -152,15 +152,21 @@ def context_verl(tmp_path):
 
 
 def context_megatron(tmp_path):
-    """Megatron's tensors on one process (no parallel_state: the whole head)."""
+    """Megatron's tensors on one process (no parallel_state: the whole head, no data- or
+    context-parallel group)."""
     from types import SimpleNamespace
+
+    from rlfuse.integrations import megatron as rlfuse_megatron
 
     g = torch.Generator().manual_seed(3)
     s, b = 6, 2
     weight = torch.randn(V, H, generator=g)
-    return dict(hidden=torch.randn(s, b, H, generator=g, requires_grad=True), weight=weight,
+    hidden = torch.randn(s, b, H, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (b, s), generator=g)
+    return dict(hidden=hidden, weight=weight, dp_group=None, cp_group=None,
+                head=rlfuse_megatron.output_head(hidden, weight, labels),
                 model=SimpleNamespace(output_layer=SimpleNamespace(weight=weight)),
-                labels=torch.randint(0, V, (b, s), generator=g),
+                labels=labels,
                 config=SimpleNamespace(sequence_parallel=False),
                 old_logprobs=-2 * torch.rand(b, s, generator=g),
                 advantages=torch.randn(b, generator=g),

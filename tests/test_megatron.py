@@ -2,8 +2,9 @@
 tensor-parallel group from Megatron's own ``parallel_state``): the output layer's log-probs,
 entropy and gradients from ``rlfuse.integrations.megatron`` and through verl's Megatron fused
 forward, against Megatron's output layer and cross entropy, with and without sequence
-parallelism; a loss equal to one process's; bad layouts; on 4 processes the counts of data x
-context parallelism."""
+parallelism; a loss equal to one process's; bad layouts; on 4 processes data x context
+parallelism (the counts, a loss with them) and tensor x sequence x context parallelism (a loss
+from ``output_head``)."""
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ def test_megatron_tensor_and_sequence_parallel_two_ranks():
     run_workers(2, worker="megatron_worker.py")
 
 
-def test_data_times_context_parallel_counts_four_ranks():
+def test_data_and_tensor_times_context_parallel_four_ranks():
     run_workers(4, worker="megatron_worker.py")
 
 

@@ -69,7 +69,9 @@ class GGPOArgs(NamedTuple):
 
 
 def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, clip_radius,
-                    loss_scale, num_tokens, validate) -> GGPOArgs:
+                    loss_scale, num_tokens, validate, whole: bool = True) -> GGPOArgs:
+    """The checks of ``ggpo_loss`` (``whole``: the mask holds whole sequences, not a context-
+    parallel rank's chunks of them, whose actor tokens may all sit elsewhere)."""
     info, mask = _loss_policy(policy, mask, {"ref_logprobs": ref_logprobs}, validate)
     check_sequence_tensor("rewards", rewards, batch=info.shape[0], device=info.device,
                           validate=validate)
@@ -80,7 +82,7 @@ def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, cl
     if num_tokens is not None:
         num_tokens = check_positive("num_tokens", num_tokens)
     check_policy_targets(policy, mask, mask.shape, validate)
-    if validate:
+    if validate and whole:
         check_actor_tokens(mask, m, what="group")
     return GGPOArgs(info, mask, m, beta, rho, check_loss_scale(loss_scale), num_tokens)
 
@@ -148,8 +150,9 @@ class GROPDAdvantageArgs(NamedTuple):
 
 
 def check_advantage_inputs(old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
-                           feedback_clip, adv_clip, std_eps, validate) -> GROPDAdvantageArgs:
-    """The checks of ``gr_opd_advantages``."""
+                           feedback_clip, adv_clip, std_eps, validate,
+                           whole: bool = True) -> GROPDAdvantageArgs:
+    """The checks of ``gr_opd_advantages`` (``whole`` as in ``check_ggpo_args``)."""
     check_tensor("old_logprobs", old_logprobs, floating=True)
     if old_logprobs.dim() != 2:
         raise ValueError(f"old_logprobs: expected shape [B, T], got {tuple(old_logprobs.shape)}")
@@ -159,7 +162,7 @@ def check_advantage_inputs(old_logprobs, teacher_logprobs, mask, *, group_size, 
                                shape=shape, device=old_logprobs.device, validate=validate)
     hyper = _check_advantage_args(group_size, shape[0], gamma, lam, feedback_clip, adv_clip,
                                   std_eps)
-    if validate:
+    if validate and whole:
         check_actor_tokens(mask, 1, what="sequence")
     return GROPDAdvantageArgs(mask, hyper)
 
@@ -177,8 +180,8 @@ class GROPDArgs(NamedTuple):
 
 def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
                       eps, feedback_clip, adv_clip, std_eps, advantages, loss_scale,
-                      num_sequences, validate) -> GROPDArgs:
-    """The checks of ``gr_opd_loss``."""
+                      num_sequences, validate, whole: bool = True) -> GROPDArgs:
+    """The checks of ``gr_opd_loss`` (``whole`` as in ``check_ggpo_args``)."""
     info, mask = _loss_policy(policy, mask, {"old_logprobs": old_logprobs,
                                              "teacher_logprobs": teacher_logprobs}, validate)
     batch, device = info.shape[0], info.device
@@ -192,7 +195,7 @@ def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_siz
                               validate=validate)
     num_sequences = check_count("num_sequences", num_sequences, device, validate)
     check_policy_targets(policy, mask, mask.shape, validate)
-    if validate:
+    if validate and whole:
         check_actor_tokens(mask, 1, what="sequence")
     loss = PolicyLossArgs(info, mask, advantages, None, objective, "seq-mean-token-mean", None,
                           None, None, None, check_loss_scale(loss_scale), None, num_sequences)
@@ -240,8 +243,9 @@ def _check_agg(agg, objective: Objective) -> str:
 def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *, agg, weights,
                            ref_logprobs, kl, entropy, entropy_mask, off_policy_mask,
                            loss_scale, num_tokens, num_sequences, generator,
-                           validate) -> PolicyLossArgs:
-    """The checks of ``policy_loss``."""
+                           validate, known_entropy: bool = False) -> PolicyLossArgs:
+    """The checks of ``policy_loss`` (``known_entropy``: ``[B, T]`` log-probs whose entropies
+    come beside them)."""
     objective = as_objective(objective)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator or None; got "
@@ -259,7 +263,8 @@ def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *,
                                              "ref_logprobs": ref_logprobs,
                                              "sampling_logprobs": sampling}, validate)
     for name, term in (("entropy", entropy), ("entropy_mask", entropy_mask)):
-        if term is not None and not isinstance(policy, (Logits, LinearHead)):
+        if term is not None and not known_entropy and \
+                not isinstance(policy, (Logits, LinearHead)):
             raise ValueError(f"{name}: needs the policy's entropy, which [B, T] log-probs do not "
                              f"have; pass rlfuse.Logits or rlfuse.LinearHead")
     advantages = check_advantages(advantages, info, mask, validate)

@@ -6,13 +6,15 @@ from typing import Optional
 import torch
 
 from .._types import LossOutput
+from ..scaleout import context
 from .args import check_ggpo_args
 
 
 def ggpo_loss(run, policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor,
               mask: torch.Tensor, *, group_size: int, beta: float,
               clip_radius: Optional[float] = None, loss_scale: float = 1.0,
-              num_tokens: Optional[float] = None, validate: bool = True) -> LossOutput:
+              num_tokens: Optional[float] = None, context_parallel_group=None,
+              validate: bool = True) -> LossOutput:
     """GGPO: the stable Gibbs (log-mean-exp) gap of KL-adjusted rewards.
 
     Args:
@@ -29,6 +31,8 @@ def ggpo_loss(run, policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor,
             ``1 / gradient_accumulation_steps``): no pass over a gradient to rescale it.
         num_tokens: the token count ``T_tok`` of the whole minibatch (for gradient accumulation
             and data parallelism); default: ``mask.sum()``.
+        context_parallel_group: the ranks that hold chunks of the same sequences (as in
+            ``policy_loss``; ``rewards`` are every rank's same ``[B]``).
         validate: check the values of the ``[B, T]`` inputs (0/1 mask, finite values at actor
             positions, a token in every group); shapes and devices are always checked.
 
@@ -69,9 +73,21 @@ def ggpo_loss(run, policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor,
     ``LinearHead`` the same, each chunk's logits formed in the log-prob pass and once more in
     the backward.
     """
-    with run.on(policy) as (impl, policy):
-        args = check_ggpo_args(
+    def check(policy, ref_logprobs, mask, whole=True):
+        return check_ggpo_args(
             policy, ref_logprobs, rewards, mask, group_size=group_size, beta=beta,
             clip_radius=clip_radius, loss_scale=loss_scale, num_tokens=num_tokens,
-            validate=validate)
-        return impl.ggpo(policy, args, ref_logprobs.detach(), rewards.detach(), validate)
+            validate=validate, whole=whole)
+
+    with run.on(policy) as (impl, policy):
+        if context_parallel_group is None:
+            args = check(policy, ref_logprobs, mask)
+            return impl.ggpo(policy, args, ref_logprobs.detach(), rewards.detach(), validate)
+        with context.agreed(context_parallel_group, mask):
+            args = check(policy, ref_logprobs, mask, whole=False)
+        whole = context.whole_sequences(impl, context_parallel_group, policy, args.mask,
+                                        {"ref": ref_logprobs}, validate=validate)
+        ref = whole.tensors["ref"]
+        args = check(whole.logprobs, ref, whole.mask)
+        return context.share(impl.ggpo(whole.logprobs, args, ref, rewards.detach(), validate),
+                             context_parallel_group)

@@ -9,6 +9,7 @@ import torch
 from .._types import LossOutput, compute_dtype
 from ..checks.values import check_finite, check_group_size, check_positive, check_tensor
 from ..shared.aggregation import clamped_feedback, masked_mean
+from ..scaleout import context
 from .args import check_advantage_inputs, check_gr_opd_args
 
 
@@ -50,7 +51,8 @@ def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-
 def gr_opd_advantages(run, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
                       mask: torch.Tensor, *, group_size: int, gamma: float = 0.99,
                       lam: float = 0.25, feedback_clip: float = 5.0, adv_clip: float = 5.0,
-                      std_eps: float = 1e-6, validate: bool = True) -> torch.Tensor:
+                      std_eps: float = 1e-6, context_parallel_group=None,
+                      validate: bool = True) -> torch.Tensor:
     """GR-OPD's group-relative sequence credit, one advantage per response (``[B]``, detached).
 
     Args:
@@ -62,6 +64,8 @@ def gr_opd_advantages(run, old_logprobs: torch.Tensor, teacher_logprobs: torch.T
         lam: the share of the group mean kept in the advantage.
         feedback_clip, adv_clip: clamps (>= 0) of the per-token feedback and the advantage.
         std_eps: added to the group's population std (> 0).
+        context_parallel_group: the ranks that hold chunks of the same sequences (as in
+            ``policy_loss``): every rank gets the advantages of the whole sequences.
         validate: check the values of the ``[B, T]`` inputs (host syncs).
 
     ::
@@ -80,10 +84,19 @@ def gr_opd_advantages(run, old_logprobs: torch.Tensor, teacher_logprobs: torch.T
     one then scores 0. Call it once per rollout on the whole batch and pass ``advantages=`` to
     ``gr_opd_loss`` for every micro-batch (fused: one kernel, one program per group).
     """
-    with run.on(old_logprobs) as (impl, old_logprobs):
-        args = check_advantage_inputs(
+    def check(old_logprobs, teacher_logprobs, mask, whole=True):
+        return check_advantage_inputs(
             old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma, lam=lam,
-            feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps, validate=validate)
+            feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps, validate=validate,
+            whole=whole)
+
+    with run.on(old_logprobs) as (impl, old_logprobs):
+        if context_parallel_group is not None:
+            with context.agreed(context_parallel_group, mask):
+                args = check(old_logprobs, teacher_logprobs, mask, whole=False)
+            old_logprobs, teacher_logprobs, mask = context.gather_sequences(
+                context_parallel_group, args.mask, old_logprobs, teacher_logprobs)
+        args = check(old_logprobs, teacher_logprobs, mask)
         adv, _ = impl.gr_opd_advantages(
             old_logprobs.detach(), teacher_logprobs.detach(), args.mask, args.hyper,
             compute_dtype(old_logprobs.dtype, teacher_logprobs.dtype))
@@ -95,7 +108,7 @@ def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch
                 eps: float = 0.2, feedback_clip: float = 5.0, adv_clip: float = 5.0,
                 std_eps: float = 1e-6, advantages: Optional[torch.Tensor] = None,
                 loss_scale: float = 1.0, num_sequences: Optional[float] = None,
-                validate: bool = True) -> LossOutput:
+                context_parallel_group=None, validate: bool = True) -> LossOutput:
     """GR-OPD: PPO on the student's tokens with the group-relative teacher credit ``A_i``.
 
     Args:
@@ -116,6 +129,8 @@ def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch
         loss_scale: multiplies the loss and every gradient, inside the kernels (e.g.
             ``1 / gradient_accumulation_steps``): no pass over a gradient to rescale it.
         num_sequences: the global number of responses ``B`` (default: the local one).
+        context_parallel_group: the ranks that hold chunks of the same sequences (as in
+            ``policy_loss``).
         validate: check the values of the ``[B, T]`` inputs and refuse an overflowing ``ρ A``
             (host syncs); shapes, dtypes and devices are always checked.
 
@@ -141,12 +156,23 @@ def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch
     fixed region ``[1 − ε, 1 + ε]``; from ``Logits`` one single pass over the logits, from
     ``LinearHead`` that pass on each chunk of the logits.
     """
-    with run.on(policy) as (impl, policy):
-        args = check_gr_opd_args(
+    def check(policy, old_logprobs, teacher_logprobs, mask, whole=True):
+        return check_gr_opd_args(
             policy, old_logprobs, teacher_logprobs, mask, group_size=group_size, gamma=gamma,
             lam=lam, eps=eps, feedback_clip=feedback_clip, adv_clip=adv_clip, std_eps=std_eps,
             advantages=advantages, loss_scale=loss_scale, num_sequences=num_sequences,
-            validate=validate)
+            validate=validate, whole=whole)
+
+    with run.on(policy) as (impl, policy):
+        if context_parallel_group is not None:
+            with context.agreed(context_parallel_group, mask):
+                args = check(policy, old_logprobs, teacher_logprobs, mask, whole=False)
+            whole = context.whole_sequences(
+                impl, context_parallel_group, policy, args.loss.mask,
+                {"old": old_logprobs, "teacher": teacher_logprobs}, validate=validate)
+            policy, mask = whole.logprobs, whole.mask
+            old_logprobs, teacher_logprobs = whole.tensors["old"], whole.tensors["teacher"]
+        args = check(policy, old_logprobs, teacher_logprobs, mask)
         mask, cdt = args.loss.mask, args.loss.info.compute_dtype
         old, teacher = old_logprobs.detach(), teacher_logprobs.detach()
         acc = compute_dtype(cdt, old.dtype, teacher.dtype)   # the advantages' widest input
@@ -161,8 +187,10 @@ def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch
         low, high = out.metrics["clip_frac_low"], out.metrics["clip_frac_high"]
         adv_c = adv.to(cdt)
         empty = adv_c.new_zeros(())
-        return LossOutput(out.loss, {
+        out = LossOutput(out.loss, {
             "clip_frac": low + high, "clip_frac_low": low, "clip_frac_high": high,
             "adv_mean": adv_c.mean() if adv_c.numel() else empty,
             "adv_abs_mean": adv_c.abs().mean() if adv_c.numel() else empty,
             "feedback_mean": feedback_mean, "overflow": out.metrics["overflow"]})
+        return out if context_parallel_group is None else \
+            context.share(out, context_parallel_group)

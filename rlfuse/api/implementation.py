@@ -28,8 +28,9 @@ class Implementation(NamedTuple):
     - ``gppo_bounds(old_logprobs, surrogate)``: ``(lo, hi)`` of a ``TokenSurrogate``'s region;
     - ``gr_opd_advantages(old_logprobs, teacher_logprobs, mask, hyper, acc)``: ``(advantages
       [B], the mean clamped feedback)``;
-    - ``policy_loss(policy, args, old_logprobs, ref_logprobs, generator, validate)``: the
-      ``LossOutput`` of ``api.args.PolicyLossArgs``;
+    - ``policy_loss(policy, args, old_logprobs, ref_logprobs, generator, validate, *,
+      entropy=None)``: the ``LossOutput`` of ``api.args.PolicyLossArgs`` (``entropy``: the
+      entropies of ``[B, T]`` log-probs, when known);
     - ``kl_penalty(logprobs, ref_logprobs, estimator, straight, clamp)``: the estimates.
     """
 

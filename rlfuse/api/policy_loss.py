@@ -11,6 +11,7 @@ from .._names import RATIO_LEVELS
 from .._types import LossOutput
 from ..checks.values import check_choice, check_tensor
 from ..objectives import GPPO, GSPOTRL, Clip
+from ..scaleout import context
 from .args import check_kl_penalty_args, check_policy_loss_args
 
 
@@ -21,7 +22,7 @@ def policy_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: t
                 entropy_mask=None, off_policy_mask=None, loss_scale: float = 1.0,
                 num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
                 generator: Optional[torch.Generator] = None,
-                validate: bool = True) -> LossOutput:
+                context_parallel_group=None, validate: bool = True) -> LossOutput:
     """Any policy objective TRL or verl runs, with a KL penalty, an entropy bonus and TRL's masks.
 
     Args:
@@ -50,6 +51,11 @@ def policy_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: t
         num_tokens, num_sequences: the global counts of ``agg`` (default: the local ones).
         generator: the ``torch.Generator`` of ``ClipCov``'s random choice (default: torch's
             default generator, as verl draws it).
+        context_parallel_group: the ranks that hold chunks of the same sequences (Megatron's
+            load-balanced layout, ``rlfuse.scaleout.context``; None: whole sequences): the
+            ``[B, T]`` inputs are this rank's chunks, the ranks' losses sum to one process's
+            loss of whole sequences, each rank's gradients are its positions' of it, the
+            metrics are the same on every rank.
         validate: check the values of the ``[B, T]`` inputs (log-probs <= 0 and finite at
             actor tokens) and refuse an overflowing objective (host syncs).
 
@@ -77,13 +83,41 @@ def policy_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: t
     batch-level objective or a mask runs the log-prob kernels first, then the loss on
     ``[B, T]``.
     """
-    with run.on(policy) as (impl, policy):
-        args = check_policy_loss_args(
+    def check(policy, old_logprobs, advantages, mask, weights, ref_logprobs, off_policy_mask,
+              *, known_entropy=False):
+        return check_policy_loss_args(
             policy, old_logprobs, advantages, mask, objective, agg=agg, weights=weights,
             ref_logprobs=ref_logprobs, kl=kl, entropy=entropy, entropy_mask=entropy_mask,
             off_policy_mask=off_policy_mask, loss_scale=loss_scale, num_tokens=num_tokens,
-            num_sequences=num_sequences, generator=generator, validate=validate)
-        return impl.policy_loss(policy, args, old_logprobs, ref_logprobs, generator, validate)
+            num_sequences=num_sequences, generator=generator, validate=validate,
+            known_entropy=known_entropy)
+
+    with run.on(policy) as (impl, policy):
+        if context_parallel_group is None:
+            args = check(policy, old_logprobs, advantages, mask, weights, ref_logprobs,
+                         off_policy_mask)
+            return impl.policy_loss(policy, args, old_logprobs, ref_logprobs, generator,
+                                    validate)
+        with context.agreed(context_parallel_group, mask):
+            args = check(policy, old_logprobs, advantages, mask, weights, ref_logprobs,
+                         off_policy_mask)
+            if args.objective.draws and generator is None:
+                raise ValueError(f"generator: {type(args.objective).__name__} under context "
+                                 f"parallelism draws its choice on every rank of the group; "
+                                 f"pass a torch.Generator seeded the same on each")
+        sampling = None if off_policy_mask is None else off_policy_mask.sampling_logprobs
+        whole = context.whole_sequences(
+            impl, context_parallel_group, policy, args.mask,
+            {"old": old_logprobs, "advantages": args.advantages, "weights": args.weights,
+             "ref": ref_logprobs, "sampling": sampling}, validate=validate,
+            return_entropy=entropy is not None or entropy_mask is not None)
+        t = whole.tensors
+        args = check(whole.logprobs, t["old"], t["advantages"], whole.mask, t["weights"],
+                     t["ref"], context.with_sampling(off_policy_mask, t["sampling"]),
+                     known_entropy=whole.entropy is not None)
+        return context.share(impl.policy_loss(whole.logprobs, args, t["old"], t["ref"],
+                                              generator, validate, entropy=whole.entropy),
+                             context_parallel_group)
 
 
 def ppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
@@ -91,7 +125,7 @@ def ppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: torc
              ratio_level: str = "token", agg: str = "token-mean",
              weights: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
              num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
-             validate: bool = True) -> LossOutput:
+             context_parallel_group=None, validate: bool = True) -> LossOutput:
     """The PPO clipped surrogate, as GRPO / DAPO / Dr. GRPO / GSPO trainers run it.
 
     Args:
@@ -123,6 +157,7 @@ def ppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: torc
             ``1 / gradient_accumulation_steps``).
         num_tokens, num_sequences: global counts, numbers or 0-dim tensors (default: the
             local ones).
+        context_parallel_group: as in ``policy_loss``.
         validate: check the values of the ``[B, T]`` inputs and refuse an overflowing ``r A``
             (host syncs); shapes, dtypes and devices are always checked.
 
@@ -147,7 +182,8 @@ def ppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: torc
         objective = Clip(clip=clip, dual_clip=dual_clip)
     return policy_loss(run, policy, old_logprobs, advantages, mask, objective, agg=agg,
                        weights=weights, loss_scale=loss_scale, num_tokens=num_tokens,
-                       num_sequences=num_sequences, validate=validate)
+                       num_sequences=num_sequences,
+                       context_parallel_group=context_parallel_group, validate=validate)
 
 
 def gppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
@@ -155,7 +191,7 @@ def gppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: tor
               delta: float = 0.04, agg: str = "token-mean", dual_clip: Optional[float] = None,
               weights: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
               num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
-              validate: bool = True) -> LossOutput:
+              context_parallel_group=None, validate: bool = True) -> LossOutput:
     """GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust region.
 
     Args:
@@ -182,6 +218,7 @@ def gppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: tor
         num_tokens, num_sequences: global counts for gradient accumulation / data parallelism,
             numbers or 0-dim tensors (default: the local ones; the count an ``agg`` does not
             use is ignored).
+        context_parallel_group: as in ``policy_loss``.
         validate: check the values of the ``[B, T]`` inputs and refuse an overflowing ``r A``
             (host syncs); shapes, dtypes and devices are always checked.
 
@@ -216,7 +253,8 @@ def gppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: tor
     return policy_loss(run, policy, old_logprobs, advantages, mask,
                        GPPO(geometry, topology, delta, dual_clip), agg=agg, weights=weights,
                        loss_scale=loss_scale, num_tokens=num_tokens,
-                       num_sequences=num_sequences, validate=validate)
+                       num_sequences=num_sequences,
+                       context_parallel_group=context_parallel_group, validate=validate)
 
 
 def gppo_bounds(run, old_logprobs: torch.Tensor, *, geometry: str, topology: str,

@@ -28,8 +28,10 @@ def _detached(x: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def policy_loss(policy, args, old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
-                generator: Optional[torch.Generator], validate: bool) -> LossOutput:
-    """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``)."""
+                generator: Optional[torch.Generator], validate: bool, *,
+                entropy: Optional[Tensor] = None) -> LossOutput:
+    """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``); ``entropy``:
+    the entropies of ``[B, T]`` log-probs ``policy``, when known."""
     objective, mask, cdt = args.objective, args.mask, args.info.compute_dtype
     old, adv, ref = _detached(old_logprobs), args.advantages.detach(), _detached(ref_logprobs)
     weights = _detached(args.weights)
@@ -38,7 +40,7 @@ def policy_loss(policy, args, old_logprobs: Optional[Tensor], ref_logprobs: Opti
                                                       num_sequences=args.num_sequences)
     tokens = mask.sum().to(cdt)
     two_pass = objective.ratio == "batch" or args.entropy_mask is not None or \
-        args.off_policy_mask is not None
+        args.off_policy_mask is not None or entropy is not None
     if not two_pass:
         loss, totals, sums = surrogate_loss(
             policy, old, adv, mask, row_scale, objective, weights=weights, ref_lp=ref,
@@ -47,7 +49,9 @@ def policy_loss(policy, args, old_logprobs: Optional[Tensor], ref_logprobs: Opti
         metrics = surrogate_metrics(totals, sums, mask, objective.flags)
     else:
         with_entropy = args.entropy is not None or args.entropy_mask is not None
-        if with_entropy:
+        if entropy is not None:
+            lp, h = policy, entropy
+        elif with_entropy:
             lp, h = learner_logprobs(policy, mask, validate=validate, return_entropy=True)
         else:
             lp, h = learner_logprobs(policy, mask, validate=validate), None

@@ -24,11 +24,15 @@ def _logprobs(policy, mask, *, validate: bool, entropy: bool):
 
 def policy_loss(policy, args, old_logprobs: Optional[torch.Tensor],
                 ref_logprobs: Optional[torch.Tensor], generator: Optional[torch.Generator],
-                validate: bool) -> LossOutput:
-    """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``)."""
+                validate: bool, *, entropy: Optional[torch.Tensor] = None) -> LossOutput:
+    """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``); ``entropy``:
+    the entropies of ``[B, T]`` log-probs ``policy``, when known."""
     objective, mask, cdt = args.objective, args.mask, args.info.compute_dtype
-    lp, h = _logprobs(policy, mask, validate=validate,
-                      entropy=args.entropy is not None or args.entropy_mask is not None)
+    if entropy is not None:
+        lp, h = policy, entropy
+    else:
+        lp, h = _logprobs(policy, mask, validate=validate,
+                          entropy=args.entropy is not None or args.entropy_mask is not None)
     lp = torch.where(mask, lp.to(cdt), 0.0)
     if h is not None:
         h = torch.where(mask, h.to(cdt), 0.0)

@@ -1,0 +1,198 @@
+"""Context parallelism (Megatron's): each rank of a ``context_parallel_group`` of ``cp`` ranks
+holds two of the ``2 cp`` equal chunks of every sequence, rank r the chunks r and ``2 cp - 1 -
+r`` back to back (``megatron.core.utils.get_batch_on_this_cp_rank``'s load-balanced layout):
+its ``[B, T]`` loss inputs are ``[B, 2 c]`` of sequences of ``2 cp c`` positions.
+
+A loss under context parallelism forms this rank's log-probs (and entropies) as it would
+alone: from ``[B, T]`` log-probs, logits or a head, nothing larger than ``[B, T]`` crosses
+ranks. Those and the other ``[B, T]`` inputs are gathered over the group into whole sequences
+(``whole_sequences``: one all-gather of the log-probs and entropies, one of every other input),
+and the loss of whole sequences runs on every rank as on one process: every sequence- and
+batch-level quantity (per-sequence counts and ratios, group statistics, quantiles, the
+discounted teacher credit) is exact, and every rank gets the same metrics. Each rank returns
+``loss / cp`` (``share``): the ranks' losses sum to one process's loss, and the gather's backward
+(an all-reduce of the ``[B, T]`` gradient, this rank's positions kept) gives each rank that
+loss's gradient at its own positions.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from .._types import LossOutput
+
+
+def context_size(group) -> int:
+    """The number of ranks of ``group`` (ValueError without an initialised
+    ``torch.distributed``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("context_parallel_group: torch.distributed is not initialised")
+    return dist.get_world_size(group)
+
+
+def _flag_device(group, device: Optional[torch.device]) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if device is None else device
+
+
+@contextlib.contextmanager
+def agreed(group, mask):
+    """Runs the checks of its block on every rank of ``group``, then one all-gather of each
+    rank's verdict and ``[B, T]``: a rank whose checks raised raises its error, every other rank
+    a ValueError naming it; ranks of different ``[B, T]`` or an odd ``T`` (not two equal chunks)
+    raise on every rank. Nothing of the loss's own collectives starts before."""
+    import torch.distributed as dist
+
+    cp = context_size(group)
+    shape = tuple(mask.shape) if isinstance(mask, Tensor) and mask.dim() == 2 else (-1, -1)
+    error = None
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        error = exc
+    device = _flag_device(group, mask.device if isinstance(mask, Tensor) else None)
+    mine = torch.tensor([error is not None, *shape], dtype=torch.int64, device=device)
+    verdicts = [torch.empty_like(mine) for _ in range(cp)]
+    dist.all_gather(verdicts, mine, group=group)
+    verdicts = [tuple(int(v) for v in verdict.tolist()) for verdict in verdicts]
+    if error is not None:
+        raise error
+    failed = [rank for rank, verdict in enumerate(verdicts) if verdict[0]]
+    if failed:
+        raise ValueError(f"context_parallel_group: the arguments of rank(s) {failed} of the "
+                         f"group were refused (their error names them)")
+    shapes = [verdict[1:] for verdict in verdicts]
+    if len(set(shapes)) != 1:
+        raise ValueError(f"mask: under context parallelism every rank holds the same [B, T] "
+                         f"(its two chunks of the same B sequences); got {shapes} over the "
+                         f"ranks of context_parallel_group")
+    if shape[1] % 2:
+        raise ValueError(f"mask: under context parallelism each rank holds two equal chunks "
+                         f"of every sequence (Megatron's layout: a sequence of 2 cp chunks), "
+                         f"so T is even; got T = {shape[1]}")
+
+
+def _rank(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def _sequences(parts: List[Tensor]) -> Tensor:
+    """Every rank's ``[B, 2c, ...]`` (rank order) as the whole ``[B, 2 cp c, ...]``."""
+    cp, c = len(parts), parts[0].shape[1] // 2
+    chunks: List[Optional[Tensor]] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        chunks[rank], chunks[2 * cp - 1 - rank] = part[:, :c], part[:, c:]
+    return torch.cat(chunks, 1)
+
+
+def own_positions(whole: Tensor, rank: int, cp: int) -> Tensor:
+    """Rank ``rank``'s two chunks of the whole ``[B, 2 cp c, ...]`` (its ``[B, 2c, ...]``)."""
+    c = whole.shape[1] // (2 * cp)
+    return torch.cat([whole[:, rank * c:(rank + 1) * c],
+                      whole[:, (2 * cp - 1 - rank) * c:(2 * cp - rank) * c]], 1)
+
+
+def _all_gather(x: Tensor, group) -> List[Tensor]:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
+
+
+class GatherSequences(torch.autograd.Function):
+    """``[B, 2c, ...]`` of every rank as whole sequences; backward: the gradient summed over
+    the group (one all-reduce), this rank's positions of it."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _sequences(_all_gather(x, group))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return own_positions(grad, _rank(ctx.group), dist.get_world_size(ctx.group)), None
+
+
+def _gather_detached(tensors: Dict[str, Optional[Tensor]], group) -> Dict[str, Tensor]:
+    """The ``[B, T]`` tensors of ``tensors`` (None and others left as they are) as whole
+    sequences, in one all-gather (each as fp64, exact for every dtype, then its own)."""
+    names = [k for k, v in tensors.items() if v is not None]
+    if not names:
+        return dict(tensors)
+    packed = torch.stack([tensors[k].detach().to(torch.float64) for k in names], -1)
+    whole = _sequences(_all_gather(packed, group))
+    out = dict(tensors)
+    for i, name in enumerate(names):
+        out[name] = whole[..., i].to(tensors[name].dtype)
+    return out
+
+
+def gather_sequences(group, mask: Tensor, *tensors: Tensor):
+    """``[B, T]`` ``tensors`` and the ``mask`` (detached) as whole sequences over ``group``:
+    the tensors in their order, then the mask."""
+    named = {str(i): t for i, t in enumerate(tensors)}
+    whole = _gather_detached({**named, "mask": mask}, group)
+    return (*(whole[str(i)] for i in range(len(tensors))), whole["mask"])
+
+
+@dataclasses.dataclass
+class WholeSequences:
+    """A loss's inputs over whole sequences: the learner log-probs (differentiable), their
+    entropies (or None), the mask and the other ``[B, T]`` inputs by name."""
+
+    logprobs: Tensor
+    entropy: Optional[Tensor]
+    mask: Tensor
+    tensors: Dict[str, Optional[Tensor]]
+
+
+def whole_sequences(impl, group, policy, mask: Tensor, tensors: Dict[str, Optional[Tensor]], *,
+                    validate: bool, return_entropy: bool = False) -> WholeSequences:
+    """This rank's log-probs (and entropies) of ``policy`` (checked: ``[B, T]`` log-probs,
+    ``Logits`` or ``LinearHead``) by ``impl``, and ``mask`` and ``tensors`` (``[B, T]`` ones
+    gathered, any other shape kept), as whole sequences over ``group``."""
+    if isinstance(policy, Tensor):
+        logp, entropy = policy, None
+    else:
+        logp, entropy = impl.window_logprobs(policy, mask, validate=validate,
+                                             return_entropy=return_entropy)
+    if return_entropy:
+        both = GatherSequences.apply(torch.stack([logp, entropy.to(logp.dtype)], -1), group)
+        logp, entropy = both[..., 0], both[..., 1].to(entropy.dtype)
+    else:
+        logp, entropy = GatherSequences.apply(logp, group), None
+    shape = tuple(mask.shape)
+    token_level = {k: v for k, v in tensors.items()
+                   if isinstance(v, Tensor) and tuple(v.shape) == shape}
+    gathered = _gather_detached({"mask": mask, **token_level}, group)
+    return WholeSequences(logp, entropy, gathered.pop("mask"), {**tensors, **gathered})
+
+
+def with_sampling(off_policy_mask, sampling: Optional[Tensor]):
+    """``off_policy_mask`` (an ``rlfuse.terms.OffPolicyMask`` or None) with its sampling
+    log-probs replaced."""
+    if off_policy_mask is None or off_policy_mask.sampling_logprobs is None:
+        return off_policy_mask
+    return dataclasses.replace(off_policy_mask, sampling_logprobs=sampling)
+
+
+def share(out: LossOutput, group) -> LossOutput:
+    """This rank's share of the loss of whole sequences: ``loss / cp`` (metrics as they are:
+    the same on every rank)."""
+    return LossOutput(out.loss / context_size(group), out.metrics)
