@@ -83,9 +83,15 @@ class LinearHead(NamedTuple):
     sequence (rank r: rows ``[r S / W, (r + 1) S / W)``; packed: ``hidden [N / W, H]``, rank r
     the rows ``[r N / W, (r + 1) N / W)``), ``targets``, ``offset`` and ``index`` those of all
     the rows; the rows are gathered before anything else (``scaleout.sequence``), every rank
-    gets every row's results, and the hidden-state gradient of its own rows. Pass ``offset``,
-    ``chunk_tokens``, ``index``, ``vocab_parallel_group``, ``logit_scale``, ``softcap``,
-    ``head_dtype`` and ``sequence_parallel`` by keyword.
+    gets every row's results, and the hidden-state gradient of its own rows.
+    ``batch_invariant``: each row's log-prob, entropy, per-token loss terms and hidden-state
+    gradient bitwise independent of the other rows of the call (their number and values, the
+    row's position, ``chunk_tokens``, packed or padded rows, the window), and every gradient
+    the same run to run: the fused path forms the logits and the gradients' products by a
+    matmul of one fixed tile configuration and reduction order (``kernels.matmul``), the
+    reference each row's logits by its own matmul. Pass ``offset``, ``chunk_tokens``, ``index``,
+    ``vocab_parallel_group``, ``logit_scale``, ``softcap``, ``head_dtype``,
+    ``sequence_parallel`` and ``batch_invariant`` by keyword.
     """
 
     hidden: torch.Tensor
@@ -101,3 +107,12 @@ class LinearHead(NamedTuple):
     softcap: Optional[float] = None
     head_dtype: Optional[torch.dtype] = None
     sequence_parallel: bool = False
+    batch_invariant: bool = False
+
+
+class SequenceCounts(NamedTuple):
+    """The counts of whole sequences of which a rank holds chunks (context parallelism): each
+    sequence's actor tokens ``[B]`` (summed over the ranks) and the sequences' padded length."""
+
+    tokens: torch.Tensor
+    length: int

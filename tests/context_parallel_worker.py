@@ -205,6 +205,13 @@ def check_bad_layouts(d, ranks):
                                             context_parallel_group=group))
     expect_error(ranks, "generator: ClipCov", lambda: rlfuse.policy_loss(
         lp, old, adv, mask, "clip_cov", context_parallel_group=group))
+    # an overflowing r A on one rank's chunks only (in place: found after the group's sums)
+    far = old.clone()
+    if ranks.rank == 0:
+        far[mask] = -800.0 + far[mask]
+    for fn in (rlfuse.gppo_loss, rlfuse.reference.gppo_loss):
+        expect_error(ranks, "overflows", lambda: fn(lp, far, -adv.abs() - 1, mask,
+                                                    context_parallel_group=group))
     empty = mask.clone()
     empty[:GROUP] = False       # group 0 without actor tokens: only the whole sequences show it
     expect_error(ranks, "group", lambda: rlfuse.ggpo_loss(
@@ -228,13 +235,13 @@ def main():
         check_advantages(d, ranks, impls)
         check_bad_layouts(d, ranks)
     else:
-        # From log-probs the loss of whole sequences is one process's math: bitwise. From logits
-        # one process may run the single pass where the ranks run the log-prob kernels, then
-        # the loss on [B, T]: its sums in another order, a bf16 gradient rounded once apart.
+        # The losses and metrics sum the same terms in another order (each rank's chunks, or
+        # the single pass against the log-prob kernels); from log-probs every token's gradient
+        # is one process's bits (the same weights), from logits a bf16 gradient may round apart.
         check_losses(make_data(getattr(torch, args.dtype)), ranks, impls,
                      args.forms.split(","), lambda form: (
-                         (TOL["exact"], TOL["exact"]) if form == "logprobs"
-                         else (TOL["fp32_reduce"], TOL["bf16_grad"])))
+                         TOL["fp32_reduce"],
+                         TOL["exact"] if form == "logprobs" else TOL["bf16_grad"]))
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {ranks.rank}: ok", flush=True)

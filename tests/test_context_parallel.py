@@ -16,8 +16,8 @@ def test_every_loss_two_ranks_against_one_process():
 
 
 def test_every_loss_two_ranks_bf16():
-    """bf16: from log-probs bitwise one process's; from logits and a head within the other
-    order of the single pass's sums."""
+    """bf16: the losses and metrics within another order of their sums; from log-probs every
+    gradient bitwise one process's, from logits and a head within one bf16 rounding."""
     run_workers(2, "--dtype", "bfloat16", worker="context_parallel_worker.py")
 
 

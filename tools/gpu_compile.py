@@ -248,6 +248,17 @@ def _drive():
                                     kl=terms.KLPenalty(0.01), entropy=terms.EntropyBonus(0.01),
                                     validate=False).loss)
 
+    # The batch-invariant head (kernels.matmul: the logits, the hidden states' and the weight's
+    # gradients), in bf16, fp32 and fp64 with a bias, from the log-prob and the single pass.
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        leaves = [x.detach().to(dtype).requires_grad_()
+                  for x in (hidden, weight, torch.randn(V, generator=g))]
+        invariant = rlfuse.LinearHead(leaves[0], leaves[1], targets, bias=leaves[2],
+                                      batch_invariant=True)
+        lp, ent = rlfuse.policy_logprobs(invariant, return_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+        backward(rlfuse.ppo_loss(invariant, old, adv_seq, mask, validate=False).loss)
+
     # The single pass over a shard of a split vocabulary (ROW_STATS: the whole rows'
     # statistics given, gathered over the group), with the terms, as a LinearHead chunk calls it.
     for dtype in (torch.bfloat16, torch.float32):

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .._names import AGGREGATIONS
-from .._types import LinearHead, Logits
+from .._types import LinearHead, Logits, SequenceCounts
 from ..checks.policy import PolicyInfo, check_policy, check_policy_targets
 from ..checks.values import (check_actor_tokens, check_choice, check_clip, check_count,
                              check_finite, check_group_size, check_loss_scale,
@@ -222,6 +222,10 @@ class PolicyLossArgs(NamedTuple):
     loss_scale: float
     num_tokens: Optional[float]
     num_sequences: Optional[float]
+    # context parallelism in place (``scaleout.context.in_place``): the whole sequences' counts
+    # and the group over which the metrics' sums are reduced
+    counts: Optional[SequenceCounts] = None
+    context_parallel_group: Optional[object] = None
 
 
 def _check_term(name: str, value, kind: type):

@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from .._types import LossOutput, compute_dtype
-from ..checks.values import check_finite, check_group_size, check_positive, check_tensor
+from ..checks.values import (check_actor_tokens, check_finite, check_group_size,
+                             check_positive, check_tensor)
 from ..shared.aggregation import clamped_feedback, masked_mean
 from ..scaleout import context
 from .args import check_advantage_inputs, check_gr_opd_args
@@ -163,34 +164,55 @@ def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch
             advantages=advantages, loss_scale=loss_scale, num_sequences=num_sequences,
             validate=validate, whole=whole)
 
+    group = context_parallel_group
     with run.on(policy) as (impl, policy):
-        if context_parallel_group is not None:
-            with context.agreed(context_parallel_group, mask):
-                args = check(policy, old_logprobs, teacher_logprobs, mask, whole=False)
-            whole = context.whole_sequences(
-                impl, context_parallel_group, policy, args.loss.mask,
-                {"old": old_logprobs, "teacher": teacher_logprobs}, validate=validate)
-            policy, mask = whole.logprobs, whole.mask
-            old_logprobs, teacher_logprobs = whole.tensors["old"], whole.tensors["teacher"]
-        args = check(policy, old_logprobs, teacher_logprobs, mask)
-        mask, cdt = args.loss.mask, args.loss.info.compute_dtype
-        old, teacher = old_logprobs.detach(), teacher_logprobs.detach()
-        acc = compute_dtype(cdt, old.dtype, teacher.dtype)   # the advantages' widest input
-        if args.advantages is None:
-            adv, feedback_mean = impl.gr_opd_advantages(old, teacher, mask, args.hyper, acc)
-        else:   # the metric alone, from [B, T] data
-            adv = args.advantages.detach()
-            feedback_mean = masked_mean(clamped_feedback(old.to(acc), teacher.to(acc), mask,
-                                                         args.hyper.feedback_clip), mask)
-        out = impl.policy_loss(policy, args.loss._replace(advantages=adv), old, None, None,
-                               validate)
-        low, high = out.metrics["clip_frac_low"], out.metrics["clip_frac_high"]
-        adv_c = adv.to(cdt)
-        empty = adv_c.new_zeros(())
-        out = LossOutput(out.loss, {
-            "clip_frac": low + high, "clip_frac_low": low, "clip_frac_high": high,
-            "adv_mean": adv_c.mean() if adv_c.numel() else empty,
-            "adv_abs_mean": adv_c.abs().mean() if adv_c.numel() else empty,
-            "feedback_mean": feedback_mean, "overflow": out.metrics["overflow"]})
-        return out if context_parallel_group is None else \
-            context.share(out, context_parallel_group)
+        if group is None:
+            args = check(policy, old_logprobs, teacher_logprobs, mask)
+            return _gr_opd_step(impl, policy, args, old_logprobs.detach(),
+                                teacher_logprobs.detach(), args.loss.mask, validate)
+        with context.agreed(group, mask):
+            args = check(policy, old_logprobs, teacher_logprobs, mask, whole=False)
+        if impl.context_in_place:   # the advantages of whole sequences, the loss step in place
+            whole_old, whole_teacher, whole_mask = context.gather_sequences(
+                group, args.loss.mask, old_logprobs, teacher_logprobs)
+            if validate:
+                check_actor_tokens(whole_mask, 1, what="sequence")
+            loss = args.loss._replace(counts=context.sequence_counts(args.loss.mask, group),
+                                      context_parallel_group=group)
+            return _gr_opd_step(impl, policy, args._replace(loss=loss), whole_old,
+                                whole_teacher, whole_mask, validate,
+                                old=old_logprobs.detach())
+        whole = context.whole_sequences(impl, group, policy, args.loss.mask,
+                                        {"old": old_logprobs, "teacher": teacher_logprobs},
+                                        validate=validate)
+        old, teacher = whole.tensors["old"], whole.tensors["teacher"]
+        args = check(whole.logprobs, old, teacher, whole.mask)
+        return context.share(_gr_opd_step(impl, whole.logprobs, args, old.detach(),
+                                          teacher.detach(), args.loss.mask, validate), group)
+
+
+def _gr_opd_step(impl, policy, args, whole_old: torch.Tensor, whole_teacher: torch.Tensor,
+                 mask: torch.Tensor, validate: bool,
+                 old: Optional[torch.Tensor] = None) -> LossOutput:
+    """GR-OPD's advantages from ``whole_old``, ``whole_teacher`` and ``mask`` (detached, of
+    whole sequences), then the loss step of ``args`` (checked ``GROPDArgs``) on ``policy`` with its
+    behaviour log-probs ``old`` (default: ``whole_old``), and the metrics."""
+    cdt = args.loss.info.compute_dtype
+    acc = compute_dtype(cdt, whole_old.dtype, whole_teacher.dtype)  # the advantages' widest input
+    if args.advantages is None:
+        adv, feedback_mean = impl.gr_opd_advantages(whole_old, whole_teacher, mask, args.hyper,
+                                                    acc)
+    else:   # the metric alone, from [B, T] data
+        adv = args.advantages.detach()
+        feedback_mean = masked_mean(clamped_feedback(whole_old.to(acc), whole_teacher.to(acc),
+                                                     mask, args.hyper.feedback_clip), mask)
+    out = impl.policy_loss(policy, args.loss._replace(advantages=adv),
+                           whole_old if old is None else old, None, None, validate)
+    low, high = out.metrics["clip_frac_low"], out.metrics["clip_frac_high"]
+    adv_c = adv.to(cdt)
+    empty = adv_c.new_zeros(())
+    return LossOutput(out.loss, {
+        "clip_frac": low + high, "clip_frac_low": low, "clip_frac_high": high,
+        "adv_mean": adv_c.mean() if adv_c.numel() else empty,
+        "adv_abs_mean": adv_c.abs().mean() if adv_c.numel() else empty,
+        "feedback_mean": feedback_mean, "overflow": out.metrics["overflow"]})

@@ -31,7 +31,11 @@ class Implementation(NamedTuple):
     - ``policy_loss(policy, args, old_logprobs, ref_logprobs, generator, validate, *,
       entropy=None)``: the ``LossOutput`` of ``api.args.PolicyLossArgs`` (``entropy``: the
       entropies of ``[B, T]`` log-probs, when known);
-    - ``kl_penalty(logprobs, ref_logprobs, estimator, straight, clamp)``: the estimates.
+    - ``kl_penalty(logprobs, ref_logprobs, estimator, straight, clamp)``: the estimates;
+    - ``context_in_place``: under context parallelism ``policy_loss`` takes a rank's chunks of
+      a token-local objective in place (the ``counts`` of ``api.args.PolicyLossArgs``,
+      ``scaleout.context.in_place``), where
+      otherwise the loss runs on the gathered whole sequences.
     """
 
     name: str
@@ -42,6 +46,7 @@ class Implementation(NamedTuple):
     gr_opd_advantages: Callable
     policy_loss: Callable
     kl_penalty: Callable
+    context_in_place: bool = False
 
     @contextlib.contextmanager
     def on(self, x):

@@ -105,6 +105,11 @@ def policy_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: t
                 raise ValueError(f"generator: {type(args.objective).__name__} under context "
                                  f"parallelism draws its choice on every rank of the group; "
                                  f"pass a torch.Generator seeded the same on each")
+        if impl.context_in_place and context.in_place(args):
+            counts = context.sequence_counts(args.mask, context_parallel_group)
+            return impl.policy_loss(policy, args._replace(
+                counts=counts, context_parallel_group=context_parallel_group), old_logprobs,
+                ref_logprobs, generator, validate)
         sampling = None if off_policy_mask is None else off_policy_mask.sampling_logprobs
         whole = context.whole_sequences(
             impl, context_parallel_group, policy, args.mask,

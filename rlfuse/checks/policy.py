@@ -83,6 +83,10 @@ def _check_linear_head(head: LinearHead, dims: int) -> None:
     if head.softcap is not None:
         check_positive("policy.softcap", head.softcap)
     _check_head_dtype(head.head_dtype)
+    for flag in ("sequence_parallel", "batch_invariant"):
+        if not isinstance(getattr(head, flag), bool):
+            raise TypeError(f"policy.{flag}: expected a bool, got "
+                            f"{type(getattr(head, flag)).__name__}")
 
 
 def _check_head_dtype(dtype) -> None:

@@ -6,4 +6,4 @@ from . import ggpo, gr_opd, kl, logprobs, policy, policy_loss, regions
 FUSED = Implementation(
     "fused", token_logprobs=logprobs.token_logprobs, window_logprobs=policy.window_logprobs,
     ggpo=ggpo.ggpo, gppo_bounds=regions.gppo_bounds, gr_opd_advantages=gr_opd.gr_opd_advantages,
-    policy_loss=policy_loss.policy_loss, kl_penalty=kl.kl_penalty)
+    policy_loss=policy_loss.policy_loss, kl_penalty=kl.kl_penalty, context_in_place=True)

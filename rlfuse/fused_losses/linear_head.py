@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..shared.head import head_logits
 from .._types import compute_dtype
+from ..kernels.matmul import fixed_matmul
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.scale_rows import scale_cast
 from ..kernels.token_functions import SUM_COLUMNS
@@ -82,9 +83,13 @@ class Rows:
         return list(zip(self.tokens.split(size), self.rows.split(size)))
 
 
-def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 batch_invariant: bool = False) -> Tensor:
     """``[C, 1, V]`` logits of a chunk of hidden rows (a batch of C one-token rows for the row
-    kernels), in the weight's dtype (cuBLAS accumulates in fp32)."""
+    kernels), in the weight's dtype (accumulated in fp32); ``batch_invariant``: by the
+    fixed-order matmul (``kernels.matmul``), each row's bits its own whatever the chunk."""
+    if batch_invariant:
+        return fixed_matmul(h_rows, weight.t(), bias=bias, dtype=weight.dtype).unsqueeze(1)
     return torch.nn.functional.linear(h_rows, weight, bias).unsqueeze(1)
 
 
@@ -119,11 +124,14 @@ class HeadGradients:
     """The gradients of hidden (in its dtype), weight and bias (accumulated in fp32) that the
     chunks add up; empty tensors stand for the ones nobody needs. ``group_name``: the head is a
     shard of a vocabulary split over that group, and the hidden states' gradient, a partial sum
-    of each rank's, is kept in the compute dtype and summed over the group by ``results``."""
+    of each rank's, is kept in the compute dtype and summed over the group by ``results``.
+    ``batch_invariant``: the products by the fixed-order matmul (``kernels.matmul``)."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 needs: Tuple[bool, bool, bool], group_name: str = ""):
+                 needs: Tuple[bool, bool, bool], group_name: str = "",
+                 batch_invariant: bool = False):
         self.weight, self.group_name = weight, group_name
+        self.batch_invariant = batch_invariant
         acc = compute_dtype(weight.dtype)
         dhidden_dtype = compute_dtype(hidden.dtype) if group_name else hidden.dtype
         self.dhidden = (torch.zeros(hidden.shape, dtype=dhidden_dtype, device=hidden.device)
@@ -136,10 +144,18 @@ class HeadGradients:
     def add(self, dlogits: Tensor, h_rows: Tensor, rows: Tensor) -> None:
         """dL/dh = dlogits W, dL/dW += dlogits^T h, dL/db += sum of dlogits, for one chunk."""
         dlogits = dlogits.squeeze(1)
-        if self.dhidden is not None:
-            self.dhidden.index_copy_(0, rows, product(dlogits, self.weight, self.dhidden.dtype))
-        if self.dweight is not None:
-            add_product(self.dweight, dlogits.t(), h_rows)
+        if self.batch_invariant:
+            if self.dhidden is not None:
+                self.dhidden.index_copy_(0, rows, fixed_matmul(dlogits, self.weight,
+                                                               dtype=self.dhidden.dtype))
+            if self.dweight is not None:
+                fixed_matmul(dlogits.t(), h_rows, out=self.dweight, accumulate=True)
+        else:
+            if self.dhidden is not None:
+                self.dhidden.index_copy_(0, rows, product(dlogits, self.weight,
+                                                          self.dhidden.dtype))
+            if self.dweight is not None:
+                add_product(self.dweight, dlogits.t(), h_rows)
         if self.dbias is not None:
             self.dbias += dlogits.sum(0, dtype=self.dbias.dtype)
 
@@ -208,12 +224,13 @@ def _gradients_fake(hidden, weight, bias, needs, accumulated=False):
 def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                        mask: Optional[Tensor], temperature: float, logit_scale: float,
                        softcap: float, offset: int, chunk_tokens: int, gather: bool,
-                       with_entropy: bool,
-                       target_logit: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                       with_entropy: bool, target_logit: bool = False,
+                       batch_invariant: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window
     (``logit_scale`` and ``softcap``, 0: none, as in ``LinearHead``); with ``target_logit`` the
     first output is the target's logit in the units of the row statistics (``_target_logit``)
-    instead (what a shard of a split vocabulary contributes, ``scaleout.vocab``)."""
+    instead (what a shard of a split vocabulary contributes, ``scaleout.vocab``);
+    ``batch_invariant``: each chunk's logits by the fixed-order matmul (``chunk_logits``)."""
     acc = compute_dtype(hidden.dtype)
     B, T = targets.shape
     # rows left out of the chunks (masked, when gathering) have log-prob 0, entropy 0
@@ -223,7 +240,7 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
     head = HeadParams(temperature, logit_scale, softcap)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
-        logits = chunk_logits(h_flat[rows], weight, bias)
+        logits = chunk_logits(h_flat[rows], weight, bias, batch_invariant)
         lp_c, stats_c, ent_c = token_logprobs_fwd(
             logits, y_flat[tokens, None], None if m_flat is None else m_flat[tokens, None],
             head, with_entropy)
@@ -238,7 +255,7 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
 
 @linear_logprobs_op.register_fake
 def _(hidden, weight, bias, targets, mask, temperature, logit_scale, softcap, offset,
-      chunk_tokens, gather, with_entropy, target_logit=False):
+      chunk_tokens, gather, with_entropy, target_logit=False, batch_invariant=False):
     acc = compute_dtype(hidden.dtype)
     return (hidden.new_empty(targets.shape, dtype=acc),
             hidden.new_empty(targets.shape if with_entropy else (0,), dtype=acc),
@@ -252,17 +269,19 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
                                 dentropy: Optional[Tensor], temperature: float,
                                 logit_scale: float, softcap: float, offset: int,
                                 chunk_tokens: int, gather: bool, needs: List[bool],
-                                group_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
+                                group_name: str = "",
+                                batch_invariant: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)`` (empty where not needed) for the upstream ``dlogp`` /
     ``dentropy`` ``[B, T]``: each chunk's logits formed again, their gradient written in
-    place; ``group_name``: a shard of a split vocabulary (``HeadGradients``)."""
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name)
+    place; ``group_name``: a shard of a split vocabulary, ``batch_invariant``: the fixed-order
+    matmul (``HeadGradients``)."""
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
     dlogp, dentropy, entropy = _flat(dlogp), _flat(dentropy), _flat(entropy)
     head = HeadParams(temperature, logit_scale, softcap)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
-        logits = chunk_logits(h_rows, weight, bias)
+        logits = chunk_logits(h_rows, weight, bias, batch_invariant)
         token_logprobs_bwd(logits, y_flat[tokens, None],
                            None if m_flat is None else m_flat[tokens, None], head,
                            stats[tokens], None if dentropy is None else entropy[tokens, None],
@@ -274,7 +293,8 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
 
 @linear_logprobs_backward_op.register_fake
 def _(hidden, weight, bias, targets, mask, stats, entropy, dlogp, dentropy, temperature,
-      logit_scale, softcap, offset, chunk_tokens, gather, needs, group_name=""):
+      logit_scale, softcap, offset, chunk_tokens, gather, needs, group_name="",
+      batch_invariant=False):
     return _gradients_fake(hidden, weight, bias, needs)
 
 
@@ -284,6 +304,7 @@ def _logprobs_setup(ctx, inputs, output):
                           stats, entropy if inputs.with_entropy else None)
     ctx.chunking = (inputs.temperature, inputs.logit_scale, inputs.softcap, inputs.offset,
                     inputs.chunk_tokens, inputs.gather)
+    ctx.batch_invariant = inputs.batch_invariant
     ctx.mark_non_differentiable(stats)
     if not inputs.with_entropy:
         ctx.mark_non_differentiable(entropy)
@@ -300,7 +321,8 @@ def _logprobs_backward(ctx, dlogp, dentropy, _dstats):
     if dlogp is None:
         dlogp = torch.zeros(targets.shape, dtype=stats.dtype, device=stats.device)
     dh, dw, db = linear_logprobs_backward_op(hidden, weight, bias, targets, mask, stats,
-                                             entropy, dlogp, dentropy, *ctx.chunking, needs)
+                                             entropy, dlogp, dentropy, *ctx.chunking, needs,
+                                             batch_invariant=ctx.batch_invariant)
     return head_gradients(needs, bias is not None, dh, dw, db)
 
 
@@ -329,7 +351,8 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                         kl_estimator: str, kl_straight: bool, kl_weighted: bool, kl_clamp: bool,
                         offset: int,
                         chunk_tokens: int, gather: bool, needs: List[bool],
-                        group_name: str = "") -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        group_name: str = "", batch_invariant: bool = False
+                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, sums [B, SUM_COLUMNS], dhidden, dweight, dbias)``: the surrogate ``objective``
     over the head's window (``old_lp`` None: on policy) with its terms (those of
     ``surrogate.surrogate_logits_op``) and its gradients for an upstream gradient of 1 (empty
@@ -340,11 +363,11 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     ``group_name``: the head is this rank's shard of a vocabulary split over that group; each
     chunk's whole-row statistics are gathered before its gradient is written (one all-gather of
     ``[C, 4]`` per chunk), and the hidden states' gradient is summed over the group at the end
-    (one all-reduce)."""
+    (one all-reduce). ``batch_invariant``: the products by the fixed-order matmul."""
     spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     head = HeadParams(temperature, logit_scale, softcap)
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name)
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant)
     write = any(needs)
     B, T = targets.shape
     sums_of_tokens = torch.zeros((B * T, len(SUM_COLUMNS)), dtype=row_scale.dtype,
@@ -357,7 +380,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                              for x in (kl_scale, entropy_scale))
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
-        logits = chunk_logits(h_rows, weight, bias)
+        logits = chunk_logits(h_rows, weight, bias, batch_invariant)
         targets_c, row_stats = y_flat[tokens, None], None
         if group_name:
             targets_c, row_stats = _split_row_stats(logits, targets_c, m_flat[tokens, None],
@@ -383,7 +406,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
       entropy_scale, temperature, logit_scale, softcap, function, geometry, topology,
       delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
-      offset, chunk_tokens, gather, needs, group_name=""):
+      offset, chunk_tokens, gather, needs, group_name="", batch_invariant=False):
     sums = row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS)))
     return (row_scale.new_empty(()), sums) + _gradients_fake(hidden, weight, bias, needs,
                                                              accumulated=True)

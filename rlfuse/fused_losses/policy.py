@@ -29,7 +29,8 @@ def _local_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
         logp, entropy, _ = linear_logprobs_op(rows.hidden, rows.weight, rows.bias, rows.targets,
                                               mask, **head_fields(rows), offset=int(rows.offset),
                                               chunk_tokens=chunk, gather=gather,
-                                              with_entropy=bool(return_entropy))
+                                              with_entropy=bool(return_entropy),
+                                              batch_invariant=bool(rows.batch_invariant))
     else:
         logp, entropy, _ = token_logprobs_op(rows.logits, rows.targets, mask,
                                              float(rows.temperature), bool(return_entropy),

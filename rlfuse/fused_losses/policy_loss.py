@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 from .._types import LossOutput
+from ..checks.values import raise_on_overflow
+from ..scaleout import context
 from ..shared.aggregation import aggregation_weights
 from ..shared.masks import apply_masks, entropy_weights, kl_weights
 from .policy import learner_logprobs
@@ -31,22 +33,33 @@ def policy_loss(policy, args, old_logprobs: Optional[Tensor], ref_logprobs: Opti
                 generator: Optional[torch.Generator], validate: bool, *,
                 entropy: Optional[Tensor] = None) -> LossOutput:
     """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``); ``entropy``:
-    the entropies of ``[B, T]`` log-probs ``policy``, when known."""
+    the entropies of ``[B, T]`` log-probs ``policy``, when known. With the ``counts`` of
+    ``args`` (context parallelism in place, ``scaleout.context``) the policy holds chunks of whole sequences: a
+    token-local objective's loss over them with the whole sequences' weights, its sums (the
+    metrics') summed over the group."""
     objective, mask, cdt = args.objective, args.mask, args.info.compute_dtype
     old, adv, ref = _detached(old_logprobs), args.advantages.detach(), _detached(ref_logprobs)
     weights = _detached(args.weights)
+    counts = args.counts
     row_scale = args.loss_scale * aggregation_weights(mask, args.agg, cdt,
                                                       num_tokens=args.num_tokens,
-                                                      num_sequences=args.num_sequences)
-    tokens = mask.sum().to(cdt)
+                                                      num_sequences=args.num_sequences,
+                                                      counts=counts)
+    tokens = (mask.sum() if counts is None else counts.tokens.sum()).to(cdt)
     two_pass = objective.ratio == "batch" or args.entropy_mask is not None or \
         args.off_policy_mask is not None or entropy is not None
     if not two_pass:
         loss, totals, sums = surrogate_loss(
             policy, old, adv, mask, row_scale, objective, weights=weights, ref_lp=ref,
             kl=args.kl, kl_scale=kl_weights(args, mask, cdt),
-            entropy_scale=entropy_weights(args, mask, cdt), validate=validate)
-        metrics = surrogate_metrics(totals, sums, mask, objective.flags)
+            entropy_scale=entropy_weights(args, mask, cdt), validate=validate,
+            raise_overflow=counts is None)
+        if counts is not None:   # chunks of whole sequences: the group's sums, then the check
+            totals, sums = context.group_sums(totals, sums, args.context_parallel_group)
+            if validate:
+                raise_on_overflow(totals["overflow"], cdt)
+        metrics = surrogate_metrics(totals, sums, mask, objective.flags,
+                                    None if counts is None else counts.tokens)
     else:
         with_entropy = args.entropy is not None or args.entropy_mask is not None
         if entropy is not None:

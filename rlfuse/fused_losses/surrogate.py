@@ -308,16 +308,16 @@ def terms_apart(lp: Tensor, old_lp: Optional[Tensor], mask: Tensor, ratio: str,
 def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
                    row_scale: Tensor, objective: Objective, *, weights: Optional[Tensor] = None,
                    ref_lp: Optional[Tensor] = None, kl=None, kl_scale: Optional[Tensor] = None,
-                   entropy_scale: Optional[Tensor] = None,
-                   validate: bool) -> Tuple[Tensor, Dict[str, Tensor], Tensor]:
+                   entropy_scale: Optional[Tensor] = None, validate: bool,
+                   raise_overflow: bool = True) -> Tuple[Tensor, Dict[str, Tensor], Tensor]:
     """``(loss, {column: total}, sums [B, SUM_COLUMNS])`` (each sequence's column sums) of a
     token-local or sequence ``objective`` (a record of ``rlfuse.objectives``) for any policy
     form (``old_lp`` None: on policy), with the KL term ``kl`` (an ``rlfuse.terms.KLTerm``) to
     ``ref_lp`` of row weights ``kl_scale`` (``[B]``) and the entropy bonus of weights
     ``entropy_scale`` (``[B]``, or ``[B, T]`` apart from the single pass; the coefficients
     included). The single pass carries the terms
-    in its kernel; otherwise they are ops over the ``[B, T]`` log-probs. With ``validate`` an
-    overflowing objective raises (one host sync)."""
+    in its kernel; otherwise they are ops over the ``[B, T]`` log-probs. With ``validate`` (and
+    ``raise_overflow``) an overflowing objective raises (one host sync)."""
     flat, ratio = surrogate_fields(objective.surrogate()), objective.ratio
     single = _in_one_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
     packed = policy.index if single and policy.index is not None else None
@@ -345,7 +345,8 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
             policy.hidden, policy.weight, policy.bias, policy.targets, **tokens, **terms_in,
             **head_fields(policy), **flat, offset=int(policy.offset),
             chunk_tokens=chunk, gather=validate, needs=needs,
-            group_name="" if group is None else group.group_name)
+            group_name="" if group is None else group.group_name,
+            batch_invariant=bool(policy.batch_invariant))
         terms = {}
     elif single:
         logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)
@@ -375,18 +376,19 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     totals = dict(zip(SUM_COLUMNS, sums.sum(0).unbind()))
     for name, value in terms.items():
         totals[name] = totals[name] + value
-    if validate:
+    if validate and raise_overflow:
         raise_on_overflow(totals["overflow"], row_scale.dtype)
     return loss, totals, sums
 
 
 def surrogate_metrics(totals: Dict[str, Tensor], sums: Tensor, mask: Tensor,
-                      flags: Tuple[str, ...]) -> Dict[str, Tensor]:
+                      flags: Tuple[str, ...],
+                      row_tokens: Optional[Tensor] = None) -> Dict[str, Tensor]:
     """The metrics of a surrogate objective from its column totals and per-sequence sums: the
     shares of its ``flags`` (the metric names of the columns flag0, ...), the extremes and mean
     of some per sequence (``shared.aggregation.sequence_shares``), ratio_mean, approx_kl,
-    overflow."""
-    row_tokens = mask.sum(-1).to(sums.dtype)
+    overflow; ``row_tokens``: the sequences' actor tokens (default: the mask's)."""
+    row_tokens = (mask.sum(-1) if row_tokens is None else row_tokens).to(sums.dtype)
     tokens = row_tokens.sum().clamp_min(1)
     metrics = {name: totals[f"flag{i}"] / tokens for i, name in enumerate(flags)}
     metrics.update(ratio_mean=totals["ratio"] / tokens, approx_kl=totals["neg_log_ratio"] / tokens,

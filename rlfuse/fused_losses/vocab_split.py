@@ -109,13 +109,15 @@ def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optiona
                                    targets: Tensor, mask: Optional[Tensor], temperature: float,
                                    logit_scale: float, softcap: float, offset: int,
                                    chunk_tokens: int, gather: bool, with_entropy: bool,
-                                   group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
+                                   group_name: str, batch_invariant: bool = False
+                                   ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of a head whose
     ``weight [V_l, H]`` (and ``bias``) is this rank's shard."""
     local, _ = shard_targets(targets, weight.shape[0], group_name)
     x_y, entropy, stats = linear_logprobs_op(hidden, weight, bias, local.clamp_min(0), mask,
                                              temperature, logit_scale, softcap, offset,
-                                             chunk_tokens, gather, with_entropy, True)
+                                             chunk_tokens, gather, with_entropy, True,
+                                             batch_invariant)
     return whole_rows(x_y, stats, entropy, targets, weight.shape[0], mask,
                       HeadParams(temperature, logit_scale, softcap).inv_temp, with_entropy,
                       group_name)
@@ -123,7 +125,7 @@ def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optiona
 
 @vocab_split_linear_logprobs_op.register_fake
 def _(hidden, weight, bias, targets, mask, temperature, logit_scale, softcap, offset,
-      chunk_tokens, gather, with_entropy, group_name):
+      chunk_tokens, gather, with_entropy, group_name, batch_invariant=False):
     return _fake_outputs(hidden, targets, with_entropy)
 
 
@@ -132,6 +134,7 @@ def _head_setup(ctx, inputs, output):
     ctx.chunking = (inputs.temperature, inputs.logit_scale, inputs.softcap, inputs.offset,
                     inputs.chunk_tokens, inputs.gather)
     ctx.group_name = inputs.group_name
+    ctx.batch_invariant = inputs.batch_invariant
 
 
 def _head_backward(ctx, dlogp, dentropy, _dstats):
@@ -143,7 +146,8 @@ def _head_backward(ctx, dlogp, dentropy, _dstats):
     local, _ = shard_targets(targets, weight.shape[0], ctx.group_name)
     dh, dw, db = linear_logprobs_backward_op(hidden, weight, bias, local, mask, stats,
                                              upstream[2], upstream[0], upstream[1],
-                                             *ctx.chunking, needs, ctx.group_name)
+                                             *ctx.chunking, needs, ctx.group_name,
+                                             ctx.batch_invariant)
     return head_gradients(needs, bias is not None, dh, dw, db)
 
 
@@ -160,7 +164,8 @@ def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
         logp, entropy, _ = vocab_split_linear_logprobs_op(
             rows.hidden, rows.weight, rows.bias, rows.targets, mask, **head_fields(rows),
             offset=int(rows.offset), chunk_tokens=chunk, gather=gather,
-            with_entropy=bool(return_entropy), group_name=group_name)
+            with_entropy=bool(return_entropy), group_name=group_name,
+            batch_invariant=bool(rows.batch_invariant))
     else:
         logp, entropy, _ = vocab_split_logprobs_op(
             rows.logits, rows.targets, mask, float(rows.temperature), bool(return_entropy),

@@ -43,7 +43,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[t
 
 def as_logits(policy) -> Logits:
     """A ``LinearHead`` as the ``Logits`` it defines: ``softcap(logit_scale (hidden @ weight.T
-    + bias))``, all of it (the definition), the matmul in its ``head_dtype`` when it has one.
+    + bias))``, all of it (the definition), the matmul in its ``head_dtype`` when it has one
+    (``batch_invariant``: each row by its own matmul).
     Under a ``vocab_parallel_group`` that is this rank's shard, and the hidden states' gradient
     is summed over the group."""
     if isinstance(policy, LinearHead):
@@ -54,7 +55,12 @@ def as_logits(policy) -> Logits:
         # the matmul in head_dtype, whatever autocast says
         with contextlib.nullcontext() if policy.head_dtype is None else \
                 torch.autocast(hidden.device.type, enabled=False):
-            logits = torch.nn.functional.linear(hidden, head.weight, head.bias)
+            if policy.batch_invariant:   # each row by its own matmul: its bits its own
+                rows = hidden.reshape(-1, hidden.shape[-1]).split(1)
+                logits = torch.cat([torch.nn.functional.linear(row, head.weight, head.bias)
+                                    for row in rows]).view(*hidden.shape[:-1], -1)
+            else:
+                logits = torch.nn.functional.linear(hidden, head.weight, head.bias)
         if policy.logit_scale != 1.0 or policy.softcap is not None:
             logits = head_logits(logits, policy.logit_scale, policy.softcap)
         return Logits(logits, policy.targets, policy.temperature, offset=policy.offset,

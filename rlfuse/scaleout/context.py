@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .._types import LossOutput
+from .._types import LossOutput, SequenceCounts
 
 
 def context_size(group) -> int:
@@ -190,6 +190,36 @@ def with_sampling(off_policy_mask, sampling: Optional[Tensor]):
     if off_policy_mask is None or off_policy_mask.sampling_logprobs is None:
         return off_policy_mask
     return dataclasses.replace(off_policy_mask, sampling_logprobs=sampling)
+
+
+def in_place(args) -> bool:
+    """Whether a loss of ``args`` (``api.args.PolicyLossArgs``) may run on this rank's chunks
+    alone: a token-local objective without the masks that read the whole batch, whose
+    sequence-level parts are the aggregation's weights (``sequence_counts``) and the metrics'
+    sums (``group_sums``)."""
+    return args.objective.ratio == "token" and args.entropy_mask is None and \
+        args.off_policy_mask is None
+
+
+def sequence_counts(mask: Tensor, group) -> SequenceCounts:
+    """The whole sequences' counts of this rank's chunks: each sequence's actor tokens summed
+    over ``group`` (one all-reduce of ``[B]``), their length ``2 cp c``."""
+    import torch.distributed as dist
+
+    tokens = mask.sum(-1, dtype=torch.float64)
+    dist.all_reduce(tokens, group=group)
+    return SequenceCounts(tokens, mask.shape[-1] * context_size(group))
+
+
+def group_sums(totals: Dict[str, Tensor], sums: Tensor, group):
+    """``(totals, sums)`` (column totals by name, per-sequence sums ``[B, C]``) summed over
+    ``group``, in one all-reduce."""
+    import torch.distributed as dist
+
+    names = list(totals)
+    flat = torch.cat([torch.stack([totals[k].to(sums.dtype) for k in names]), sums.flatten()])
+    dist.all_reduce(flat, group=group)
+    return dict(zip(names, flat[:len(names)].unbind())), flat[len(names):].view_as(sums)
 
 
 def share(out: LossOutput, group) -> LossOutput:

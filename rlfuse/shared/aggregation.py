@@ -9,6 +9,8 @@ from typing import Dict, Optional
 
 import torch
 
+from .._types import SequenceCounts
+
 
 def per_token(x: torch.Tensor, shape) -> torch.Tensor:
     """A ``[B]`` (per sequence) or ``[B, T]`` tensor as ``[B, T]`` (a broadcast view)."""
@@ -17,7 +19,8 @@ def per_token(x: torch.Tensor, shape) -> torch.Tensor:
 
 def aggregation_weights(mask: torch.Tensor, agg: str, dtype: torch.dtype, *,
                         num_tokens: Optional[float] = None,
-                        num_sequences: Optional[float] = None) -> torch.Tensor:
+                        num_sequences: Optional[float] = None,
+                        counts: Optional[SequenceCounts] = None) -> torch.Tensor:
     """The weight ``w_b`` of every token of row ``b`` (``[B]``) under the aggregation ``agg``
     (verl's ``agg_loss`` names): ``agg(x) = sum_bt M_bt x_bt w_b`` with
 
@@ -29,10 +32,14 @@ def aggregation_weights(mask: torch.Tensor, agg: str, dtype: torch.dtype, *,
 
     ``N_tok = num_tokens`` (default: the local ``sum M``), ``N_seq = num_sequences`` (default:
     the local ``B``, empty rows included), ``T_b = sum_t M_bt``; the counts may be numbers or
-    0-dim tensors. A zero local count is replaced by 1 (the sum it divides is then 0).
+    0-dim tensors. A zero local count is replaced by 1 (the sum it divides is then 0). With
+    ``counts`` (chunks of whole sequences), ``T_b``, the default ``N_tok`` and ``T`` are the
+    whole sequences'.
     """
     B, T = mask.shape
     tokens = mask.sum(-1, dtype=dtype)
+    if counts is not None:
+        tokens, T = counts.tokens.to(dtype), counts.length
     ones = torch.ones_like(tokens)
     if agg == "token-sum":
         return ones

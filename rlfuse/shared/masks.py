@@ -108,7 +108,8 @@ def _term_weights(term, args, mask: Tensor, dtype: torch.dtype) -> Optional[Tens
         return None
     own = term if term.agg is not None else args
     return term.coef * args.loss_scale * aggregation_weights(
-        mask, own.agg, dtype, num_tokens=own.num_tokens, num_sequences=own.num_sequences)
+        mask, own.agg, dtype, num_tokens=own.num_tokens, num_sequences=own.num_sequences,
+        counts=args.counts)
 
 
 def entropy_weights(args, mask: Tensor, dtype: torch.dtype) -> Optional[Tensor]:

@@ -1,0 +1,84 @@
+"""A matmul whose every output element is reduced in one fixed order, whatever the shapes:
+``C = A @ B (+ bias) (+ C)`` over tiles of a fixed size (no split-K, no choice by the number of
+rows), each element's sum over K taken block by block in increasing K. A row of ``C`` then
+depends on its row of ``A`` alone, bit for bit, whatever the other rows (their number, their
+values, the row's position): the batch-invariant head's logits and hidden-state gradient
+(``LinearHead(..., batch_invariant=True)``), and, summing over the rows in a fixed order, its
+weight gradient, the same run to run (no atomics).
+
+fp32 inputs are multiplied in full fp32 (``input_precision="ieee"``: no TF32), bf16 / fp16 on
+the tensor cores; the sums are fp32 (fp64 for fp64 inputs), rounded once to the output's
+dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import INTERPRET, tl_compute_dtype
+
+# One tile configuration for every shape (the invariance: a row's order of operations may not
+# depend on how many rows there are).
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+NUM_WARPS = 4
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for start in range(0, K, BLOCK_K):
+        rk = start + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak,
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + rk[:, None].to(tl.int64) * stride_bk + rn[None, :] * stride_bn,
+                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if UPCAST:   # the interpreter multiplies no 16-bit floats: the exact products in fp32
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    c_at = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(ACC)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_at, mask=inside, other=0.0).to(ACC)
+    tl.store(c_at, acc.to(c_ptr.dtype.element_ty), mask=inside)
+
+
+def fixed_matmul(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
+                 accumulate: bool = False) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` (+ ``bias [N]``) in the fixed order of this module, into ``out``
+    (added to it with ``accumulate``) or a new ``[M, N]`` tensor of ``dtype`` (default:
+    ``a``'s); any strides. ``a`` and ``b`` share a dtype."""
+    M, K = a.shape
+    N = b.shape[1]
+    if out is None:
+        out = torch.empty((M, N), dtype=dtype or a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    _matmul_kernel[grid](
+        a, b, out if bias is None else bias, out,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, IEEE=a.dtype != torch.bfloat16 and
+        a.dtype != torch.float16, UPCAST=INTERPRET and a.element_size() == 2,
+        ACC=tl_compute_dtype(a.dtype),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    )
+    return out

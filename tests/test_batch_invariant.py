@@ -1,0 +1,195 @@
+"""``LinearHead(..., batch_invariant=True)``: each row's log-prob, entropy, per-token loss terms
+and hidden-state gradient bitwise the same whatever else is in the call (the number of rows and
+their values, the row's position, ``chunk_tokens``, packed or padded rows, a window), every
+gradient the same run to run, and still exact against float64; the fixed-order matmul itself.
+The fused path in the Triton interpreter (the GPU test of the same: ``tests/test_gpu.py``)."""
+import pytest
+import torch
+
+import rlfuse
+import rlfuse.reference
+from conftest import TOL
+from rlfuse.kernels.matmul import BLOCK_M, fixed_matmul
+
+H, V, T = 24, 83, 5
+HEADS = {"plain": {}, "bias": dict(bias=True), "scaled": dict(logit_scale=0.25, bias=True),
+         "softcapped": dict(softcap=4.0, temperature=0.7)}
+
+
+def _head(dtype, seed=0, bias=False, **fields):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) / H ** 0.5).to(dtype)
+    b = torch.randn(V, generator=g, dtype=torch.float64).to(dtype) if bias else None
+    return weight, b, fields
+
+
+def _rows(n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (2 * torch.randn(n, T + 1, H, generator=g, dtype=torch.float64)).to(dtype), \
+        torch.randint(0, V, (n, T), generator=g)
+
+
+def _row_results(hidden, targets, head, *, chunk_tokens=None, offset=0, lib=rlfuse):
+    """Log-probs, entropies and the hidden states' gradient of ``lp + 0.5 entropy``."""
+    weight, bias, fields = head
+    hidden = hidden.detach().clone().requires_grad_()
+    policy = lib.LinearHead(hidden, weight, targets, bias=bias, offset=offset,
+                            chunk_tokens=chunk_tokens, batch_invariant=True, **fields)
+    lp, entropy = lib.policy_logprobs(policy, return_entropy=True)
+    (lp.sum() + 0.5 * entropy.sum()).backward()
+    return lp.detach(), entropy.detach(), hidden.grad
+
+
+@pytest.mark.parametrize("lib", [rlfuse, rlfuse.reference], ids=["fused", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_a_row_is_its_own_whatever_the_batch(dtype, name, lib):
+    """One row alone, then among random companions in batches of 2 to 14 rows (70 tokens: past
+    one tile of the matmul's rows), at several positions and chunk sizes: the same bits (the
+    reference: each row's matmul its own)."""
+    head = _head(dtype, **HEADS[name])
+    row_hidden, row_targets = _rows(1, dtype, seed=1)
+    alone = _row_results(row_hidden, row_targets, head, lib=lib)
+    assert 14 * T > BLOCK_M
+    for n, position, chunk in ((2, 1, None), (7, 3, 4), (14, 13, 2), (14, 0, 2 * BLOCK_M),
+                               (5, 4, 7)):
+        hidden, targets = _rows(n, dtype, seed=n + position)
+        hidden[position], targets[position] = row_hidden[0], row_targets[0]
+        batch = _row_results(hidden, targets, head, chunk_tokens=chunk, lib=lib)
+        for got, want in zip(batch, alone):
+            assert torch.equal(got[position], want[0]), (n, position, chunk)
+
+
+def test_packed_rows_and_a_window_are_the_padded_rows():
+    """The rows of a packed batch (and of a window at an offset) give the padded batch's
+    bits."""
+    head = _head(torch.float32, bias=True)
+    hidden, targets = _rows(3, torch.float32, seed=4)
+    padded = _row_results(hidden, targets, head)
+    # a window: the same rows after 3 rows of another prompt
+    prompt = torch.randn(3, 3, H, dtype=torch.float32)
+    windowed = _row_results(torch.cat([prompt, hidden], 1), targets, head, offset=3)
+    for got, want in zip(windowed, padded):
+        assert torch.equal(got, want if got.shape == want.shape else
+                           torch.cat([torch.zeros_like(prompt), want], 1))
+    # packed: every sequence's rows back to back, each predicting its own response token
+    weight, bias, fields = head
+    rows = hidden[:, :T].reshape(-1, H).detach().clone().requires_grad_()
+    index = torch.arange(3 * T)
+    policy = rlfuse.LinearHead(rows, weight, targets.reshape(-1), bias=bias, index=index,
+                               chunk_tokens=2, batch_invariant=True, **fields)
+    lp, entropy = rlfuse.policy_logprobs(policy, return_entropy=True)
+    (lp.sum() + 0.5 * entropy.sum()).backward()
+    assert torch.equal(lp.reshape(3, T), padded[0])
+    assert torch.equal(entropy.reshape(3, T), padded[1])
+    assert torch.equal(rows.grad.reshape(3, T, H), padded[2][:, :T])
+
+
+@pytest.mark.parametrize("objective", ["clip", "gspo"])
+def test_a_losses_per_row_gradient_is_its_own(objective):
+    """The single pass (a token-local objective) and the two passes (a sequence-level ratio)
+    under token-sum: a row's hidden-state gradient the same alone and in a batch."""
+    head = _head(torch.bfloat16, bias=True, logit_scale=0.5)
+    weight, bias, fields = head
+
+    def row_gradient(hidden, targets, position, chunk):
+        hidden = hidden.detach().clone().requires_grad_()
+        n = hidden.shape[0]
+        g = torch.Generator().manual_seed(9)
+        old = -torch.rand(n, T, generator=g)
+        adv = torch.randn(n, generator=g)
+        old[position], adv[position] = -torch.linspace(0.1, 2.0, T), 0.7
+        policy = rlfuse.LinearHead(hidden, weight, targets, bias=bias, chunk_tokens=chunk,
+                                   batch_invariant=True, **fields)
+        out = rlfuse.policy_loss(policy, old, adv, torch.ones(n, T, dtype=torch.bool),
+                                 objective, agg="token-sum")
+        out.loss.backward()
+        return hidden.grad[position]
+
+    row_hidden, row_targets = _rows(1, torch.bfloat16, seed=2)
+    alone = row_gradient(row_hidden, row_targets, 0, None)
+    hidden, targets = _rows(9, torch.bfloat16, seed=3)
+    hidden[6], targets[6] = row_hidden[0], row_targets[0]
+    assert torch.equal(row_gradient(hidden, targets, 6, 4), alone)
+
+
+def test_every_gradient_is_the_same_run_to_run():
+    head = _head(torch.float32, bias=True)
+    weight, bias, fields = head
+    hidden, targets = _rows(14, torch.float32, seed=5)
+
+    def gradients():
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+        policy = rlfuse.LinearHead(leaves[0], leaves[1], targets, bias=leaves[2],
+                                   chunk_tokens=20, batch_invariant=True, **fields)
+        lp, entropy = rlfuse.policy_logprobs(policy, return_entropy=True)
+        (lp.sum() - entropy.sum()).backward()
+        return [leaf.grad for leaf in leaves]
+
+    for got, want in zip(gradients(), gradients()):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_exact_against_float64(name):
+    """fp32: within the tolerance of the default head; the reference takes the flag too."""
+    head = _head(torch.float32, **HEADS[name])
+    weight, bias, fields = head
+    hidden, targets = _rows(4, torch.float32, seed=6)
+    got = _row_results(hidden, targets, head, chunk_tokens=3)
+    wide = (weight.double(), None if bias is None else bias.double(), fields)
+    want = _row_results(hidden.double(), targets, wide, lib=rlfuse.reference)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, **TOL["fp32_matmul"])
+
+
+def test_the_flag_is_a_bool():
+    weight, _, _ = _head(torch.float32)
+    hidden, targets = _rows(1, torch.float32, seed=0)
+    with pytest.raises(TypeError, match="policy.batch_invariant: expected a bool"):
+        rlfuse.policy_logprobs(rlfuse.LinearHead(hidden, weight, targets, offset=1,
+                                                 batch_invariant=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float64], ids=str)
+def test_the_fixed_order_matmul(dtype):
+    """Against float64 (each output rounded once after an fp32 sum: the bound of K products),
+    with a bias and accumulating into an fp32 output, any strides; a row of the output the same
+    bits in any batch."""
+    g = torch.Generator().manual_seed(0)
+    M, K, N = 2 * BLOCK_M + 5, 70, 45
+    a = torch.randn(M, K, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(N, K, generator=g, dtype=torch.float64).to(dtype).t()   # a transposed view
+    bias = torch.randn(N, generator=g, dtype=torch.float64).to(dtype)
+    exact = a.double() @ b.double() + bias.double()
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    bound = K * eps * (a.double().abs() @ b.double().abs() + bias.double().abs()) + \
+        torch.finfo(dtype).eps * exact.abs()
+    got = fixed_matmul(a, b, bias=bias)
+    assert got.dtype == dtype and ((got.double() - exact).abs() <= bound).all()
+    into = torch.ones(M, N, dtype=torch.float32)
+    fixed_matmul(a, b, out=into, accumulate=True)
+    product = a.double() @ b.double()
+    assert ((into.double() - 1 - product).abs() <=
+            K * eps * (a.double().abs() @ b.double().abs()) + 1e-6).all()
+    some = fixed_matmul(a[7:9], b, bias=bias)
+    assert torch.equal(some, got[7:9])
+
+
+def test_old_logprobs_one_row_at_a_time_give_ratio_one_in_the_training_batch():
+    """The old-log-prob pass row by row (a micro-batch of 1) and the training pass over the
+    whole batch agree bit for bit: every ratio is exactly 1 on policy, in bf16 too."""
+    weight, bias, fields = _head(torch.bfloat16, bias=True)
+    hidden, targets = _rows(14, torch.bfloat16, seed=8)
+    with torch.no_grad():
+        old = torch.cat([rlfuse.policy_logprobs(rlfuse.LinearHead(
+            hidden[i:i + 1], weight, targets[i:i + 1], bias=bias, batch_invariant=True,
+            **fields)) for i in range(len(hidden))])
+    policy = rlfuse.LinearHead(hidden.clone().requires_grad_(), weight, targets, bias=bias,
+                               chunk_tokens=16, batch_invariant=True, **fields)
+    lp = rlfuse.policy_logprobs(policy)
+    assert torch.equal(lp.detach(), old)
+    out = rlfuse.ppo_loss(policy, old, torch.randn(14), torch.ones(14, T, dtype=torch.bool))
+    assert out.metrics["ratio_mean"].item() == 1.0
+    assert out.metrics["clip_frac_low"].item() == out.metrics["clip_frac_high"].item() == 0.0
