@@ -193,3 +193,24 @@ def test_old_logprobs_one_row_at_a_time_give_ratio_one_in_the_training_batch():
     out = rlfuse.ppo_loss(policy, old, torch.randn(14), torch.ones(14, T, dtype=torch.bool))
     assert out.metrics["ratio_mean"].item() == 1.0
     assert out.metrics["clip_frac_low"].item() == out.metrics["clip_frac_high"].item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_logits_rows_are_their_own_already(dtype):
+    """From logits the row kernels are row-local: a row's log-probs, entropies and logits
+    gradient the same bits alone and in a batch (``Logits`` needs no flag)."""
+    g = torch.Generator().manual_seed(10)
+    logits = (3 * torch.randn(9, T, V, generator=g)).to(dtype)
+    targets = torch.randint(0, V, (9, T), generator=g)
+
+    def results(x, y):
+        x = x.clone().requires_grad_()
+        lp, entropy = rlfuse.policy_logprobs(rlfuse.Logits(x, y, temperature=0.7),
+                                             return_entropy=True)
+        (lp.sum() - 0.5 * entropy.sum()).backward()
+        return lp.detach(), entropy.detach(), x.grad
+
+    batch = results(logits, targets)
+    alone = results(logits[6:7], targets[6:7])
+    for got, want in zip(batch, alone):
+        assert torch.equal(got[6], want[0])

@@ -52,9 +52,9 @@ def policy_of(leaf, x, form, **kw):
     """The policy of a leaf: log-probs (a [:, :-1] view), logits (the whole [B, T+1, V], rows
     0..T-1 used) or a linear head over hidden states (rows 1..T, chunks of 7 tokens), and the
     same rows packed (``index``)."""
-    if form == "head":
+    if form in ("head", "invariant_head"):
         return rlfuse.LinearHead(leaf, x.weight, x.targets, x.bias, 0.9, offset=1,
-                                 chunk_tokens=7)
+                                 chunk_tokens=7, batch_invariant=form == "invariant_head")
     if form == "logits":
         return rlfuse.Logits(leaf, x.targets, 0.9, **kw)
     if form == "packed_logits":
@@ -77,7 +77,8 @@ STEPS = {
         lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
             *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
                                    return_entropy=True, validate=False))),
-    "policy_logprobs": (("logits", "head", "packed_logits"), lambda leaf, x, form: (
+    "policy_logprobs": (("logits", "head", "invariant_head", "packed_logits"),
+                        lambda leaf, x, form: (
         lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
             *rlfuse.policy_logprobs(policy_of(leaf, x, form), return_entropy=True,
                                     validate=False))),
@@ -96,7 +97,7 @@ STEPS = {
         validate=False))),
     "gr_opd": (("logprobs", "logits", "head"), lambda leaf, x, form: _loss(rlfuse.gr_opd_loss(
         policy_of(leaf, x, form), x.old, x.teacher, x.mask, group_size=M, validate=False))),
-    "ppo": (("logprobs", "logits", "head", "packed_logits", "packed_head"),
+    "ppo": (("logprobs", "logits", "head", "invariant_head", "packed_logits", "packed_head"),
             lambda leaf, x, form: _loss(rlfuse.ppo_loss(
                 policy_of(leaf, x, form), x.old, x.adv, x.mask, clip=(0.2, 0.28), dual_clip=3.0,
                 agg="seq-mean-token-mean", validate=False))),
@@ -108,8 +109,8 @@ CASES = [(name, form) for name, (forms, _) in STEPS.items() for form in forms]
 
 
 def run_step(step, x, form, dtype=torch.float32):
-    leaf = {"logits": x.logits, "head": x.hidden, "packed_logits": x.logits,
-            "packed_head": x.hidden}.get(form, x.lp)
+    leaf = {"logits": x.logits, "head": x.hidden, "invariant_head": x.hidden,
+            "packed_logits": x.logits, "packed_head": x.hidden}.get(form, x.lp)
     leaf = leaf.to(dtype).clone().requires_grad_(True)
     scalar, outputs = step(leaf, x, form)
     (grad,) = torch.autograd.grad(scalar * 1.5, leaf)
@@ -294,11 +295,17 @@ def _op_cases(device):
         "linear_logprobs": [(hidden, x.weight, x.bias, x.targets, x.mask, 0.9, 0.5, 3.0, 1, 7,
                              False, True),
                             (hidden, weight, None, x.targets, None, 1.0, 1.0, 0.0, 0, 3, False,
-                             False)],
+                             False),
+                            (hidden, x.weight, x.bias, x.targets, x.mask, 0.9, 0.5, 3.0, 1, 7,
+                             False, True, False, True)],   # batch_invariant
         "linear_logprobs_backward": [(hidden.detach(), x.weight, x.bias, x.targets, x.mask,
                                       head_stats, head_entropy, torch.randn(B, T, device=device),
                                       torch.randn(B, T, device=device), 0.9, 0.5, 3.0, 1, 7,
-                                      False, [True, True, True])],
+                                      False, [True, True, True]),
+                                     (hidden.detach(), x.weight, x.bias, x.targets, x.mask,
+                                      head_stats, head_entropy, torch.randn(B, T, device=device),
+                                      torch.randn(B, T, device=device), 0.9, 0.5, 3.0, 1, 7,
+                                      False, [True, True, True], "", True)],  # batch_invariant
         "linear_surrogate": [
             (hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, None, weights, None, None,
              None, 0.9, 1.0, 0.0, "clip", "chi2", "atomic", 0.04, 0.04, [inf, inf], 20.0, "",
@@ -306,6 +313,9 @@ def _op_cases(device):
             (hidden, weight, None, x.targets, x.mask, None, x.adv, token_w, weights, None, None,
              None, 1.0, 2.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0, inf], 20.0, "",
              False, False, False, 0, 3, True, [True, True, False]),
+            (hidden, weight, None, x.targets, x.mask, None, x.adv, token_w, weights, None, None,
+             None, 1.0, 2.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0, inf], 20.0, "",
+             False, False, False, 0, 3, True, [True, True, False], "", True),  # batch_invariant
             (hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, None, weights, x.ref,
              0.5 * weights, 0.25 * weights, 0.9, 0.5, 3.0, "sapo", "ppo_clip", "mc", 1.0, 1.0,
              [1.0, 1.05], 20.0, "k1", True, False, False, 1, 7, False, [True, True, True])],
@@ -455,8 +465,8 @@ def test_gpu_no_sync_and_cuda_graph(name, form):
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
-    leaf = {"logits": x.logits, "head": x.hidden, "packed_logits": x.logits,
-            "packed_head": x.hidden}.get(form, x.lp).clone().requires_grad_(True)
+    leaf = {"logits": x.logits, "head": x.hidden, "invariant_head": x.hidden,
+            "packed_logits": x.logits, "packed_head": x.hidden}.get(form, x.lp).clone().requires_grad_(True)
     static = leaf.detach().clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -105,6 +105,37 @@ def test_linear_head_deterministic(loss):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_invariant_head_on_the_gpu(dtype):
+    """On the GPU's own matmul (the interpreter's is numpy's): a row's log-prob, entropy and
+    hidden-state gradient the same bits alone and among 300 random rows (several row tiles),
+    at two chunk sizes, at a real hidden size and a vocabulary of several tiles; the default
+    head (cuBLAS) is not held to it."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(6)
+    Tq, H, Vh = 7, 1024, 30011
+    weight = (torch.randn(Vh, H, generator=gen) / H ** 0.5).to(device, dtype)
+    bias = (0.1 * torch.randn(Vh, generator=gen)).to(device, dtype)
+    row = torch.randn(1, Tq + 1, H, generator=gen).to(device, dtype)
+    row_targets = torch.randint(0, Vh, (1, Tq), generator=gen).to(device)
+
+    def results(hidden, targets, chunk):
+        hidden = hidden.clone().requires_grad_()
+        head = rlfuse.LinearHead(hidden, weight, targets, bias=bias, chunk_tokens=chunk,
+                                 softcap=30.0, batch_invariant=True)
+        lp, entropy = rlfuse.policy_logprobs(head, return_entropy=True)
+        (lp.sum() + 0.5 * entropy.sum()).backward()
+        return lp.detach(), entropy.detach(), hidden.grad
+
+    alone = results(row, row_targets, None)
+    for chunk in (None, 333):
+        hidden = torch.randn(300, Tq + 1, H, generator=gen).to(device, dtype)
+        targets = torch.randint(0, Vh, (300, Tq), generator=gen).to(device)
+        hidden[211], targets[211] = row[0], row_targets[0]
+        for got, want in zip(results(hidden, targets, chunk), alone):
+            assert torch.equal(got[211], want[0]), chunk
+
+
 def test_inplace_equals_out_of_place_under_stress():
     """The in-place single pass reads z[y] before its logsumexp pass and writes the row after:
     1000 repetitions with the target in the last of two 16-warp blocks, bit-identical to the
