@@ -370,8 +370,9 @@ def _packed(lib, x):
 def _variants():
     """What a trainer does beyond the benchmark's calls, with GPPO's single pass (PPO's is the
     same kernel): a whole model output with offset, loss_scale, an upstream gradient that is
-    not 1, the gradient written into the logits' own buffer, a chunked LinearHead. Each is held
-    to the floor of the op it varies."""
+    not 1, the gradient written into the logits' own buffer, a chunked LinearHead, the
+    batch-invariant head (its fixed-order matmul in place of cuBLAS). Each is held to the floor
+    of the op it varies."""
     logits, head = OPS["gppo_logits"], OPS["gppo_head"]
     step = ("fwd+bwd",)
 
@@ -391,6 +392,9 @@ def _variants():
         variant(logits, name="gppo_logits, inplace_backward", fused_modes=step, modes=step,
                 run=lambda lib, x: _gppo(lib, lib.Logits(x.logits, x.targets,
                                                          inplace_backward=True), x)),
+        variant(head, name="gppo_head, batch_invariant",
+                run=lambda lib, x: _gppo(lib, lib.LinearHead(x.hidden, x.weight, x.targets,
+                                                             batch_invariant=True), x)),
         variant(head, name="gppo_head, chunk_tokens=5",
                 run=lambda lib, x: _gppo(lib, lib.LinearHead(x.hidden, x.weight, x.targets,
                                                              chunk_tokens=5), x)),

@@ -1,8 +1,8 @@
 """rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD reinforcement-learning losses."""
 from . import objectives, reference, terms
 from ._dispatch import (ggpo_loss, gppo_bounds, gppo_loss, gr_opd_advantages, gr_opd_loss,
-                        kl_penalty, policy_logprobs, policy_loss, ppo_loss, token_logprobs,
-                        use_kernels)
+                        head_logits, kl_penalty, policy_logprobs, policy_loss, ppo_loss,
+                        token_logprobs, use_kernels)
 from ._types import LinearHead, Logits, LossOutput
 from .api import group_advantages             # plain torch on [B]-sized data: one for both
 from .modules import GGPOLoss, GPPOLoss, GROPDLoss, PPOLoss
@@ -11,7 +11,8 @@ from .scaleout.layout import packed_index    # plain torch, [B, T]-sized: one fo
 
 __all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "LinearHead", "Logits", "LossOutput", "PPOLoss",
            "ggpo_loss", "global_counts", "gppo_bounds", "gppo_loss", "gr_opd_advantages",
-           "gr_opd_loss", "group_advantages", "kl_penalty", "objectives", "packed_index",
+           "gr_opd_loss", "group_advantages", "head_logits", "kl_penalty", "objectives",
+           "packed_index",
            "policy_logprobs", "policy_loss", "ppo_loss", "reference", "terms", "token_logprobs",
            "use_kernels"]
 __version__ = "0.1.0"

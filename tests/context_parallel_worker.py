@@ -214,6 +214,13 @@ def check_bad_layouts(d, ranks):
                                                     context_parallel_group=group))
     empty = mask.clone()
     empty[:GROUP] = False       # group 0 without actor tokens: only the whole sequences show it
+    # a response without actor tokens on any rank: found from the chunks' counts (the scan)
+    for fn in (rlfuse.gr_opd_loss, rlfuse.reference.gr_opd_loss):
+        expect_error(ranks, "sequence", lambda: fn(lp, old, ranks.local(d["teacher"]), empty,
+                                                   group_size=GROUP,
+                                                   context_parallel_group=group))
+    expect_error(ranks, "sequence", lambda: rlfuse.gr_opd_advantages(
+        old, ranks.local(d["teacher"]), empty, group_size=GROUP, context_parallel_group=group))
     expect_error(ranks, "group", lambda: rlfuse.ggpo_loss(
         lp, ranks.local(d["ref"]), d["rewards"], empty, group_size=GROUP, beta=0.3,
         context_parallel_group=group))

@@ -214,3 +214,51 @@ def test_logits_rows_are_their_own_already(dtype):
     alone = results(logits[6:7], targets[6:7])
     for got, want in zip(batch, alone):
         assert torch.equal(got[6], want[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_head_logits_are_the_invariant_heads(dtype):
+    """``head_logits`` (what a rollout engine would sample from): a row's bits its own in any
+    batch, and ``token_logprobs`` of them equal to the batch-invariant ``LinearHead``'s, with
+    and without autograd."""
+    weight, bias, _ = _head(dtype, bias=True)
+    hidden, targets = _rows(9, dtype, seed=11)
+    logits = rlfuse.head_logits(hidden, weight, bias)
+    assert logits.dtype == dtype and logits.shape == (9, T + 1, V)
+    assert torch.equal(rlfuse.head_logits(hidden[4:5, 2:4], weight, bias), logits[4:5, 2:4])
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            lp = rlfuse.token_logprobs(rlfuse.head_logits(hidden[:, 1:], weight, bias), targets,
+                                       temperature=0.7)
+            head = rlfuse.LinearHead(hidden, weight, targets, bias=bias, offset=1,
+                                     temperature=0.7, chunk_tokens=6, batch_invariant=True)
+            assert torch.equal(rlfuse.policy_logprobs(head), lp)
+
+
+@pytest.mark.parametrize("lib", [rlfuse, rlfuse.reference], ids=["fused", "reference"])
+def test_head_logits_against_float64(lib):
+    weight, bias, _ = _head(torch.float32, bias=True)
+    hidden = _rows(3, torch.float32, seed=12)[0]
+    leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+    wide = [x.double().requires_grad_() for x in (hidden, weight, bias)]
+    upstream = torch.randn(3, T + 1, V, dtype=torch.float64)
+    got = lib.head_logits(*leaves)
+    want = torch.nn.functional.linear(*wide)
+    torch.testing.assert_close(got.double(), want, **TOL["fp32_matmul"])
+    for g, w in zip(torch.autograd.grad((got * upstream.float()).sum(), leaves),
+                    torch.autograd.grad((want * upstream).sum(), wide)):
+        torch.testing.assert_close(g.double(), w, **TOL["fp32_matmul"])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(weight=torch.zeros(V, H + 1)), r"weight: expected shape \[V, H\]"),
+    (dict(weight=torch.zeros(V, H, dtype=torch.float64)), "weight: expected the hidden"),
+    (dict(bias=torch.zeros(V + 1)), "bias"),
+    (dict(hidden=torch.zeros((), dtype=torch.float32)), "hidden"),
+])
+def test_head_logits_bad_input(bad, match):
+    args = dict(hidden=torch.zeros(2, H), weight=torch.zeros(V, H), bias=None, **{})
+    args.update(bad)
+    for lib in (rlfuse, rlfuse.reference):
+        with pytest.raises((ValueError, TypeError), match=match):
+            lib.head_logits(**args)

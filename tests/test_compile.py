@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import rlfuse
-from rlfuse.fused_losses import ggpo, gr_opd, kl, linear_head, logprobs, regions, surrogate
+from rlfuse.fused_losses import (ggpo, gr_opd, head_logits, kl, linear_head, logprobs, regions,
+                                 surrogate)
 
 from conftest import TOL
 from vocab_split_worker import SPLIT_OPS
@@ -292,6 +293,11 @@ def _op_cases(device):
                            torch.float64)],
         "gppo_bounds": [(x.old, "kl", "binary", 0.1, 0.3)],
         # (the head's logit scale and softcap, 0: none, after the temperature)
+        "head_logits": [(hidden, x.weight, x.bias), (hidden[:, 1:], weight, None)],
+        "head_logits_backward": [(torch.randn(B, T + 1, V, device=device), hidden.detach(),
+                                  x.weight, [True, True, True]),
+                                 (torch.randn(B, T, V, device=device), hidden[:, 1:].detach(),
+                                  x.weight, [False, True, False])],
         "linear_logprobs": [(hidden, x.weight, x.bias, x.targets, x.mask, 0.9, 0.5, 3.0, 1, 7,
                              False, True),
                             (hidden, weight, None, x.targets, None, 1.0, 1.0, 0.0, 0, 3, False,
@@ -336,6 +342,8 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "ggpo": ggpo.ggpo_op, "ggpo_backward": ggpo.ggpo_backward_op,
        "gppo_bounds": regions.gppo_bounds_op, "gr_opd_advantages": gr_opd.gr_opd_advantages_op,
        "linear_logprobs": linear_head.linear_logprobs_op,
+       "head_logits": head_logits.head_logits_op,
+       "head_logits_backward": head_logits.head_logits_backward_op,
        "linear_logprobs_backward": linear_head.linear_logprobs_backward_op,
        "linear_surrogate": linear_head.linear_surrogate_op,
        "scale_cast": linear_head.scale_cast_op, "kl_penalty": kl.kl_penalty_op,

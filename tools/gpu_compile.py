@@ -258,6 +258,7 @@ def _drive():
         lp, ent = rlfuse.policy_logprobs(invariant, return_entropy=True)
         (lp.sum() + ent.sum()).backward()
         backward(rlfuse.ppo_loss(invariant, old, adv_seq, mask, validate=False).loss)
+        rlfuse.head_logits(*leaves).float().square().sum().backward()
 
     # The single pass over a shard of a split vocabulary (ROW_STATS: the whole rows'
     # statistics given, gathered over the group), with the terms, as a LinearHead chunk calls it.

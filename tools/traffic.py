@@ -222,6 +222,9 @@ def launch_rows(launch: Launch, geometry: Geometry) -> Tuple[np.ndarray, int]:
     every lane reads, such as a row's advantage, is one read)."""
     spaces, seen = [], set()
     for t in launch.tensors:
+        if t.dim() == 2 and t.shape[0] == geometry.V and t.stride(0) == 1 and \
+                t.shape[1] != geometry.V:
+            t = t.t()   # rows of logits read transposed (a matmul's dlogits^T)
         classes = geometry.row_classes(t)
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
         if classes is not None and key not in seen:

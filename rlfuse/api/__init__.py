@@ -7,9 +7,9 @@ elsewhere (the functions ``rlfuse`` exports). ``group_advantages`` needs no impl
 from .ggpo import ggpo_loss
 from .gr_opd import gr_opd_advantages, gr_opd_loss, group_advantages
 from .implementation import Implementation, bind
-from .logprobs import policy_logprobs, token_logprobs
+from .logprobs import head_logits, policy_logprobs, token_logprobs
 from .policy_loss import gppo_bounds, gppo_loss, kl_penalty, policy_loss, ppo_loss
 
 __all__ = ["Implementation", "bind", "ggpo_loss", "gppo_bounds", "gppo_loss",
-           "gr_opd_advantages", "gr_opd_loss", "group_advantages", "kl_penalty",
+           "gr_opd_advantages", "gr_opd_loss", "group_advantages", "head_logits", "kl_penalty",
            "policy_logprobs", "policy_loss", "ppo_loss", "token_logprobs"]

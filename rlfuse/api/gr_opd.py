@@ -9,7 +9,7 @@ import torch
 from .._types import LossOutput, compute_dtype
 from ..checks.values import (check_actor_tokens, check_finite, check_group_size,
                              check_positive, check_tensor)
-from ..shared.aggregation import clamped_feedback, masked_mean
+from ..shared.aggregation import clamped_feedback, discounted_sums, group_credit, masked_mean
 from ..scaleout import context
 from .args import check_advantage_inputs, check_gr_opd_args
 
@@ -92,16 +92,15 @@ def gr_opd_advantages(run, old_logprobs: torch.Tensor, teacher_logprobs: torch.T
             whole=whole)
 
     with run.on(old_logprobs) as (impl, old_logprobs):
-        if context_parallel_group is not None:
-            with context.agreed(context_parallel_group, mask):
-                args = check(old_logprobs, teacher_logprobs, mask, whole=False)
-            old_logprobs, teacher_logprobs, mask = context.gather_sequences(
-                context_parallel_group, args.mask, old_logprobs, teacher_logprobs)
-        args = check(old_logprobs, teacher_logprobs, mask)
-        adv, _ = impl.gr_opd_advantages(
-            old_logprobs.detach(), teacher_logprobs.detach(), args.mask, args.hyper,
-            compute_dtype(old_logprobs.dtype, teacher_logprobs.dtype))
-        return adv
+        acc = compute_dtype(old_logprobs.dtype, teacher_logprobs.dtype)
+        if context_parallel_group is None:
+            args = check(old_logprobs, teacher_logprobs, mask)
+            return impl.gr_opd_advantages(old_logprobs.detach(), teacher_logprobs.detach(),
+                                          args.mask, args.hyper, acc)[0]
+        with context.agreed(context_parallel_group, mask):
+            args = check(old_logprobs, teacher_logprobs, mask, whole=False)
+        return _context_credit(old_logprobs.detach(), teacher_logprobs.detach(), args.mask,
+                               args.hyper, acc, context_parallel_group, validate)[0]
 
 
 def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -173,15 +172,14 @@ def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch
         with context.agreed(group, mask):
             args = check(policy, old_logprobs, teacher_logprobs, mask, whole=False)
         if impl.context_in_place:   # the advantages of whole sequences, the loss step in place
-            whole_old, whole_teacher, whole_mask = context.gather_sequences(
-                group, args.loss.mask, old_logprobs, teacher_logprobs)
-            if validate:
-                check_actor_tokens(whole_mask, 1, what="sequence")
+            old = old_logprobs.detach()
+            acc = compute_dtype(args.loss.info.compute_dtype, old.dtype, teacher_logprobs.dtype)
+            credit = _context_credit(old, teacher_logprobs.detach(), args.loss.mask,
+                                     args.hyper, acc, group, validate)
             loss = args.loss._replace(counts=context.sequence_counts(args.loss.mask, group),
                                       context_parallel_group=group)
-            return _gr_opd_step(impl, policy, args._replace(loss=loss), whole_old,
-                                whole_teacher, whole_mask, validate,
-                                old=old_logprobs.detach())
+            return _gr_opd_step(impl, policy, args._replace(loss=loss), old, None,
+                                args.loss.mask, validate, credit=credit)
         whole = context.whole_sequences(impl, group, policy, args.loss.mask,
                                         {"old": old_logprobs, "teacher": teacher_logprobs},
                                         validate=validate)
@@ -191,23 +189,26 @@ def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch
                                           teacher.detach(), args.loss.mask, validate), group)
 
 
-def _gr_opd_step(impl, policy, args, whole_old: torch.Tensor, whole_teacher: torch.Tensor,
-                 mask: torch.Tensor, validate: bool,
-                 old: Optional[torch.Tensor] = None) -> LossOutput:
-    """GR-OPD's advantages from ``whole_old``, ``whole_teacher`` and ``mask`` (detached, of
-    whole sequences), then the loss step of ``args`` (checked ``GROPDArgs``) on ``policy`` with its
-    behaviour log-probs ``old`` (default: ``whole_old``), and the metrics."""
+def _gr_opd_step(impl, policy, args, old: torch.Tensor, teacher: Optional[torch.Tensor],
+                 mask: torch.Tensor, validate: bool, credit=None) -> LossOutput:
+    """GR-OPD's advantages from ``old``, ``teacher`` and ``mask`` (detached; or ``credit``,
+    the advantages and the mean feedback found already), then the loss step of ``args``
+    (checked ``GROPDArgs``) on ``policy`` with the behaviour log-probs ``old``, and the
+    metrics."""
     cdt = args.loss.info.compute_dtype
-    acc = compute_dtype(cdt, whole_old.dtype, whole_teacher.dtype)  # the advantages' widest input
-    if args.advantages is None:
-        adv, feedback_mean = impl.gr_opd_advantages(whole_old, whole_teacher, mask, args.hyper,
-                                                    acc)
-    else:   # the metric alone, from [B, T] data
+    if credit is not None:
+        adv, feedback_mean = credit
+    else:
+        acc = compute_dtype(cdt, old.dtype, teacher.dtype)   # the advantages' widest input
+        if args.advantages is None:
+            adv, feedback_mean = impl.gr_opd_advantages(old, teacher, mask, args.hyper, acc)
+        else:   # the metric alone, from [B, T] data
+            feedback_mean = masked_mean(clamped_feedback(old.to(acc), teacher.to(acc), mask,
+                                                         args.hyper.feedback_clip), mask)
+    if args.advantages is not None:
         adv = args.advantages.detach()
-        feedback_mean = masked_mean(clamped_feedback(whole_old.to(acc), whole_teacher.to(acc),
-                                                     mask, args.hyper.feedback_clip), mask)
-    out = impl.policy_loss(policy, args.loss._replace(advantages=adv),
-                           whole_old if old is None else old, None, None, validate)
+    out = impl.policy_loss(policy, args.loss._replace(advantages=adv), old, None, None,
+                           validate)
     low, high = out.metrics["clip_frac_low"], out.metrics["clip_frac_high"]
     adv_c = adv.to(cdt)
     empty = adv_c.new_zeros(())
@@ -216,3 +217,30 @@ def _gr_opd_step(impl, policy, args, whole_old: torch.Tensor, whole_teacher: tor
         "adv_mean": adv_c.mean() if adv_c.numel() else empty,
         "adv_abs_mean": adv_c.abs().mean() if adv_c.numel() else empty,
         "feedback_mean": feedback_mean, "overflow": out.metrics["overflow"]})
+
+
+def _context_credit(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, hyper,
+                    acc: torch.dtype, group, validate: bool):
+    """GR-OPD's ``(advantages [B], mean clamped feedback)`` of whole sequences from this rank's
+    chunks under context parallelism, the same on every rank: each chunk's discounted sums with
+    its actor tokens counted from 1 (``[B, 2]`` each), every rank's in one all-gather, each
+    chunk's sums scaled by gamma to the number of actor tokens before it in the sequence (an
+    exclusive scan over the chunks in order), never the sequences themselves; the feedback's
+    sum and count in one all-reduce. ``validate``: every sequence needs an actor token."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        feedback = clamped_feedback(old.to(acc), teacher.to(acc), mask, hyper.feedback_clip)
+        B, c = mask.shape[0], mask.shape[1] // 2
+        num, den = discounted_sums(feedback.view(B, 2, c), mask.view(B, 2, c), hyper.gamma)
+        tokens = mask.view(B, 2, c).sum(-1).to(acc)
+        tokens, num, den = context.gather_chunks(torch.stack([tokens, num, den], -1),
+                                                 group).unbind(-1)   # [B, 2 cp] each
+        if validate:
+            check_actor_tokens((tokens.sum(-1) > 0)[:, None], 1, what="sequence")
+        scale = torch.pow(hyper.gamma, tokens.cumsum(-1) - tokens)
+        score = (scale * num).sum(-1) / (scale * den).sum(-1).clamp_min(torch.finfo(acc).tiny)
+        total = torch.stack([torch.where(mask, feedback, 0.0).sum(), mask.sum().to(acc)])
+        dist.all_reduce(total, group=group)
+        return (group_credit(score, hyper.group_size, hyper.lam, hyper.adv_clip,
+                             hyper.std_eps), total[0] / total[1].clamp_min(1))

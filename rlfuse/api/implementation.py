@@ -32,6 +32,7 @@ class Implementation(NamedTuple):
       entropy=None)``: the ``LossOutput`` of ``api.args.PolicyLossArgs`` (``entropy``: the
       entropies of ``[B, T]`` log-probs, when known);
     - ``kl_penalty(logprobs, ref_logprobs, estimator, straight, clamp)``: the estimates;
+    - ``head_logits(hidden, weight, bias)``: the batch-invariant head's logits;
     - ``context_in_place``: under context parallelism ``policy_loss`` takes a rank's chunks of
       a token-local objective in place (the ``counts`` of ``api.args.PolicyLossArgs``,
       ``scaleout.context.in_place``), where
@@ -46,6 +47,7 @@ class Implementation(NamedTuple):
     gr_opd_advantages: Callable
     policy_loss: Callable
     kl_penalty: Callable
+    head_logits: Callable
     context_in_place: bool = False
 
     @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """The log-probs of a policy: ``token_logprobs`` from logits, ``policy_logprobs`` from any
-policy form."""
+policy form; ``head_logits``, the batch-invariant head's logits."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from .._types import LinearHead, Logits
-from ..checks.policy import check_logprob_args, check_policy, check_policy_targets
+from ..checks.policy import (check_head_tensors, check_logprob_args, check_policy,
+                             check_policy_targets)
 
 
 def token_logprobs(run, logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
@@ -76,3 +77,31 @@ def policy_logprobs(run, policy, *, return_entropy: bool = False, validate: bool
             raise ValueError("return_entropy: a policy given as log-probs has no entropy; pass "
                              "rlfuse.Logits or rlfuse.LinearHead")
         return policy
+
+
+def head_logits(run, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A head's logits ``hidden @ weight.T + bias``, each row's bits its own whatever the
+    batch: those of ``LinearHead(..., batch_invariant=True)`` before its logit scale, softcap
+    and temperature.
+
+    Args:
+        hidden: ``[..., H]`` hidden states, bf16/fp16/fp32/fp64.
+        weight: ``[V, H]``, the hidden states' dtype and device.
+        bias: ``[V]`` or None.
+
+    Returns:
+        ``[..., V]`` logits in the weight's dtype (as a model's own head stores them), with
+        autograd. A row's logits do not depend on the other rows (their number, their values,
+        the row's position), and they are the logits a batch-invariant ``LinearHead`` forms for
+        that row: a rollout engine that samples from these and a trainer on that head agree bit
+        for bit on the head (the rest of the model, attention and norms, is the engine's to
+        make invariant).
+
+    Fused (``rlfuse.head_logits``): the fixed-order matmul of ``kernels.matmul`` (one tile
+    configuration for every shape, fp32 sums, no split-K), its backward's products likewise;
+    the reference forms each row by its own matmul.
+    """
+    with run.on(hidden) as (impl, hidden):
+        check_head_tensors(hidden, weight, bias)
+        return impl.head_logits(hidden, weight, bias)

@@ -58,6 +58,25 @@ def _check_window(targets, offset, *, batch: int, rows: int, device) -> None:
                          f"{offset + T}) must lie within the policy's {rows} positions")
 
 
+def check_head_tensors(hidden, weight, bias) -> None:
+    """``head_logits``' tensors: ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]`` (or
+    None) of one floating dtype and device."""
+    check_tensor("hidden", hidden, floating=True)
+    if hidden.dim() < 1:
+        raise ValueError("hidden: expected shape [..., H], got a 0-dim tensor")
+    check_tensor("weight", weight, device=hidden.device, floating=True)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"weight: expected shape [V, H] with H = {hidden.shape[-1]} and "
+                         f"V >= 1, got {tuple(weight.shape)}")
+    for name, x in (("weight", weight), ("bias", bias)):
+        if x is not None and x.dtype != hidden.dtype:
+            raise TypeError(f"{name}: expected the hidden states' dtype {hidden.dtype}, got "
+                            f"{x.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(weight.shape[0],), device=hidden.device,
+                     floating=True)
+
+
 def _check_linear_head(head: LinearHead, dims: int) -> None:
     hidden, weight, bias = head.hidden, head.weight, head.bias
     check_tensor("policy.hidden", hidden, floating=True)

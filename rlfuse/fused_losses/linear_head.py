@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..shared.head import head_logits
+from ..shared.head import scaled_logits
 from .._types import compute_dtype
 from ..kernels.matmul import fixed_matmul
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
@@ -189,7 +189,7 @@ def _target_logit(logits: Tensor, targets: Tensor, head: HeadParams) -> Tensor:
     softcapped logit of a head that softcaps, else the matmul's own."""
     x_y = logits.gather(-1, targets.view(-1, 1, 1)).view(-1, 1)
     if head.softcap:
-        return head_logits(x_y, head.logit_scale, head.softcap)
+        return scaled_logits(x_y, head.logit_scale, head.softcap)
     return x_y.to(compute_dtype(logits.dtype))
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..shared.head import head_logits
+from ..shared.head import scaled_logits
 
 # config field -> how the logits use it (per model_type where families differ)
 _MULTIPLIERS = ("logit_scale", "lm_head_multiplier", "output_multiplier")
@@ -67,8 +67,8 @@ def check_head(model, fields: Dict[str, Optional[float]], backbone_and_head: Cal
     with _probing(model) as ids:
         own = forward(model, input_ids=ids, use_cache=False).logits.float()
         hidden, weight, bias = backbone_and_head(ids)
-        ours = head_logits(torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias),
-                           fields["logit_scale"], fields["softcap"]).float()
+        ours = scaled_logits(torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias),
+                             fields["logit_scale"], fields["softcap"]).float()
     # the same matmul on both sides: what may differ is the transform's rounding in the
     # logits' dtype (one unit of it at the logits' scale)
     tol = 4 * torch.finfo(weight.dtype).eps * max(1.0, own.abs().max().item())

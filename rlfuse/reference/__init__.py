@@ -15,7 +15,7 @@ REFERENCE = Implementation(
     "reference", token_logprobs=logprobs.token_logprobs, window_logprobs=logprobs.window_logprobs,
     ggpo=ggpo.ggpo, gppo_bounds=regions.gppo_bounds,
     gr_opd_advantages=gr_opd.gr_opd_advantages, policy_loss=_policy_loss.policy_loss,
-    kl_penalty=kl.kl_penalty)
+    kl_penalty=kl.kl_penalty, head_logits=logprobs.head_logits)
 
 ggpo_loss = bind(api.ggpo_loss, REFERENCE)
 gppo_bounds = bind(api.gppo_bounds, REFERENCE)
@@ -27,8 +27,10 @@ policy_logprobs = bind(api.policy_logprobs, REFERENCE)
 policy_loss = bind(api.policy_loss, REFERENCE)
 ppo_loss = bind(api.ppo_loss, REFERENCE)
 token_logprobs = bind(api.token_logprobs, REFERENCE)
+head_logits = bind(api.head_logits, REFERENCE)
 
 __all__ = ["LinearHead", "Logits", "LossOutput", "REFERENCE", "ggpo_loss", "global_counts",
            "gppo_bounds", "gppo_loss", "gr_opd_advantages", "gr_opd_loss", "group_advantages",
+           "head_logits",
            "kl_penalty", "packed_index", "policy_logprobs", "policy_loss", "ppo_loss",
            "token_logprobs"]

@@ -10,7 +10,7 @@ from .._types import LinearHead, Logits, compute_dtype
 from ..checks.policy import matmul_head, vocab_size
 from ..scaleout import layout, vocab
 from ..scaleout.rank_rows import RankRowsHead, rank_rows_logprobs
-from ..shared.head import head_logits
+from ..shared.head import scaled_logits
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
@@ -41,6 +41,14 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[t
     return logp, entropy
 
 
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``rlfuse.head_logits``: each row's logits by its own matmul."""
+    rows = hidden.reshape(-1, hidden.shape[-1]).split(1)
+    logits = torch.cat([torch.nn.functional.linear(row, weight, bias) for row in rows])
+    return logits.view(*hidden.shape[:-1], weight.shape[0])
+
+
 def as_logits(policy) -> Logits:
     """A ``LinearHead`` as the ``Logits`` it defines: ``softcap(logit_scale (hidden @ weight.T
     + bias))``, all of it (the definition), the matmul in its ``head_dtype`` when it has one
@@ -56,13 +64,11 @@ def as_logits(policy) -> Logits:
         with contextlib.nullcontext() if policy.head_dtype is None else \
                 torch.autocast(hidden.device.type, enabled=False):
             if policy.batch_invariant:   # each row by its own matmul: its bits its own
-                rows = hidden.reshape(-1, hidden.shape[-1]).split(1)
-                logits = torch.cat([torch.nn.functional.linear(row, head.weight, head.bias)
-                                    for row in rows]).view(*hidden.shape[:-1], -1)
+                logits = head_logits(hidden, head.weight, head.bias)
             else:
                 logits = torch.nn.functional.linear(hidden, head.weight, head.bias)
         if policy.logit_scale != 1.0 or policy.softcap is not None:
-            logits = head_logits(logits, policy.logit_scale, policy.softcap)
+            logits = scaled_logits(logits, policy.logit_scale, policy.softcap)
         return Logits(logits, policy.targets, policy.temperature, offset=policy.offset,
                       index=policy.index, vocab_parallel_group=group)
     return policy

@@ -192,6 +192,12 @@ def with_sampling(off_policy_mask, sampling: Optional[Tensor]):
     return dataclasses.replace(off_policy_mask, sampling_logprobs=sampling)
 
 
+def gather_chunks(x: Tensor, group) -> Tensor:
+    """Per-chunk values ``[B, 2, ...]`` of this rank's two chunks, every rank's, in the
+    sequences' order: ``[B, 2 cp, ...]`` (one all-gather)."""
+    return _sequences(_all_gather(x, group))
+
+
 def in_place(args) -> bool:
     """Whether a loss of ``args`` (``api.args.PolicyLossArgs``) may run on this rank's chunks
     alone: a token-local objective without the masks that read the whole batch, whose

@@ -1,11 +1,12 @@
 """The ``[B, T]`` sums and means both implementations share: broadcasts, the aggregation
 weights (written once, used by the reference's sums and the kernels' row weights alike),
-masked means, the per-sequence shares and the KL metric, GR-OPD's clamped feedback.
+masked means, the per-sequence shares and the KL metric, GR-OPD's clamped feedback, discounted
+sums and group credit.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -98,6 +99,26 @@ def k3_kl_mean(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch
         lp, ref, mask = lp.contiguous(), ref.contiguous(), mask.contiguous()
         d = torch.where(mask, ref.to(lp.dtype) - lp, torch.zeros_like(lp)).clamp(-20.0, 20.0)
         return masked_mean(torch.expm1(d) - d, mask)
+
+
+def discounted_sums(feedback: torch.Tensor, mask: torch.Tensor,
+                    gamma: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GR-OPD's discounted sums over the actor tokens of each row of ``[..., T]``:
+    ``(sum_k gamma^(k-1) r_k, sum_k gamma^(k-1))``, ``k`` the 1-based index of an actor token
+    within its row (``feedback`` 0 off the mask)."""
+    k = mask.to(feedback.dtype).cumsum(-1)
+    weight = torch.where(mask, torch.pow(gamma, k - 1.0), 0.0)   # γ^{k−1}, restarts per row
+    return (weight * feedback).sum(-1), weight.sum(-1)
+
+
+def group_credit(score: torch.Tensor, group_size: int, lam: float, adv_clip: float,
+                 std_eps: float) -> torch.Tensor:
+    """GR-OPD's advantages ``[B]`` of the sequences' scores: ``clamp((S - mu + lam mu) /
+    (sigma + std_eps), +-adv_clip)`` with the group's mean and population std."""
+    score = score.reshape(-1, group_size)
+    mu = score.mean(-1, keepdim=True)
+    sigma = (score - mu).square().mean(-1, keepdim=True).sqrt()   # population std (ddof = 0)
+    return ((score - mu + lam * mu) / (sigma + std_eps)).clamp(-adv_clip, adv_clip).reshape(-1)
 
 
 def clamped_feedback(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,

@@ -10,7 +10,7 @@ import torch
 from .._types import compute_dtype
 
 
-def head_logits(x: torch.Tensor, logit_scale: float, softcap: Optional[float]) -> torch.Tensor:
+def scaled_logits(x: torch.Tensor, logit_scale: float, softcap: Optional[float]) -> torch.Tensor:
     """``softcap(logit_scale x)`` with ``softcap(y) = cap tanh(y / cap)`` (None: none) in the
     compute dtype: what a ``LinearHead`` puts after its matmul, before the temperature."""
     x = x.to(compute_dtype(x.dtype))
