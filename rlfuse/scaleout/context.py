@@ -5,14 +5,17 @@ its ``[B, T]`` loss inputs are ``[B, 2 c]`` of sequences of ``2 cp c`` positions
 
 A loss under context parallelism forms this rank's log-probs (and entropies) as it would
 alone: from ``[B, T]`` log-probs, logits or a head, nothing larger than ``[B, T]`` crosses
-ranks. Those and the other ``[B, T]`` inputs are gathered over the group into whole sequences
+ranks. A token-local objective runs in place on the fused path (``in_place``): the whole
+sequences' counts (``sequence_counts``, one all-reduce of ``[B]``) give the aggregation's
+weights, and the metrics' sums are summed over the group (``group_sums``). Otherwise those
+log-probs and the other ``[B, T]`` inputs are gathered over the group into whole sequences
 (``whole_sequences``: one all-gather of the log-probs and entropies, one of every other input),
 and the loss of whole sequences runs on every rank as on one process: every sequence- and
-batch-level quantity (per-sequence counts and ratios, group statistics, quantiles, the
-discounted teacher credit) is exact, and every rank gets the same metrics. Each rank returns
-``loss / cp`` (``share``): the ranks' losses sum to one process's loss, and the gather's backward
-(an all-reduce of the ``[B, T]`` gradient, this rank's positions kept) gives each rank that
-loss's gradient at its own positions.
+batch-level quantity (per-sequence ratios, group statistics, quantiles) is exact, and every
+rank gets the same metrics. Each rank returns ``loss / cp`` (``share``): the ranks' losses sum
+to one process's loss, and the gather's backward (an all-reduce of the ``[B, T]`` gradient,
+this rank's positions kept) gives each rank that loss's gradient at its own positions.
+Per-chunk values (GR-OPD's discounted sums) travel as ``[B, 2]`` (``gather_chunks``).
 """
 from __future__ import annotations
 
@@ -81,12 +84,6 @@ def agreed(group, mask):
                          f"so T is even; got T = {shape[1]}")
 
 
-def _rank(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
-
-
 def _sequences(parts: List[Tensor]) -> Tensor:
     """Every rank's ``[B, 2c, ...]`` (rank order) as the whole ``[B, 2 cp c, ...]``."""
     cp, c = len(parts), parts[0].shape[1] // 2
@@ -126,7 +123,8 @@ class GatherSequences(torch.autograd.Function):
 
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return own_positions(grad, _rank(ctx.group), dist.get_world_size(ctx.group)), None
+        return own_positions(grad, dist.get_rank(ctx.group),
+                             dist.get_world_size(ctx.group)), None
 
 
 def _gather_detached(tensors: Dict[str, Optional[Tensor]], group) -> Dict[str, Tensor]:
@@ -141,14 +139,6 @@ def _gather_detached(tensors: Dict[str, Optional[Tensor]], group) -> Dict[str, T
     for i, name in enumerate(names):
         out[name] = whole[..., i].to(tensors[name].dtype)
     return out
-
-
-def gather_sequences(group, mask: Tensor, *tensors: Tensor):
-    """``[B, T]`` ``tensors`` and the ``mask`` (detached) as whole sequences over ``group``:
-    the tensors in their order, then the mask."""
-    named = {str(i): t for i, t in enumerate(tensors)}
-    whole = _gather_detached({**named, "mask": mask}, group)
-    return (*(whole[str(i)] for i in range(len(tensors))), whole["mask"])
 
 
 @dataclasses.dataclass
