@@ -5,7 +5,8 @@ Megatron's load-balanced layout, against one process over the whole sequences, i
 the ranks' losses sum to its loss, each rank's gradients are its positions' (a head's weight:
 the ranks' sum), the metrics equal on every rank; every objective record, the terms and masks,
 every aggregation, GGPO, GR-OPD and its advantages; ``[B, T]`` log-probs, ``Logits`` and
-``LinearHead``; both implementations. Bad layouts raise on every rank.
+``LinearHead``; both implementations; compiled equal to eager. Bad layouts raise on every
+rank.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
         tests/context_parallel_worker.py [--impls fused,reference] [--forms logprobs,logits,head] \
@@ -180,6 +181,27 @@ def check_advantages(d, ranks, impls):
         torch.testing.assert_close(got, want, **TOL["fp64"])
 
 
+def check_compiled(d, ranks):
+    """torch.compile (aot_eager; the collectives and the group's agreement break the graph)
+    equal to eager, bit for bit, in place (Clip) and over gathered sequences (GSPO)."""
+    targets, old, mask = (ranks.local(d[k]) for k in ("targets", "old", "mask"))
+
+    def step(logits, objective):
+        return rlfuse.policy_loss(rlfuse.Logits(logits, targets), old, d["adv"], mask,
+                                  objective, context_parallel_group=ranks.group,
+                                  validate=False).loss
+
+    compiled = torch.compile(step, backend="aot_eager")
+    for objective in ("clip", "gspo"):
+        results = []
+        for fn in (step, compiled):
+            logits = ranks.local(d["logits"]).requires_grad_()
+            loss = fn(logits, objective)
+            results.append((loss.detach(), torch.autograd.grad(loss, logits)[0]))
+        for got, want in zip(*results):
+            assert torch.equal(got, want), (ranks.rank, objective)
+
+
 def expect_error(ranks, match, fn):
     try:
         fn()
@@ -240,6 +262,7 @@ def main():
         check_losses(d, ranks, impls, args.forms.split(","),
                      lambda form: (TOL["fp64_chain"], TOL["fp64_chain"]))
         check_advantages(d, ranks, impls)
+        check_compiled(d, ranks)
         check_bad_layouts(d, ranks)
     else:
         # The losses and metrics sum the same terms in another order (each rank's chunks, or

@@ -10,8 +10,8 @@ from test_vocab_split import run_workers
 
 def test_every_loss_two_ranks_against_one_process():
     """fp64: every objective record, the terms and masks, every aggregation, GGPO, GR-OPD
-    and its advantages, from log-probs, logits and a head, both implementations; bad layouts
-    raise on every rank."""
+    and its advantages, from log-probs, logits and a head, both implementations; compiled
+    equal to eager; bad layouts raise on every rank."""
     run_workers(2, worker="context_parallel_worker.py")
 
 
