@@ -542,6 +542,31 @@ def test_a_head_rlfuse_does_not_know_is_refused(tmp_path):
                           processing_class=tokenizer(), args=RLFuseGRPOConfig(**config(tmp_path)))
 
 
+def test_a_default_or_plain_config_is_taken(tmp_path, monkeypatch):
+    """As GRPOTrainer: no args builds TRL's default (output in "<model name>-GRPO"); a plain
+    GRPOConfig keeps its fields, with rlfuse's defaults for its own (TRL's test_init_minimal)."""
+    monkeypatch.chdir(tmp_path)
+    model().save_pretrained(tmp_path / "policy")
+
+    def build(cls):   # TRL's default config asks for bf16, which a CPU-only machine refuses
+        try:
+            return cls(str(tmp_path / "policy"), reward, train_dataset=dataset(),
+                       processing_class=tokenizer()), None
+        except ValueError as error:
+            return None, str(error)
+
+    (theirs, their_error), (ours, our_error) = build(trl.GRPOTrainer), build(RLFuseGRPOTrainer)
+    assert our_error == their_error
+    if ours is not None:
+        assert isinstance(ours.args, RLFuseGRPOConfig)
+        assert ours.args.output_dir == theirs.args.output_dir
+    plain = trl.GRPOConfig(**config(tmp_path, learning_rate=3e-4, loss_type="bnpo"))
+    trainer = RLFuseGRPOTrainer(str(tmp_path / "policy"), reward, plain,
+                                train_dataset=dataset(), processing_class=tokenizer())
+    assert isinstance(trainer.args, RLFuseGRPOConfig)
+    assert (trainer.args.learning_rate, trainer.args.loss_type) == (3e-4, "bnpo")
+
+
 def test_reference_of_a_model_built_in_memory(tmp_path):
     """beta > 0 with a policy built in memory (no checkpoint to reload): TRL's reference model is
     a copy of the policy, equal in weights, sharing none."""

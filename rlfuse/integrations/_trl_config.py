@@ -3,6 +3,7 @@ the rlfuse loss with its hyper-parameters) and every setting of it the rlfuse lo
 (``unsupported_options``), refused at construction, each named."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import List, Optional
 
@@ -58,6 +59,25 @@ def _bad_rlfuse_fields(args) -> List[str]:
         except (TypeError, ValueError) as error:
             problems.append(str(error))
     return problems
+
+
+def as_rlfuse_config(args, model):
+    """The trainer's config: ``args`` if an ``RLFuseGRPOConfig`` (or not a config at all:
+    ``unsupported_options`` names it); TRL's default for ``model`` when None (``GRPOTrainer``'s
+    own: output in ``<model name>-GRPO``); a plain ``GRPOConfig`` as it is (its fields as TRL
+    resolved them, not resolved again) with rlfuse's defaults for rlfuse's own."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        return RLFuseGRPOConfig(f"{name.split('/')[-1]}-GRPO")
+    if isinstance(args, GRPOConfig) and not isinstance(args, RLFuseGRPOConfig):
+        converted = copy.copy(args)
+        converted.__class__ = RLFuseGRPOConfig
+        own = {f.name for f in dataclasses.fields(GRPOConfig)}
+        for field in dataclasses.fields(RLFuseGRPOConfig):
+            if field.name not in own:
+                setattr(converted, field.name, field.default)
+        return converted
+    return args
 
 
 def unsupported_options(args, teacher_model) -> List[str]:

@@ -51,7 +51,7 @@ import rlfuse
 from rlfuse import objectives, terms
 from rlfuse.integrations._models import add_head_forward, model_head, router_loss_problems
 from rlfuse.integrations._trl_config import (TOKEN_COUNT_LOSS_TYPES, RLFuseGRPOConfig,
-                                             unsupported_options)
+                                             as_rlfuse_config, unsupported_options)
 from rlfuse.shared.aggregation import clamped_feedback, masked_mean
 
 __all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]
@@ -61,11 +61,15 @@ class RLFuseGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` with rlfuse's loss (see the module); ``teacher_model`` for GR-OPD."""
 
     def __init__(self, *args, teacher_model=None, **kwargs):
-        config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        policy = kwargs.get("model", args[0] if args else None)
+        if len(args) > 2:
+            args = args[:2] + (as_rlfuse_config(args[2], policy),) + args[3:]
+            config = args[2]
+        else:
+            config = kwargs["args"] = as_rlfuse_config(kwargs.get("args"), policy)
         problems = unsupported_options(config, teacher_model)   # before any model is loaded
         if problems:
             raise ValueError("RLFuseGRPOTrainer cannot honour: " + "; ".join(problems))
-        policy = kwargs.get("model", args[0] if args else None)
         with _reference_from(policy):
             super().__init__(*args, **kwargs)
         problems = self._unsupported_model()
