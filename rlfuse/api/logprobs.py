@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .._types import LinearHead, Logits
-from ..checks.policy import (check_head_tensors, check_logprob_args, check_policy,
+from ..checks.policy import (check_head_logits_args, check_logprob_args, check_policy,
                              check_policy_targets)
 
 
@@ -103,5 +103,5 @@ def head_logits(run, hidden: torch.Tensor, weight: torch.Tensor,
     the reference forms each row by its own matmul.
     """
     with run.on(hidden) as (impl, hidden):
-        check_head_tensors(hidden, weight, bias)
+        check_head_logits_args(hidden, weight, bias)
         return impl.head_logits(hidden, weight, bias)

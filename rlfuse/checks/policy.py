@@ -58,23 +58,34 @@ def _check_window(targets, offset, *, batch: int, rows: int, device) -> None:
                          f"{offset + T}) must lie within the policy's {rows} positions")
 
 
-def check_head_tensors(hidden, weight, bias) -> None:
+def check_head_tensors(hidden, weight, bias, *, prefix: str = "", cast: bool = False,
+                       hint: str = "") -> None:
+    """A head's ``weight [V, H]`` and ``bias [V]`` (or None) against its checked ``hidden [...,
+    H]``: shapes, devices, floating dtypes, the hidden states' dtype unless ``cast`` (a
+    ``LinearHead`` with a ``head_dtype``); names in messages prefixed by ``prefix``, a dtype
+    message followed by ``hint``."""
+    check_tensor(f"{prefix}weight", weight, device=hidden.device, floating=True)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"{prefix}weight: expected shape [V, H] with H = {hidden.shape[-1]} "
+                         f"(the hidden size) and V >= 1, got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype and not cast:
+        raise TypeError(f"{prefix}weight: expected the hidden states' dtype {hidden.dtype}"
+                        f"{hint}, got {weight.dtype}")
+    if bias is not None:
+        check_tensor(f"{prefix}bias", bias, shape=(weight.shape[0],), device=hidden.device,
+                     floating=True)
+        if bias.dtype != hidden.dtype and not cast:
+            raise TypeError(f"{prefix}bias: expected the hidden states' dtype {hidden.dtype}"
+                            f"{hint}, got {bias.dtype}")
+
+
+def check_head_logits_args(hidden, weight, bias) -> None:
     """``head_logits``' tensors: ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]`` (or
     None) of one floating dtype and device."""
     check_tensor("hidden", hidden, floating=True)
     if hidden.dim() < 1:
         raise ValueError("hidden: expected shape [..., H], got a 0-dim tensor")
-    check_tensor("weight", weight, device=hidden.device, floating=True)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(f"weight: expected shape [V, H] with H = {hidden.shape[-1]} and "
-                         f"V >= 1, got {tuple(weight.shape)}")
-    for name, x in (("weight", weight), ("bias", bias)):
-        if x is not None and x.dtype != hidden.dtype:
-            raise TypeError(f"{name}: expected the hidden states' dtype {hidden.dtype}, got "
-                            f"{x.dtype}")
-    if bias is not None:
-        check_tensor("bias", bias, shape=(weight.shape[0],), device=hidden.device,
-                     floating=True)
+    check_head_tensors(hidden, weight, bias)
 
 
 def _check_linear_head(head: LinearHead, dims: int) -> None:
@@ -84,19 +95,8 @@ def _check_linear_head(head: LinearHead, dims: int) -> None:
         expected = "[B, S, H]" if dims == 3 else "[N, H] (packed rows, with index)"
         raise ValueError(f"policy.hidden: expected shape {expected}, got "
                          f"{tuple(hidden.shape)}")
-    check_tensor("policy.weight", weight, device=hidden.device, floating=True)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(f"policy.weight: expected shape [V, H] with H = {hidden.shape[-1]} "
-                         f"(the hidden size) and V >= 1, got {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype and head.head_dtype is None:
-        raise TypeError(f"policy.weight: expected the hidden states' dtype {hidden.dtype} (or "
-                        f"a head_dtype for both), got {weight.dtype}")
-    if bias is not None:
-        check_tensor("policy.bias", bias, shape=(weight.shape[0],), device=hidden.device,
-                     floating=True)
-        if bias.dtype != hidden.dtype and head.head_dtype is None:
-            raise TypeError(f"policy.bias: expected the hidden states' dtype {hidden.dtype} "
-                            f"(or a head_dtype for both), got {bias.dtype}")
+    check_head_tensors(hidden, weight, bias, prefix="policy.", cast=head.head_dtype is not None,
+                       hint=" (or a head_dtype for both)")
     check_chunk_tokens("policy.chunk_tokens", head.chunk_tokens)
     check_positive("policy.logit_scale", head.logit_scale)
     if head.softcap is not None:

@@ -103,18 +103,24 @@ def _fp32_output(a: Tensor, dtype: torch.dtype) -> bool:
     return a.dtype != dtype and a.is_cuda and _FP32_OUTPUT_MATMUL
 
 
-def add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
+def add_product(out: Tensor, a: Tensor, b: Tensor, batch_invariant: bool = False) -> None:
     """``out += a @ b`` for an fp32 ``out`` (the weight gradient over the chunks), accumulated
-    in fp32 without a ``[V, H]`` product: on CUDA one matmul into ``out`` (bf16 / fp16 inputs
-    with an fp32 output); elsewhere the chunk-sized ``a`` and ``b`` in ``out``'s dtype."""
-    if _fp32_output(a, out.dtype):
+    in fp32 without a ``[V, H]`` product: ``batch_invariant``, the fixed-order matmul into
+    ``out``; on CUDA one matmul into ``out`` (bf16 / fp16 inputs with an fp32 output);
+    elsewhere the chunk-sized ``a`` and ``b`` in ``out``'s dtype."""
+    if batch_invariant:
+        fixed_matmul(a, b, out=out, accumulate=True)
+    elif _fp32_output(a, out.dtype):
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
         out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
-def product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """``a @ b`` in ``dtype``, rounded once (on CUDA an fp32 output of bf16 / fp16 inputs)."""
+def product(a: Tensor, b: Tensor, dtype: torch.dtype, batch_invariant: bool = False) -> Tensor:
+    """``a @ b`` in ``dtype``, rounded once (``batch_invariant``: by the fixed-order matmul; on
+    CUDA an fp32 output of bf16 / fp16 inputs)."""
+    if batch_invariant:
+        return fixed_matmul(a, b, dtype=dtype)
     if _fp32_output(a, dtype):
         return torch.mm(a, b, out_dtype=dtype)
     return (a @ b).to(dtype)
@@ -144,18 +150,11 @@ class HeadGradients:
     def add(self, dlogits: Tensor, h_rows: Tensor, rows: Tensor) -> None:
         """dL/dh = dlogits W, dL/dW += dlogits^T h, dL/db += sum of dlogits, for one chunk."""
         dlogits = dlogits.squeeze(1)
-        if self.batch_invariant:
-            if self.dhidden is not None:
-                self.dhidden.index_copy_(0, rows, fixed_matmul(dlogits, self.weight,
-                                                               dtype=self.dhidden.dtype))
-            if self.dweight is not None:
-                fixed_matmul(dlogits.t(), h_rows, out=self.dweight, accumulate=True)
-        else:
-            if self.dhidden is not None:
-                self.dhidden.index_copy_(0, rows, product(dlogits, self.weight,
-                                                          self.dhidden.dtype))
-            if self.dweight is not None:
-                add_product(self.dweight, dlogits.t(), h_rows)
+        if self.dhidden is not None:
+            self.dhidden.index_copy_(0, rows, product(dlogits, self.weight, self.dhidden.dtype,
+                                                      self.batch_invariant))
+        if self.dweight is not None:
+            add_product(self.dweight, dlogits.t(), h_rows, self.batch_invariant)
         if self.dbias is not None:
             self.dbias += dlogits.sum(0, dtype=self.dbias.dtype)
 
