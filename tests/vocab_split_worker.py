@@ -262,9 +262,11 @@ def check_collectives(d, group, rank, world):
     statistics forward, each chunk formed forward and backward, one all-reduce of the
     hidden-state gradient backward; its single pass (GPPO): each chunk formed once, its
     statistics gathered, the hidden-state gradient's all-reduce forward, nothing backward.
+    Sequence parallelism: the hidden-state gradient reduce-scattered instead of all-reduced.
     Nothing else crosses ranks."""
     calls = []
-    originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
+    originals = {name: getattr(dist, name)
+                 for name in ("all_gather", "all_reduce", "reduce_scatter_tensor")}
     linear = torch.nn.functional.linear
 
     def counted(name, fn):
@@ -290,12 +292,13 @@ def check_collectives(d, group, rank, world):
                 ("head", gppo, True,
                  ["all_gather"] + ["linear", "all_gather"] * chunks + ["all_reduce"], []),
                 # sequence parallelism: the row counts compared, the rows gathered, then the
-                # split over every row; the backward keeps this rank's rows (no collective)
+                # split over every row, whose hidden-state gradient is reduce-scattered to
+                # each rank's rows (the gather's backward: no collective)
                 ("sp_head", gppo, False,
                  ["all_gather"] * 2 + ["linear", "all_gather"] * (-(-B * T // 3)) +
-                 ["all_reduce"], []),
+                 ["reduce_scatter_tensor"], []),
                 ("sp_head", ggpo, True, ["all_gather"] * 3 + ["linear"] * chunks +
-                 ["all_gather"], ["linear"] * chunks + ["all_reduce"])):
+                 ["all_gather"], ["linear"] * chunks + ["reduce_scatter_tensor"])):
             _, shard, _ = leaves_of(form, d, rank, world)
             calls.clear()
             out = loss(policy(rlfuse, form, d, shard, group), validate)
@@ -400,7 +403,10 @@ def check_opcheck(d, group, rank, world):
     ops["linear_logprobs_backward"] = linear_head.linear_logprobs_backward_op
     cases["linear_logprobs_backward"] = [
         (*head, local, d["mask"], stats, entropy, upstream[0], upstream[1], 0.9, 0.5, 3.0, P, 3,
-         False, [True, True, True], name)]
+         False, [True, True, True], name),
+        # sequence parallelism: the hidden-state gradient reduce-scattered to this rank's rows
+        (*head, local, d["mask"], stats, entropy, upstream[0], upstream[1], 0.9, 0.5, 3.0, P, 3,
+         False, [True, False, False], name, False, B)]
     # the single pass of a LinearHead (tests/test_compile.py opchecks it unsplit) over the split
     row_scale = torch.full((B,), 0.1, dtype=hidden.dtype)
     ops["linear_surrogate"] = linear_head.linear_surrogate_op
@@ -411,7 +417,10 @@ def check_opcheck(d, group, rank, world):
          [True, True, True], name),
         (hidden, weight, None, d["targets"], d["mask"], None, d["adv"], None, row_scale, None,
          None, None, 1.0, 1.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0, math.inf], 20.0, "",
-         False, False, False, P, 4, True, [True, True, False], name)]
+         False, False, False, P, 4, True, [True, True, False], name),
+        (hidden, weight, None, d["targets"], d["mask"], None, d["adv"], None, row_scale, None,
+         None, None, 1.0, 1.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0, math.inf], 20.0, "",
+         False, False, False, P, 4, True, [True, False, False], name, False, B)]
     # sequence parallelism's gather of the rows (its backward keeps this rank's rows)
     from rlfuse.scaleout.sequence import gather_rows
 

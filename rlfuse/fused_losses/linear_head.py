@@ -25,7 +25,6 @@ from torch import Tensor
 
 from ..shared.head import scaled_logits
 from .._types import compute_dtype
-from ..kernels.matmul import fixed_matmul
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.scale_rows import scale_cast
 from ..kernels.token_functions import SUM_COLUMNS
@@ -33,6 +32,7 @@ from ..kernels.head import HeadParams
 from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd
+from .head_matmuls import HeadGradients, chunk_logits
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # the most a default chunk of logits takes: 1 GiB
 # The fewest tokens a default chunk takes (the matmul's M), and the multiple its tokens are of.
@@ -81,101 +81,6 @@ class Rows:
 
     def chunks(self, size: int) -> List[Tuple[Tensor, Tensor]]:
         return list(zip(self.tokens.split(size), self.rows.split(size)))
-
-
-def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 batch_invariant: bool = False) -> Tensor:
-    """``[C, 1, V]`` logits of a chunk of hidden rows (a batch of C one-token rows for the row
-    kernels), in the weight's dtype (accumulated in fp32); ``batch_invariant``: by the
-    fixed-order matmul (``kernels.matmul``), each row's bits its own whatever the chunk."""
-    if batch_invariant:
-        return fixed_matmul(h_rows, weight.t(), bias=bias, dtype=weight.dtype).unsqueeze(1)
-    return torch.nn.functional.linear(h_rows, weight, bias).unsqueeze(1)
-
-
-# cuBLAS matmuls of bf16 / fp16 inputs with an fp32 output (torch's mm / addmm with out_dtype:
-# CUDA)
-_FP32_OUTPUT_MATMUL = ("dtype_out" in torch.ops.aten.addmm.overloads()
-                       and "dtype" in torch.ops.aten.mm.overloads())
-
-
-def _fp32_output(a: Tensor, dtype: torch.dtype) -> bool:
-    return a.dtype != dtype and a.is_cuda and _FP32_OUTPUT_MATMUL
-
-
-def add_product(out: Tensor, a: Tensor, b: Tensor, batch_invariant: bool = False) -> None:
-    """``out += a @ b`` for an fp32 ``out`` (the weight gradient over the chunks), accumulated
-    in fp32 without a ``[V, H]`` product: ``batch_invariant``, the fixed-order matmul into
-    ``out``; on CUDA one matmul into ``out`` (bf16 / fp16 inputs with an fp32 output);
-    elsewhere the chunk-sized ``a`` and ``b`` in ``out``'s dtype."""
-    if batch_invariant:
-        fixed_matmul(a, b, out=out, accumulate=True)
-    elif _fp32_output(a, out.dtype):
-        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-    else:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
-
-
-def product(a: Tensor, b: Tensor, dtype: torch.dtype, batch_invariant: bool = False) -> Tensor:
-    """``a @ b`` in ``dtype``, rounded once (``batch_invariant``: by the fixed-order matmul; on
-    CUDA an fp32 output of bf16 / fp16 inputs)."""
-    if batch_invariant:
-        return fixed_matmul(a, b, dtype=dtype)
-    if _fp32_output(a, dtype):
-        return torch.mm(a, b, out_dtype=dtype)
-    return (a @ b).to(dtype)
-
-
-class HeadGradients:
-    """The gradients of hidden (in its dtype), weight and bias (accumulated in fp32) that the
-    chunks add up; empty tensors stand for the ones nobody needs. ``group_name``: the head is a
-    shard of a vocabulary split over that group, and the hidden states' gradient, a partial sum
-    of each rank's, is kept in the compute dtype and summed over the group by ``results``.
-    ``batch_invariant``: the products by the fixed-order matmul (``kernels.matmul``)."""
-
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 needs: Tuple[bool, bool, bool], group_name: str = "",
-                 batch_invariant: bool = False):
-        self.weight, self.group_name = weight, group_name
-        self.batch_invariant = batch_invariant
-        acc = compute_dtype(weight.dtype)
-        dhidden_dtype = compute_dtype(hidden.dtype) if group_name else hidden.dtype
-        self.dhidden = (torch.zeros(hidden.shape, dtype=dhidden_dtype, device=hidden.device)
-                        .reshape(-1, hidden.shape[-1]) if needs[0] else None)
-        self.dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) \
-            if needs[1] else None
-        self.dbias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) \
-            if needs[2] and bias is not None else None
-
-    def add(self, dlogits: Tensor, h_rows: Tensor, rows: Tensor) -> None:
-        """dL/dh = dlogits W, dL/dW += dlogits^T h, dL/db += sum of dlogits, for one chunk."""
-        dlogits = dlogits.squeeze(1)
-        if self.dhidden is not None:
-            self.dhidden.index_copy_(0, rows, product(dlogits, self.weight, self.dhidden.dtype,
-                                                      self.batch_invariant))
-        if self.dweight is not None:
-            add_product(self.dweight, dlogits.t(), h_rows, self.batch_invariant)
-        if self.dbias is not None:
-            self.dbias += dlogits.sum(0, dtype=self.dbias.dtype)
-
-    def results(self, hidden: Tensor, weight: Tensor,
-                accumulated: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
-        """The three gradients in their tensors' dtypes (the hidden states' summed over the
-        group first: one all-reduce, once however often this is called), a new empty tensor for
-        each one not computed (an op's outputs alias nothing). ``accumulated``: the weight's and
-        the bias's as accumulated (fp32), for a backward that scales and casts them at once."""
-        if self.group_name and self.dhidden is not None:
-            vocab.group_sum(self.dhidden, self.group_name)
-            self.group_name = ""
-        dhidden = None if self.dhidden is None else self.dhidden.view(hidden.shape).to(hidden.dtype)
-
-        def of_weight(grad):
-            if grad is None:
-                return weight.new_empty(0)
-            return grad if accumulated else grad.to(weight.dtype)
-
-        return (hidden.new_empty(0) if dhidden is None else dhidden,
-                of_weight(self.dweight), of_weight(self.dbias))
 
 
 def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
@@ -268,13 +173,14 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
                                 dentropy: Optional[Tensor], temperature: float,
                                 logit_scale: float, softcap: float, offset: int,
                                 chunk_tokens: int, gather: bool, needs: List[bool],
-                                group_name: str = "",
-                                batch_invariant: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                                group_name: str = "", batch_invariant: bool = False,
+                                row_blocks: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)`` (empty where not needed) for the upstream ``dlogp`` /
     ``dentropy`` ``[B, T]``: each chunk's logits formed again, their gradient written in
     place; ``group_name``: a shard of a split vocabulary, ``batch_invariant``: the fixed-order
-    matmul (``HeadGradients``)."""
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant)
+    matmul, ``row_blocks``: sequence-parallel rows (``HeadGradients``)."""
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant,
+                          row_blocks)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
     dlogp, dentropy, entropy = _flat(dlogp), _flat(dentropy), _flat(entropy)
     head = HeadParams(temperature, logit_scale, softcap)
@@ -293,7 +199,7 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
 @linear_logprobs_backward_op.register_fake
 def _(hidden, weight, bias, targets, mask, stats, entropy, dlogp, dentropy, temperature,
       logit_scale, softcap, offset, chunk_tokens, gather, needs, group_name="",
-      batch_invariant=False):
+      batch_invariant=False, row_blocks=0):
     return _gradients_fake(hidden, weight, bias, needs)
 
 
@@ -350,8 +256,8 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                         kl_estimator: str, kl_straight: bool, kl_weighted: bool, kl_clamp: bool,
                         offset: int,
                         chunk_tokens: int, gather: bool, needs: List[bool],
-                        group_name: str = "", batch_invariant: bool = False
-                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        group_name: str = "", batch_invariant: bool = False,
+                        row_blocks: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, sums [B, SUM_COLUMNS], dhidden, dweight, dbias)``: the surrogate ``objective``
     over the head's window (``old_lp`` None: on policy) with its terms (those of
     ``surrogate.surrogate_logits_op``) and its gradients for an upstream gradient of 1 (empty
@@ -362,11 +268,13 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     ``group_name``: the head is this rank's shard of a vocabulary split over that group; each
     chunk's whole-row statistics are gathered before its gradient is written (one all-gather of
     ``[C, 4]`` per chunk), and the hidden states' gradient is summed over the group at the end
-    (one all-reduce). ``batch_invariant``: the products by the fixed-order matmul."""
+    (one all-reduce; with ``row_blocks``, sequence-parallel rows, one reduce-scatter: see
+    ``HeadGradients``). ``batch_invariant``: the products by the fixed-order matmul."""
     spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     head = HeadParams(temperature, logit_scale, softcap)
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant)
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant,
+                          row_blocks)
     write = any(needs)
     B, T = targets.shape
     sums_of_tokens = torch.zeros((B * T, len(SUM_COLUMNS)), dtype=row_scale.dtype,
@@ -405,7 +313,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
       entropy_scale, temperature, logit_scale, softcap, function, geometry, topology,
       delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
-      offset, chunk_tokens, gather, needs, group_name="", batch_invariant=False):
+      offset, chunk_tokens, gather, needs, group_name="", batch_invariant=False, row_blocks=0):
     sums = row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS)))
     return (row_scale.new_empty(()), sums) + _gradients_fake(hidden, weight, bias, needs,
                                                              accumulated=True)

@@ -34,6 +34,7 @@ from ..kernels.scale_rows import scale_rows
 from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd
 from ..scaleout.layout import as_one_token_rows
 from ..scaleout.rank_rows import RankRowsHead
+from ..scaleout.sequence import row_blocks
 from ..scaleout.vocab import check_shard_sizes
 from ..objectives import Objective
 from ..shared.aggregation import sequence_shares
@@ -320,6 +321,7 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     ``raise_overflow``) an overflowing objective raises (one host sync)."""
     flat, ratio = surrogate_fields(objective.surrogate()), objective.ratio
     single = _in_one_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
+    blocks = row_blocks(policy)
     packed = policy.index if single and policy.index is not None else None
     batch, T = mask.shape
     if packed is not None:
@@ -346,7 +348,7 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
             **head_fields(policy), **flat, offset=int(policy.offset),
             chunk_tokens=chunk, gather=validate, needs=needs,
             group_name="" if group is None else group.group_name,
-            batch_invariant=bool(policy.batch_invariant))
+            batch_invariant=bool(policy.batch_invariant), row_blocks=blocks)
         terms = {}
     elif single:
         logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)

@@ -23,6 +23,7 @@ from .linear_head import (chunk_tokens_for, head_fields, head_gradients,
 from .logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
 from ..kernels.head import HeadParams
+from ..scaleout.sequence import row_blocks
 from ..scaleout.vocab import shard_targets, whole_rows
 
 
@@ -109,10 +110,12 @@ def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optiona
                                    targets: Tensor, mask: Optional[Tensor], temperature: float,
                                    logit_scale: float, softcap: float, offset: int,
                                    chunk_tokens: int, gather: bool, with_entropy: bool,
-                                   group_name: str, batch_invariant: bool = False
-                                   ) -> Tuple[Tensor, Tensor, Tensor]:
+                                   group_name: str, batch_invariant: bool = False,
+                                   row_blocks: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of a head whose
-    ``weight [V_l, H]`` (and ``bias``) is this rank's shard."""
+    ``weight [V_l, H]`` (and ``bias``) is this rank's shard; ``row_blocks``: its rows are
+    every rank's sequence shard, the backward reduce-scatters their gradient
+    (``scaleout.sequence``)."""
     local, _ = shard_targets(targets, weight.shape[0], group_name)
     x_y, entropy, stats = linear_logprobs_op(hidden, weight, bias, local.clamp_min(0), mask,
                                              temperature, logit_scale, softcap, offset,
@@ -125,7 +128,7 @@ def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optiona
 
 @vocab_split_linear_logprobs_op.register_fake
 def _(hidden, weight, bias, targets, mask, temperature, logit_scale, softcap, offset,
-      chunk_tokens, gather, with_entropy, group_name, batch_invariant=False):
+      chunk_tokens, gather, with_entropy, group_name, batch_invariant=False, row_blocks=0):
     return _fake_outputs(hidden, targets, with_entropy)
 
 
@@ -134,7 +137,7 @@ def _head_setup(ctx, inputs, output):
     ctx.chunking = (inputs.temperature, inputs.logit_scale, inputs.softcap, inputs.offset,
                     inputs.chunk_tokens, inputs.gather)
     ctx.group_name = inputs.group_name
-    ctx.batch_invariant = inputs.batch_invariant
+    ctx.batch_invariant, ctx.row_blocks = inputs.batch_invariant, inputs.row_blocks
 
 
 def _head_backward(ctx, dlogp, dentropy, _dstats):
@@ -147,7 +150,7 @@ def _head_backward(ctx, dlogp, dentropy, _dstats):
     dh, dw, db = linear_logprobs_backward_op(hidden, weight, bias, local, mask, stats,
                                              upstream[2], upstream[0], upstream[1],
                                              *ctx.chunking, needs, ctx.group_name,
-                                             ctx.batch_invariant)
+                                             ctx.batch_invariant, ctx.row_blocks)
     return head_gradients(needs, bias is not None, dh, dw, db)
 
 
@@ -165,7 +168,7 @@ def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
             rows.hidden, rows.weight, rows.bias, rows.targets, mask, **head_fields(rows),
             offset=int(rows.offset), chunk_tokens=chunk, gather=gather,
             with_entropy=bool(return_entropy), group_name=group_name,
-            batch_invariant=bool(rows.batch_invariant))
+            batch_invariant=bool(rows.batch_invariant), row_blocks=row_blocks(rows))
     else:
         logp, entropy, _ = vocab_split_logprobs_op(
             rows.logits, rows.targets, mask, float(rows.temperature), bool(return_entropy),

@@ -8,8 +8,10 @@ Before anything else runs, the rows are gathered over the group (``rlfuse::gathe
 hidden states, never the head nor the logits), so that the head is the split head over every
 row, as on one process: every rank returns every row's log-probs and entropy, and the same loss.
 Its hidden-state gradient is the split's, summed over the group in the compute dtype (fp32 for
-bf16 hidden states: one all-reduce inside the split's op, rounded once), of which each rank keeps
-its own rows.
+bf16 hidden states, rounded once) and kept at each rank's own rows: the kernels' split
+reduce-scatters it inside its op (``sum_to_own_rows``: the gathered head is a
+``GatheredRowsHead``, which tells the split that only this rank's rows of the gradient are
+read), the reference all-reduces it.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    # the split has summed the gradient over the group: this rank's rows of it
+    # the split has summed the gradient over the group, at least at this rank's rows: those
     import torch.distributed as dist
 
     from .vocab import group_of
@@ -79,10 +81,42 @@ def _backward(ctx, grad):
 torch.library.register_autograd("rlfuse::gather_rows", _backward, setup_context=_setup)
 
 
+class GatheredRowsHead(LinearHead):
+    """A sequence-parallel ``LinearHead`` whose hidden states are every rank's rows
+    (``gather_rows``): the gradient of its hidden states is read at this rank's rows only."""
+
+
+def row_blocks(policy) -> int:
+    """For a ``GatheredRowsHead`` (as ``gather_sequence`` made it), the number of blocks of
+    every rank's rows that its hidden states hold, its sequences (1 packed); 0 for any other
+    policy."""
+    if not isinstance(policy, GatheredRowsHead):
+        return 0
+    return 1 if policy.hidden.dim() == 2 else policy.hidden.shape[0]
+
+
+def sum_to_own_rows(grad: Tensor, blocks: int, group_name: str) -> None:
+    """``grad`` (the rows of a ``GatheredRowsHead``: ``blocks`` blocks of every rank's rows in
+    rank order, flattened to ``[N, H]``), summed over the group at this rank's rows and 0 at
+    the others, in place: one reduce-scatter."""
+    import torch.distributed as dist
+
+    from .vocab import group_of
+
+    group = group_of(group_name)
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    by_rank = grad.view(blocks, ranks, -1, grad.shape[-1]).transpose(0, 1)
+    own = grad.new_empty(by_rank.shape[1:])
+    dist.reduce_scatter_tensor(own.view(-1, grad.shape[-1]),
+                               by_rank.reshape(-1, grad.shape[-1]), group=group)
+    grad.zero_()
+    by_rank[rank] = own
+
+
 def gather_sequence(policy):
-    """A ``LinearHead`` with ``sequence_parallel`` as the split head over every rank's rows
-    (its hidden states gathered along the rows: dim 1 of ``[B, S / W, H]``, dim 0 of packed
-    ``[N / W, H]``); every other policy unchanged."""
+    """A ``LinearHead`` with ``sequence_parallel`` as the split head over every rank's rows, a
+    ``GatheredRowsHead`` (its hidden states gathered along the rows: dim 1 of ``[B, S / W,
+    H]``, dim 0 of packed ``[N / W, H]``); every other policy unchanged."""
     if not isinstance(policy, LinearHead) or not policy.sequence_parallel:
         return policy
     from .vocab import vocab_group_size
@@ -97,6 +131,6 @@ def gather_sequence(policy):
                          f"sequence_parallel, got "
                          f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else hidden}")
     dim = hidden.dim() - 2
-    return LinearHead(*policy)._replace(
+    return GatheredRowsHead(*policy)._replace(
         hidden=gather_rows(hidden, dim, policy.vocab_parallel_group.group_name),
         sequence_parallel=False)

@@ -1,0 +1,114 @@
+"""The matmuls of a head over chunks of hidden rows: a chunk's logits, and the gradients of the
+hidden states, weight and bias that the chunks add up (cuBLAS, or the fixed-order matmul of a
+batch-invariant head, ``kernels.matmul``), summed over a split vocabulary's group at the end."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._types import compute_dtype
+from ..kernels.matmul import fixed_matmul
+from ..scaleout import sequence, vocab
+
+
+def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 batch_invariant: bool = False) -> Tensor:
+    """``[C, 1, V]`` logits of a chunk of hidden rows (a batch of C one-token rows for the row
+    kernels), in the weight's dtype (accumulated in fp32); ``batch_invariant``: by the
+    fixed-order matmul (``kernels.matmul``), each row's bits its own whatever the chunk."""
+    if batch_invariant:
+        return fixed_matmul(h_rows, weight.t(), bias=bias, dtype=weight.dtype).unsqueeze(1)
+    return torch.nn.functional.linear(h_rows, weight, bias).unsqueeze(1)
+
+
+# cuBLAS matmuls of bf16 / fp16 inputs with an fp32 output (torch's mm / addmm with out_dtype:
+# CUDA)
+_FP32_OUTPUT_MATMUL = ("dtype_out" in torch.ops.aten.addmm.overloads()
+                       and "dtype" in torch.ops.aten.mm.overloads())
+
+
+def _fp32_output(a: Tensor, dtype: torch.dtype) -> bool:
+    return a.dtype != dtype and a.is_cuda and _FP32_OUTPUT_MATMUL
+
+
+def add_product(out: Tensor, a: Tensor, b: Tensor, batch_invariant: bool = False) -> None:
+    """``out += a @ b`` for an fp32 ``out`` (the weight gradient over the chunks), accumulated
+    in fp32 without a ``[V, H]`` product: ``batch_invariant``, the fixed-order matmul into
+    ``out``; on CUDA one matmul into ``out`` (bf16 / fp16 inputs with an fp32 output);
+    elsewhere the chunk-sized ``a`` and ``b`` in ``out``'s dtype."""
+    if batch_invariant:
+        fixed_matmul(a, b, out=out, accumulate=True)
+    elif _fp32_output(a, out.dtype):
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
+def product(a: Tensor, b: Tensor, dtype: torch.dtype, batch_invariant: bool = False) -> Tensor:
+    """``a @ b`` in ``dtype``, rounded once (``batch_invariant``: by the fixed-order matmul; on
+    CUDA an fp32 output of bf16 / fp16 inputs)."""
+    if batch_invariant:
+        return fixed_matmul(a, b, dtype=dtype)
+    if _fp32_output(a, dtype):
+        return torch.mm(a, b, out_dtype=dtype)
+    return (a @ b).to(dtype)
+
+
+class HeadGradients:
+    """The gradients of hidden (in its dtype), weight and bias (accumulated in fp32) that the
+    chunks add up; empty tensors stand for the ones nobody needs. ``group_name``: the head is a
+    shard of a vocabulary split over that group, and the hidden states' gradient, a partial sum
+    of each rank's, is kept in the compute dtype and summed over the group by ``results``.
+    ``batch_invariant``: the products by the fixed-order matmul (``kernels.matmul``).
+    ``row_blocks``: the rows are every rank's sequence shard (``scaleout.sequence``), and the
+    hidden states' gradient is reduce-scattered to this rank's instead."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 needs: Tuple[bool, bool, bool], group_name: str = "",
+                 batch_invariant: bool = False, row_blocks: int = 0):
+        self.weight, self.group_name = weight, group_name
+        self.batch_invariant, self.row_blocks = batch_invariant, row_blocks
+        acc = compute_dtype(weight.dtype)
+        dhidden_dtype = compute_dtype(hidden.dtype) if group_name else hidden.dtype
+        self.dhidden = (torch.zeros(hidden.shape, dtype=dhidden_dtype, device=hidden.device)
+                        .reshape(-1, hidden.shape[-1]) if needs[0] else None)
+        self.dweight = torch.zeros(weight.shape, dtype=acc, device=weight.device) \
+            if needs[1] else None
+        self.dbias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) \
+            if needs[2] and bias is not None else None
+
+    def add(self, dlogits: Tensor, h_rows: Tensor, rows: Tensor) -> None:
+        """dL/dh = dlogits W, dL/dW += dlogits^T h, dL/db += sum of dlogits, for one chunk."""
+        dlogits = dlogits.squeeze(1)
+        if self.dhidden is not None:
+            self.dhidden.index_copy_(0, rows, product(dlogits, self.weight, self.dhidden.dtype,
+                                                      self.batch_invariant))
+        if self.dweight is not None:
+            add_product(self.dweight, dlogits.t(), h_rows, self.batch_invariant)
+        if self.dbias is not None:
+            self.dbias += dlogits.sum(0, dtype=self.dbias.dtype)
+
+    def results(self, hidden: Tensor, weight: Tensor,
+                accumulated: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+        """The three gradients in their tensors' dtypes (the hidden states' summed over the
+        group first, once however often this is called: one all-reduce, or with ``row_blocks``
+        one reduce-scatter to this rank's rows, the others 0), a new empty tensor for each one
+        not computed (an op's outputs alias nothing). ``accumulated``: the weight's and the
+        bias's as accumulated (fp32), for a backward that scales and casts them at once."""
+        if self.group_name and self.dhidden is not None:
+            if self.row_blocks:
+                sequence.sum_to_own_rows(self.dhidden, self.row_blocks, self.group_name)
+            else:
+                vocab.group_sum(self.dhidden, self.group_name)
+            self.group_name = ""
+        dhidden = None if self.dhidden is None else self.dhidden.view(hidden.shape).to(hidden.dtype)
+
+        def of_weight(grad):
+            if grad is None:
+                return weight.new_empty(0)
+            return grad if accumulated else grad.to(weight.dtype)
+
+        return (hidden.new_empty(0) if dhidden is None else dhidden,
+                of_weight(self.dweight), of_weight(self.dbias))
