@@ -10,23 +10,24 @@ import rlfuse
 import rlfuse.reference
 from conftest import TOL
 from rlfuse.kernels.matmul import BLOCK_M, fixed_matmul
+from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
 
 H, V, T = 24, 83, 5
 HEADS = {"plain": {}, "bias": dict(bias=True), "scaled": dict(logit_scale=0.25, bias=True),
          "softcapped": dict(softcap=4.0, temperature=0.7)}
 
 
-def _head(dtype, seed=0, bias=False, **fields):
+def _head(dtype, seed=0, bias=False, vocab=V, **fields):
     g = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) / H ** 0.5).to(dtype)
-    b = torch.randn(V, generator=g, dtype=torch.float64).to(dtype) if bias else None
+    weight = (torch.randn(vocab, H, generator=g, dtype=torch.float64) / H ** 0.5).to(dtype)
+    b = torch.randn(vocab, generator=g, dtype=torch.float64).to(dtype) if bias else None
     return weight, b, fields
 
 
-def _rows(n, dtype, seed):
+def _rows(n, dtype, seed, vocab=V):
     g = torch.Generator().manual_seed(seed)
     return (2 * torch.randn(n, T + 1, H, generator=g, dtype=torch.float64)).to(dtype), \
-        torch.randint(0, V, (n, T), generator=g)
+        torch.randint(0, vocab, (n, T), generator=g)
 
 
 def _row_results(hidden, targets, head, *, chunk_tokens=None, offset=0, lib=rlfuse):
@@ -143,6 +144,31 @@ def test_exact_against_float64(name):
         torch.testing.assert_close(a.double(), b, **TOL["fp32_matmul"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_vocabulary_of_several_blocks(dtype):
+    """A vocabulary of two whole blocks of ``VOCAB_BLOCK`` ids and a partial one: a row's bits
+    its own in any batch, ``token_logprobs(..., batch_invariant=True)`` of ``head_logits`` the
+    head's, and (fp32) exact against float64."""
+    vocab = 2 * VOCAB_BLOCK + 37
+    head = _head(dtype, bias=True, vocab=vocab, temperature=0.7)
+    row_hidden, row_targets = _rows(1, dtype, seed=1, vocab=vocab)
+    alone = _row_results(row_hidden, row_targets, head)
+    hidden, targets = _rows(6, dtype, seed=2, vocab=vocab)
+    hidden[4], targets[4] = row_hidden[0], row_targets[0]
+    batch = _row_results(hidden, targets, head, chunk_tokens=4)
+    for got, want in zip(batch, alone):
+        assert torch.equal(got[4], want[0])
+    weight, bias, fields = head
+    logits = rlfuse.head_logits(hidden[:, :-1], weight, bias)
+    lp = rlfuse.token_logprobs(logits, targets, temperature=0.7, batch_invariant=True)
+    assert torch.equal(lp, batch[0])
+    if dtype == torch.float32:
+        wide = (weight.double(), bias.double(), fields)
+        want = _row_results(hidden.double(), targets, wide, lib=rlfuse.reference)
+        for a, b in zip(batch, want):
+            torch.testing.assert_close(a.double(), b, **TOL["fp32_matmul"])
+
+
 def test_the_flag_is_a_bool():
     weight, _, _ = _head(torch.float32)
     hidden, targets = _rows(1, torch.float32, seed=0)
@@ -229,7 +255,7 @@ def test_head_logits_are_the_invariant_heads(dtype):
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
             lp = rlfuse.token_logprobs(rlfuse.head_logits(hidden[:, 1:], weight, bias), targets,
-                                       temperature=0.7)
+                                       temperature=0.7, batch_invariant=True)
             head = rlfuse.LinearHead(hidden, weight, targets, bias=bias, offset=1,
                                      temperature=0.7, chunk_tokens=6, batch_invariant=True)
             assert torch.equal(rlfuse.policy_logprobs(head), lp)

@@ -78,6 +78,11 @@ STEPS = {
         lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
             *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
                                    return_entropy=True, validate=False))),
+    "token_logprobs_invariant": (("logits",), lambda leaf, x, form: (
+        lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
+            *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
+                                   return_entropy=True, validate=False,
+                                   batch_invariant=True))),
     "policy_logprobs": (("logits", "head", "invariant_head", "packed_logits"),
                         lambda leaf, x, form: (
         lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
@@ -238,7 +243,8 @@ def _op_cases(device):
         "token_logprobs": [(logits, x.targets, x.mask, 0.9, True, False, 0),
                            (logits.reshape(-1, V), x.targets.reshape(-1), None, 1.0, False,
                             False, 0),
-                           (full, x.targets, x.mask, 0.9, True, False, 1)],
+                           (full, x.targets, x.mask, 0.9, True, False, 1),
+                           (full, x.targets, x.mask, 0.9, True, False, 1, True)],
         "logits_grad_": [(dlogits, logits.detach(), x.targets, x.mask, stats, None,
                           torch.randn(B, T, device=device), None, 0.9, 0)],
         "surrogate": [

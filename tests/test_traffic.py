@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
 from tools import traffic
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -96,10 +97,15 @@ def _expected(name, op, mode):
     if op.matmuls is not None and "batch_invariant" in name:
         # the fixed-order matmul (a kernel here): the chunk's logits written, dlogits read by
         # the hidden states' product and, transposed, by the weight's; the chunks (the actor
-        # rows) allocated by the launcher (torch's linear allocates inside its op, unseen)
+        # rows) allocated by the launcher (torch's linear allocates inside its op, unseen).
+        # The rows' statistics from blocks of VOCAB_BLOCK ids, each block a row of the row
+        # kernel (its first logit read again as the block's target), then the single pass
+        # given them: one read and one write
+        blocks = -(-V // VOCAB_BLOCK)
         rows = {"actor": (0, 0, 0), "masked": (0, 0, 0),
-                "chunk": (actor[0] + 2, actor[1] + 2, actor[2] + 1)}
-        return rows, {}, lambda x: float(x.mask.sum()) / x.mask.numel()
+                "chunk": (1 + blocks / V + 1 + 2, 1 + 1 + 2, 1 + 1)}
+        # the target logit of each actor row, gathered by torch
+        return rows, {"gather": (1 / V, 0)}, lambda x: float(x.mask.sum()) / x.mask.numel()
     if op.matmuls is not None:
         rows = {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": actor}
         formed = 1 if single_pass else 2        # GGPO forms each chunk twice

@@ -434,6 +434,62 @@ def check_opcheck(d, group, rank, world):
             torch.library.opcheck(ops[op_name], args)
 
 
+def check_invariant_over_ranks(group, rank, world):
+    """A batch-invariant head over the split (its vocabulary whole blocks of ``VOCAB_BLOCK``
+    ids): every row's log-prob and entropy and the losses (the single pass and GGPO's two)
+    the same bits as the whole head on one process, so the same on 1, 2 and 4 ranks; a shard
+    of a partial block refused on every rank."""
+    from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
+
+    g = torch.Generator().manual_seed(17)
+    vocab, width, n, t = 4 * VOCAB_BLOCK, 5, 4, 3
+    mask = torch.rand(n, t, generator=g) > 0.3
+    mask[:, 0] = True
+    old, adv = torch.randn(n, t, generator=g) - 4, torch.randn(n, t, generator=g)
+    rewards = torch.randn(n, generator=g)
+    calls = (lambda h: rlfuse.policy_logprobs(h, return_entropy=True),
+             lambda h: (rlfuse.gppo_loss(h, old, adv, mask).loss,),
+             lambda h: (rlfuse.ggpo_loss(h, old, rewards, mask, group_size=GROUP,
+                                                 beta=0.5).loss,))
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(n, t + 1, width, generator=g).to(dtype)
+        weight, bias = torch.randn(vocab, width, generator=g).to(dtype), \
+            torch.randn(vocab, generator=g).to(dtype)
+        targets = torch.randint(0, vocab, (n, t), generator=g)
+        shard = slice(rank * vocab // world, (rank + 1) * vocab // world)
+
+        def head(w, bs, grp):
+            return rlfuse.LinearHead(hidden, w, targets, bias=bs, offset=1, temperature=0.7,
+                                     chunk_tokens=5, vocab_parallel_group=grp,
+                                     batch_invariant=True)
+
+        for call in calls:
+            for got, want in zip(call(head(weight[shard], bias[shard], group)),
+                                 call(head(weight, bias, None))):
+                assert torch.equal(got, want), (dtype, rank, world)
+        # the gradients: the split's (its hidden states' summed over the ranks) the whole's
+        leaves = [x.detach().requires_grad_() for x in (hidden, weight, bias)]
+        hidden = leaves[0]
+        for call in calls[1:]:
+            whole = torch.autograd.grad(call(head(leaves[1], leaves[2], None))[0], leaves)
+            split = torch.autograd.grad(call(head(leaves[1][shard], leaves[2][shard], group))[0],
+                                        leaves)
+            for i, (a, b) in enumerate(zip((whole[0], whole[1][shard], whole[2][shard]),
+                                           (split[0], split[1][shard], split[2][shard]))):
+                scale = max(1.0, a.double().abs().max().item())
+                torch.testing.assert_close(b.double(), a.double(), rtol=0,
+                                           atol=SPLIT_GRAD_TOL[dtype] * scale,
+                                           msg=lambda m: f"invariant gradient {i}: {m}")
+    partial = VOCAB_BLOCK // 2
+    targets = targets % (partial * world)
+    try:
+        rlfuse.policy_logprobs(head(weight[:partial], bias[:partial], group))
+    except ValueError as e:
+        assert f"whole blocks of {VOCAB_BLOCK} ids" in str(e), e
+    else:
+        raise AssertionError(f"rank {rank}: a shard of a partial block was accepted")
+
+
 def check_counts(rank, world):
     mask = torch.zeros(2, world, dtype=torch.bool)
     mask[0, :rank + 1] = True                       # rank r: r + 1 tokens in one sequence
@@ -472,6 +528,7 @@ def main():
         check_compiled(d, group, rank, world)
         check_opcheck(d, group, rank, world)
     check_bad_input(group, rank, world)
+    check_invariant_over_ranks(group, rank, world)
     check_counts(rank, world)
     dist.barrier()
     dist.destroy_process_group()

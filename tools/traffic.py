@@ -142,6 +142,8 @@ class TorchPasses(TorchDispatchMode):
                 self.allocations.append((name, written))
             return out
         read = self._rows(torch.utils._pytree.tree_leaves((args, kwargs)))
+        if name == "gather" and read:   # the indexed elements only
+            read = args[2].numel() * args[0].element_size() / self.row_bytes
         if read or written:
             self.passes.append((name, read, written))
         return out
@@ -216,6 +218,18 @@ def _row_of(t: torch.Tensor, addresses: np.ndarray, size: int):
     return inside, tuple(i[inside] for i in index)
 
 
+def _whole_chunk_rows(t: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    """A chunk's rows of logits taken in vocabulary blocks (``[R, NB, W]`` or ``[R, 1, W]``
+    within rows of ``V``, a batch-invariant head's blocks read as rows) as the whole rows
+    ``[R, 1, V]`` they lie in; any other tensor as it is."""
+    V = geometry.V
+    if geometry.hidden is None or t.dim() != 3 or t.shape[-1] == V or t.stride(0) != V or \
+            t.stride(-1) != 1 or t.shape[1] * t.shape[2] > V:
+        return t
+    start = t.storage_offset() - t.storage_offset() % V
+    return t.as_strided((t.shape[0], 1, V), (V, V, 1), start)
+
+
 def launch_rows(launch: Launch, geometry: Geometry) -> Tuple[np.ndarray, int]:
     """``[row class, (reads, unique reads, writes)]`` in elements of logits rows, and the
     distinct bytes the launch loaded and stored outside them (the ``[B, T]`` side data: a value
@@ -225,6 +239,7 @@ def launch_rows(launch: Launch, geometry: Geometry) -> Tuple[np.ndarray, int]:
         if t.dim() == 2 and t.shape[0] == geometry.V and t.stride(0) == 1 and \
                 t.shape[1] != geometry.V:
             t = t.t()   # rows of logits read transposed (a matmul's dlogits^T)
+        t = _whole_chunk_rows(t, geometry)
         classes = geometry.row_classes(t)
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
         if classes is not None and key not in seen:

@@ -7,13 +7,14 @@ from typing import Optional
 import torch
 
 from .._types import LinearHead, Logits
-from ..checks.policy import (check_head_logits_args, check_logprob_args, check_policy,
-                             check_policy_targets)
+from ..checks.policy import (check_bool, check_head_logits_args, check_logprob_args,
+                             check_policy, check_policy_targets)
 
 
 def token_logprobs(run, logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                    return_entropy: bool = False, inplace_backward: bool = False,
-                   mask: Optional[torch.Tensor] = None, validate: bool = True):
+                   mask: Optional[torch.Tensor] = None, validate: bool = True,
+                   batch_invariant: bool = False):
     """Per-token log-probs of ``targets`` under ``softmax(logits / temperature)``.
 
     Args:
@@ -30,6 +31,9 @@ def token_logprobs(run, logits: torch.Tensor, targets: torch.Tensor, *, temperat
         validate: check the mask holds 0/1 and the unmasked targets lie in ``[0, V)`` (reads
             ``[B, T]`` data, one host sync); without it an out-of-range target gives NaN, never
             an out-of-bounds read.
+        batch_invariant: each row's log-prob and entropy from fixed vocabulary blocks combined
+            in one order: the bits of a ``LinearHead(..., batch_invariant=True)`` over the
+            same logits (``head_logits``), on one rank or a split vocabulary.
 
     Returns:
         ``logp`` (fp32; fp64 for fp64 logits), or ``(logp, entropy)``::
@@ -43,8 +47,10 @@ def token_logprobs(run, logits: torch.Tensor, targets: torch.Tensor, *, temperat
     """
     with run.on(logits) as (impl, logits):
         mask = check_logprob_args(logits, targets, temperature, mask, inplace_backward, validate)
+        check_bool("batch_invariant", batch_invariant)
         return impl.token_logprobs(logits, targets, mask, float(temperature),
-                                   bool(return_entropy), bool(inplace_backward), validate)
+                                   bool(return_entropy), bool(inplace_backward), validate,
+                                   batch_invariant)
 
 
 def policy_logprobs(run, policy, *, return_entropy: bool = False, validate: bool = True):

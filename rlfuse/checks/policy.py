@@ -103,9 +103,13 @@ def _check_linear_head(head: LinearHead, dims: int) -> None:
         check_positive("policy.softcap", head.softcap)
     _check_head_dtype(head.head_dtype)
     for flag in ("sequence_parallel", "batch_invariant"):
-        if not isinstance(getattr(head, flag), bool):
-            raise TypeError(f"policy.{flag}: expected a bool, got "
-                            f"{type(getattr(head, flag)).__name__}")
+        check_bool(f"policy.{flag}", getattr(head, flag))
+
+
+def check_bool(name: str, value) -> None:
+    """A flag that changes what runs: a bool, not something truthy."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
 def _check_head_dtype(dtype) -> None:

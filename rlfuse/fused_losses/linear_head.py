@@ -23,7 +23,6 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..shared.head import scaled_logits
 from .._types import compute_dtype
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..kernels.scale_rows import scale_cast
@@ -33,6 +32,7 @@ from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd
 from .head_matmuls import HeadGradients, chunk_logits
+from .vocab_blocks import block_row_stats, logit_at_targets
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # the most a default chunk of logits takes: 1 GiB
 # The fewest tokens a default chunk takes (the matmul's M), and the multiple its tokens are of.
@@ -87,16 +87,6 @@ def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
     return None if x is None else x.reshape(-1)
 
 
-def _target_logit(logits: Tensor, targets: Tensor, head: HeadParams) -> Tensor:
-    """``[C, 1]`` logit of each row's target of a chunk's ``logits [C, 1, V]`` in the compute
-    dtype, in the units the row kernels keep their statistics in (``HeadParams.inv_temp``): the
-    softcapped logit of a head that softcaps, else the matmul's own."""
-    x_y = logits.gather(-1, targets.view(-1, 1, 1)).view(-1, 1)
-    if head.softcap:
-        return scaled_logits(x_y, head.logit_scale, head.softcap)
-    return x_y.to(compute_dtype(logits.dtype))
-
-
 def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, head: HeadParams,
                      with_entropy: bool, group_name: str) -> Tuple[Tensor, Tensor]:
     """A chunk's ``logits [C, 1, V_l]`` on a shard of a split vocabulary: ``(the targets within
@@ -105,7 +95,7 @@ def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, head: HeadPa
     statistics."""
     local, _ = vocab.shard_targets(targets, logits.shape[-1], group_name)
     _, stats, entropy = token_logprobs_fwd(logits, local.clamp_min(0), mask, head, with_entropy)
-    x_y = _target_logit(logits, local.clamp_min(0), head)
+    x_y = logit_at_targets(logits, local.clamp_min(0), head)
     logp, entropy, stats = vocab.whole_rows(x_y, stats, entropy, targets, logits.shape[-1], mask,
                                             head.inv_temp, with_entropy, group_name)
     entropy = entropy.reshape(-1) if with_entropy else torch.zeros_like(stats[:, 0])
@@ -129,12 +119,15 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
                        mask: Optional[Tensor], temperature: float, logit_scale: float,
                        softcap: float, offset: int, chunk_tokens: int, gather: bool,
                        with_entropy: bool, target_logit: bool = False,
-                       batch_invariant: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                       batch_invariant: bool = False,
+                       group_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window
     (``logit_scale`` and ``softcap``, 0: none, as in ``LinearHead``); with ``target_logit`` the
-    first output is the target's logit in the units of the row statistics (``_target_logit``)
+    first output is the target's logit in the units of the row statistics (``logit_at_targets``)
     instead (what a shard of a split vocabulary contributes, ``scaleout.vocab``);
-    ``batch_invariant``: each chunk's logits by the fixed-order matmul (``chunk_logits``)."""
+    ``batch_invariant``: each chunk's logits by the fixed-order matmul (``chunk_logits``), its
+    rows' statistics from fixed vocabulary blocks (``vocab_blocks``: the whole rows' over the
+    split vocabulary of ``group_name``, of which ``weight`` is this rank's shard)."""
     acc = compute_dtype(hidden.dtype)
     B, T = targets.shape
     # rows left out of the chunks (masked, when gathering) have log-prob 0, entropy 0
@@ -145,11 +138,16 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     head = HeadParams(temperature, logit_scale, softcap)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         logits = chunk_logits(h_flat[rows], weight, bias, batch_invariant)
-        lp_c, stats_c, ent_c = token_logprobs_fwd(
-            logits, y_flat[tokens, None], None if m_flat is None else m_flat[tokens, None],
-            head, with_entropy)
+        m_c = None if m_flat is None else m_flat[tokens, None]
+        if batch_invariant:
+            _, row_stats = block_row_stats(logits, y_flat[tokens, None], m_c, head,
+                                           with_entropy, group_name)
+            lp_c, stats_c, ent_c = row_stats[:, :1], row_stats[:, 1:3], row_stats[:, 3:]
+        else:
+            lp_c, stats_c, ent_c = token_logprobs_fwd(logits, y_flat[tokens, None], m_c, head,
+                                                      with_entropy)
         if target_logit:
-            lp_c = _target_logit(logits, y_flat[tokens], head)
+            lp_c = logit_at_targets(logits, y_flat[tokens], head)
         logp[tokens] = lp_c[:, 0]
         stats[tokens] = stats_c
         if with_entropy:
@@ -159,7 +157,8 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
 
 @linear_logprobs_op.register_fake
 def _(hidden, weight, bias, targets, mask, temperature, logit_scale, softcap, offset,
-      chunk_tokens, gather, with_entropy, target_logit=False, batch_invariant=False):
+      chunk_tokens, gather, with_entropy, target_logit=False, batch_invariant=False,
+      group_name=""):
     acc = compute_dtype(hidden.dtype)
     return (hidden.new_empty(targets.shape, dtype=acc),
             hidden.new_empty(targets.shape if with_entropy else (0,), dtype=acc),
@@ -289,7 +288,10 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
         h_rows = h_flat[rows]
         logits = chunk_logits(h_rows, weight, bias, batch_invariant)
         targets_c, row_stats = y_flat[tokens, None], None
-        if group_name:
+        if batch_invariant:
+            targets_c, row_stats = block_row_stats(logits, targets_c, m_flat[tokens, None],
+                                                   head, entropy_flat is not None, group_name)
+        elif group_name:
             targets_c, row_stats = _split_row_stats(logits, targets_c, m_flat[tokens, None],
                                                     head, entropy_flat is not None, group_name)
         _, sums = surrogate_logits_fwd(

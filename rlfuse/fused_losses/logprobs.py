@@ -12,6 +12,7 @@ from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_
 from ..kernels.head import HeadParams
 from ..kernels.utils import empty
 from ._op import custom_op, register_autograd
+from .vocab_blocks import block_row_stats
 
 
 def batched_rows(logits: Tensor, targets: Tensor, mask: Optional[Tensor]):
@@ -27,21 +28,29 @@ def batched_rows(logits: Tensor, targets: Tensor, mask: Optional[Tensor]):
 
 @custom_op("token_logprobs")
 def token_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tensor], temperature: float,
-                      with_entropy: bool, inplace_backward: bool,
-                      offset: int) -> Tuple[Tensor, Tensor, Tensor]:
+                      with_entropy: bool, inplace_backward: bool, offset: int,
+                      batch_invariant: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy, stats)``: log-probs and entropy of the targets' shape (``entropy`` is
     empty without ``with_entropy``) and the per-row statistics the backward needs. The rows
     ``[offset, offset + T)`` of ``logits [B, S, V]`` predict ``targets [B, T]``; the gradient
-    is that of the whole ``logits``."""
+    is that of the whole ``logits``. ``batch_invariant``: the statistics from fixed vocabulary
+    blocks (``vocab_blocks``), a batch-invariant ``LinearHead``'s bits."""
     logits3, targets3, mask3 = batched_rows(logits, targets, mask)
-    logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, HeadParams(temperature),
-                                              with_entropy, offset)
+    head = HeadParams(temperature)
+    if batch_invariant:
+        window = logits3[:, offset:offset + targets3.shape[1]]
+        _, row_stats = block_row_stats(window, targets3, mask3, head, with_entropy)
+        logp, stats, entropy = (row_stats[:, cols].clone() for cols in (0, slice(1, 3), 3))
+    else:
+        logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, head, with_entropy,
+                                                  offset)
     entropy = entropy.view(targets.shape) if with_entropy else logp.new_empty(0)
     return logp.view(targets.shape), entropy, stats
 
 
 @token_logprobs_op.register_fake
-def _(logits, targets, mask, temperature, with_entropy, inplace_backward, offset):
+def _(logits, targets, mask, temperature, with_entropy, inplace_backward, offset,
+      batch_invariant=False):
     acc = compute_dtype(logits.dtype)
     entropy_shape = targets.shape if with_entropy else (0,)
     return (logits.new_empty(targets.shape, dtype=acc), logits.new_empty(entropy_shape, dtype=acc),
@@ -109,9 +118,10 @@ register_autograd(token_logprobs_op, _backward, _setup_context)
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, mask: Optional[Tensor], temperature: float,
-                   return_entropy: bool, inplace_backward: bool, validate: bool):
+                   return_entropy: bool, inplace_backward: bool, validate: bool,
+                   batch_invariant: bool = False):
     """``logp`` (or ``(logp, entropy)``) of ``rlfuse.token_logprobs`` (an out-of-range target
     without ``validate`` gives NaN in the kernels)."""
     logp, entropy, _ = token_logprobs_op(logits, targets, mask, temperature, return_entropy,
-                                         inplace_backward, 0)
+                                         inplace_backward, 0, batch_invariant)
     return (logp, entropy) if return_entropy else logp

@@ -116,6 +116,10 @@ def vocab_split_linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optiona
     ``weight [V_l, H]`` (and ``bias``) is this rank's shard; ``row_blocks``: its rows are
     every rank's sequence shard, the backward reduce-scatters their gradient
     (``scaleout.sequence``)."""
+    if batch_invariant:     # the whole rows' statistics from fixed vocabulary blocks
+        return linear_logprobs_op(hidden, weight, bias, targets, mask, temperature, logit_scale,
+                                  softcap, offset, chunk_tokens, gather, with_entropy, False,
+                                  True, group_name)
     local, _ = shard_targets(targets, weight.shape[0], group_name)
     x_y, entropy, stats = linear_logprobs_op(hidden, weight, bias, local.clamp_min(0), mask,
                                              temperature, logit_scale, softcap, offset,

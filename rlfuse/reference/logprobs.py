@@ -15,10 +15,11 @@ from ..shared.head import scaled_logits
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
                    temperature: float, return_entropy: bool, inplace_backward: bool,
-                   validate: bool):
+                   validate: bool, batch_invariant: bool = False):
     """``logp`` (or ``(logp, entropy)``) of ``rlfuse.token_logprobs``: ``log_softmax(logits /
     temperature)`` at the targets, masked positions 0 and never read (``inplace_backward``
-    has no buffer to save here); without ``validate`` a target outside the row gives NaN."""
+    has no buffer to save here, ``batch_invariant`` no bits to fix: its rows are the same
+    math); without ``validate`` a target outside the row gives NaN."""
     z = logits.to(compute_dtype(logits.dtype))
     if mask is not None:  # masked rows may hold NaN / inf: never let them into the arithmetic
         z = torch.where(mask.unsqueeze(-1), z, torch.zeros_like(z))
