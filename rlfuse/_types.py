@@ -41,8 +41,12 @@ class Logits(NamedTuple):
     ``vocab_parallel_group``: a ``torch.distributed`` process group over which the vocabulary
     is split (Megatron's convention: rank r holds the ids ``[r V_local, (r + 1) V_local)`` in
     its ``logits[..., :V_local]``); targets are global ids, every rank gets the same log-probs,
-    entropy and loss, and the gradient of its own shard. Pass ``offset``, ``index`` and
-    ``vocab_parallel_group`` by keyword.
+    entropy and loss, and the gradient of its own shard. ``batch_invariant``: each row's
+    log-prob and entropy from fixed vocabulary blocks combined in one order, the bits of a
+    ``LinearHead(..., batch_invariant=True)`` whose logits these are, on one rank or a split
+    of any number of ranks (shards of whole blocks of 128 ids); the losses then take two passes
+    over the logits. Pass ``offset``, ``index``, ``vocab_parallel_group`` and
+    ``batch_invariant`` by keyword.
     """
 
     logits: torch.Tensor
@@ -52,6 +56,7 @@ class Logits(NamedTuple):
     offset: int = 0
     index: Optional[torch.Tensor] = None
     vocab_parallel_group: Optional[Any] = None
+    batch_invariant: bool = False
 
 
 class LinearHead(NamedTuple):

@@ -169,12 +169,55 @@ def test_a_vocabulary_of_several_blocks(dtype):
             torch.testing.assert_close(a.double(), b, **TOL["fp32_matmul"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_invariant_logits_are_the_heads(dtype):
+    """``Logits(head_logits(...), ..., batch_invariant=True)``: the batch-invariant head's
+    log-probs, entropies and GGPO loss bit for bit, a row's its own in any batch; (fp32) its
+    log-probs, entropies and logits' gradient exact against float64."""
+    vocab = 2 * VOCAB_BLOCK + 37
+    weight, bias, _ = _head(dtype, bias=True, vocab=vocab)
+    hidden, targets = _rows(6, dtype, seed=3, vocab=vocab)
+    g = torch.Generator().manual_seed(4)
+    mask = torch.rand(6, T, generator=g) > 0.3
+    mask[:, 0] = True
+    old, rewards = torch.randn(6, T, generator=g) - 5, torch.randn(6, generator=g)
+    head = rlfuse.LinearHead(hidden, weight, targets, bias=bias, temperature=0.7,
+                             batch_invariant=True)
+    logits = rlfuse.head_logits(hidden, weight, bias)
+
+    def of(rows, rows_targets):
+        return rlfuse.Logits(rows, rows_targets, temperature=0.7, batch_invariant=True)
+
+    for call in (lambda p: rlfuse.policy_logprobs(p, return_entropy=True),
+                 lambda p: (rlfuse.ggpo_loss(p, old, rewards, mask, group_size=2,
+                                             beta=0.5).loss,)):
+        for got, want in zip(call(of(logits, targets)), call(head)):
+            assert torch.equal(got, want)
+    lp, entropy = rlfuse.policy_logprobs(of(logits[2:3], targets[2:3]), return_entropy=True)
+    want_lp, want_entropy = rlfuse.policy_logprobs(head, return_entropy=True)
+    assert torch.equal(lp[0], want_lp[2]) and torch.equal(entropy[0], want_entropy[2])
+    if dtype == torch.float32:
+        results = []
+        for lib, rows in ((rlfuse, logits), (rlfuse.reference, logits.double())):
+            leaf = rows.detach().requires_grad_()
+            lp, entropy = lib.policy_logprobs(of(leaf, targets), return_entropy=True)
+            (lp.sum() + 0.5 * entropy.sum()).backward()
+            results.append((lp, entropy, leaf.grad))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a.double(), b, **TOL["fp32"])
+
+
 def test_the_flag_is_a_bool():
     weight, _, _ = _head(torch.float32)
     hidden, targets = _rows(1, torch.float32, seed=0)
     with pytest.raises(TypeError, match="policy.batch_invariant: expected a bool"):
         rlfuse.policy_logprobs(rlfuse.LinearHead(hidden, weight, targets, offset=1,
                                                  batch_invariant=1))
+    logits = torch.zeros(1, T, V)
+    with pytest.raises(TypeError, match="policy.batch_invariant: expected a bool"):
+        rlfuse.policy_logprobs(rlfuse.Logits(logits, targets, batch_invariant="yes"))
+    with pytest.raises(TypeError, match="^batch_invariant: expected a bool"):
+        rlfuse.token_logprobs(logits, targets, batch_invariant=None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,

@@ -109,8 +109,9 @@ def test_linear_head_deterministic(loss):
 def test_batch_invariant_head_on_the_gpu(dtype):
     """On the GPU's own matmul (the interpreter's is numpy's): a row's log-prob, entropy and
     hidden-state gradient the same bits alone and among 300 random rows (several row tiles),
-    at two chunk sizes, at a real hidden size and a vocabulary of several tiles; the default
-    head (cuBLAS) is not held to it."""
+    at two chunk sizes, at a real hidden size and a vocabulary of several tiles, and
+    ``token_logprobs`` of ``head_logits`` the head's; the default head (cuBLAS) is not held to
+    it."""
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(6)
     Tq, H, Vh = 7, 1024, 30011
@@ -134,6 +135,11 @@ def test_batch_invariant_head_on_the_gpu(dtype):
         hidden[211], targets[211] = row[0], row_targets[0]
         for got, want in zip(results(hidden, targets, chunk), alone):
             assert torch.equal(got[211], want[0]), chunk
+    # a rollout engine's logits (head_logits) give the head's log-probs bit for bit
+    plain = rlfuse.LinearHead(row, weight, row_targets, bias=bias, batch_invariant=True)
+    lp = rlfuse.token_logprobs(rlfuse.head_logits(row[:, :-1], weight, bias), row_targets,
+                               batch_invariant=True)
+    assert torch.equal(rlfuse.policy_logprobs(plain).detach(), lp.detach())
 
 
 def test_inplace_equals_out_of_place_under_stress():

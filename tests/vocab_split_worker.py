@@ -437,8 +437,9 @@ def check_opcheck(d, group, rank, world):
 def check_invariant_over_ranks(group, rank, world):
     """A batch-invariant head over the split (its vocabulary whole blocks of ``VOCAB_BLOCK``
     ids): every row's log-prob and entropy and the losses (the single pass and GGPO's two)
-    the same bits as the whole head on one process, so the same on 1, 2 and 4 ranks; a shard
-    of a partial block refused on every rank."""
+    the same bits as the whole head on one process, so the same on 1, 2 and 4 ranks, and so of
+    ``Logits`` (each shard's gradient too); a shard of a partial block refused on every
+    rank."""
     from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
 
     g = torch.Generator().manual_seed(17)
@@ -480,6 +481,19 @@ def check_invariant_over_ranks(group, rank, world):
                 torch.testing.assert_close(b.double(), a.double(), rtol=0,
                                            atol=SPLIT_GRAD_TOL[dtype] * scale,
                                            msg=lambda m: f"invariant gradient {i}: {m}")
+        # Logits over the split: the same bits, the gradient of each shard too
+        logits = torch.randn(n, t + 1, vocab, generator=g).to(dtype).requires_grad_()
+        grads = []
+        for rows, grp in ((logits[..., shard], group), (logits, None)):
+            policy = rlfuse.Logits(rows, targets, temperature=0.7, offset=1,
+                                   vocab_parallel_group=grp, batch_invariant=True)
+            got = [call(policy) for call in calls[::2]]
+            grads.append(torch.autograd.grad(got[1][0], logits)[0][..., shard])
+            if grp is not None:
+                split = got
+        for got, want in zip(split, got):
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (dtype, rank, world)
+        assert torch.equal(*grads), (dtype, rank, world)
     partial = VOCAB_BLOCK // 2
     targets = targets % (partial * world)
     try:

@@ -179,6 +179,8 @@ def check_policy(policy, loss_shape: Optional[Tuple[int, ...]] = None) -> Policy
     the targets' and index's values are checked with the mask (``check_policy_targets``)."""
     if isinstance(policy, (Logits, LinearHead)) and policy.vocab_parallel_group is not None:
         vocab_group_size(policy.vocab_parallel_group)
+    if isinstance(policy, Logits):
+        check_bool("policy.batch_invariant", policy.batch_invariant)
     if isinstance(policy, (Logits, LinearHead)) and policy.index is not None:
         shape, device, dtype = _check_packed(policy, loss_shape)
     elif isinstance(policy, Logits):

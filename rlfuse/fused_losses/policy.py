@@ -34,7 +34,8 @@ def _local_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
     else:
         logp, entropy, _ = token_logprobs_op(rows.logits, rows.targets, mask,
                                              float(rows.temperature), bool(return_entropy),
-                                             bool(rows.inplace_backward), int(rows.offset))
+                                             bool(rows.inplace_backward), int(rows.offset),
+                                             bool(rows.batch_invariant))
     return logp, entropy
 
 

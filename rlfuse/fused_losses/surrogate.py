@@ -266,8 +266,8 @@ def _(x, mask, scale, offset):
 def _in_one_pass(policy, ratio: str) -> bool:
     """Whether ``policy``'s loss runs in one pass over its logits (see the module)."""
     if ratio != "token" or not isinstance(policy, (Logits, LinearHead)) or \
-            isinstance(policy, RankRowsHead) or \
-            (isinstance(policy, Logits) and policy.vocab_parallel_group is not None):
+            isinstance(policy, RankRowsHead) or (isinstance(policy, Logits) and (
+                policy.vocab_parallel_group is not None or policy.batch_invariant)):
         return False
     rows = policy.logits if isinstance(policy, Logits) else policy.hidden
     return rows.dtype != torch.float16

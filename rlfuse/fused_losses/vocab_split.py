@@ -24,6 +24,7 @@ from .logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
 from ..kernels.head import HeadParams
 from ..scaleout.sequence import row_blocks
+from .vocab_blocks import block_row_stats
 from ..scaleout.vocab import shard_targets, whole_rows
 
 
@@ -63,9 +64,18 @@ def _upstream(dlogp, dentropy, entropy, targets, stats):
 @custom_op("vocab_split_logprobs")
 def vocab_split_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tensor],
                             temperature: float, with_entropy: bool, inplace_backward: bool,
-                            offset: int, group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
+                            offset: int, group_name: str, batch_invariant: bool = False
+                            ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of ``logits [B, S, V_l]``
-    shards (rows ``[offset, offset + T)`` predict the global ``targets [B, T]``)."""
+    shards (rows ``[offset, offset + T)`` predict the global ``targets [B, T]``);
+    ``batch_invariant``: from fixed vocabulary blocks (``vocab_blocks``)."""
+    if batch_invariant:
+        window = logits[:, offset:offset + targets.shape[1]]
+        _, row_stats = block_row_stats(window, targets, mask, HeadParams(temperature),
+                                       with_entropy, group_name)
+        logp, stats, entropy = (row_stats[:, cols].clone() for cols in (0, slice(1, 3), 3))
+        return (logp.view(targets.shape),
+                entropy.view(targets.shape) if with_entropy else logp.new_empty(0), stats)
     local, _ = shard_targets(targets, logits.shape[-1], group_name)
     local = local.clamp_min(0)
     _, entropy, stats = token_logprobs_op(logits, local, mask, temperature, with_entropy, False,
@@ -77,7 +87,8 @@ def vocab_split_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tens
 
 
 @vocab_split_logprobs_op.register_fake
-def _(logits, targets, mask, temperature, with_entropy, inplace_backward, offset, group_name):
+def _(logits, targets, mask, temperature, with_entropy, inplace_backward, offset, group_name,
+      batch_invariant=False):
     return _fake_outputs(logits, targets, with_entropy)
 
 
@@ -176,5 +187,6 @@ def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
     else:
         logp, entropy, _ = vocab_split_logprobs_op(
             rows.logits, rows.targets, mask, float(rows.temperature), bool(return_entropy),
-            bool(rows.inplace_backward), int(rows.offset), group_name)
+            bool(rows.inplace_backward), int(rows.offset), group_name,
+            bool(rows.batch_invariant))
     return logp, entropy
