@@ -75,6 +75,7 @@ class Dispatch(NamedTuple):
 
 DISPATCH = Dispatch(FUSED, reference.REFERENCE)
 
+distill_loss = bind(api.distill_loss, DISPATCH)
 ggpo_loss = bind(api.ggpo_loss, DISPATCH)
 gppo_bounds = bind(api.gppo_bounds, DISPATCH)
 gppo_loss = bind(api.gppo_loss, DISPATCH)
@@ -85,4 +86,5 @@ kl_penalty = bind(api.kl_penalty, DISPATCH)
 policy_logprobs = bind(api.policy_logprobs, DISPATCH)
 policy_loss = bind(api.policy_loss, DISPATCH)
 ppo_loss = bind(api.ppo_loss, DISPATCH)
+token_divergence = bind(api.token_divergence, DISPATCH)
 token_logprobs = bind(api.token_logprobs, DISPATCH)

@@ -59,6 +59,15 @@ class Logits(NamedTuple):
     batch_invariant: bool = False
 
 
+class TopK(NamedTuple):
+    """A teacher given as its top-k next-token log-probs (a teacher server's, verl's
+    distillation): ``ids [B, T, k]`` (integer ids of the vocabulary) and ``logprobs [B, T, k]``
+    (the teacher's log-probs there, <= 0), for ``rlfuse.distill_loss`` with ``ForwardKL``."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
 class LinearHead(NamedTuple):
     """A policy given as the last hidden state and the output head: ``logits = hidden @
     weight.T + bias``, never materialised beyond one chunk of tokens in the fused path.

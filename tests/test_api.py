@@ -27,11 +27,13 @@ LOSSES = ("ggpo_loss", "gppo_loss", "gr_opd_loss", "ppo_loss")
 
 
 def test_every_public_function_has_a_reference_twin():
-    assert set(PUBLIC_FUNCTIONS) == {"ggpo_loss", "global_counts", "gppo_bounds", "gppo_loss",
+    assert set(PUBLIC_FUNCTIONS) == {"distill_loss", "ggpo_loss", "global_counts",
+                                     "gppo_bounds", "gppo_loss",
                                      "gr_opd_advantages", "gr_opd_loss", "group_advantages",
                                      "head_logits", "kl_penalty", "packed_index",
                                      "policy_logprobs",
-                                     "policy_loss", "ppo_loss", "token_logprobs"}
+                                     "policy_loss", "ppo_loss", "token_divergence",
+                                     "token_logprobs"}
     for name in PUBLIC_FUNCTIONS:
         fused, ref = getattr(rlfuse, name), getattr(rlfuse.reference, name)
         assert inspect.signature(fused) == inspect.signature(ref), name

@@ -33,6 +33,8 @@ class Implementation(NamedTuple):
       entropies of ``[B, T]`` log-probs, when known);
     - ``kl_penalty(logprobs, ref_logprobs, estimator, straight, clamp)``: the estimates;
     - ``head_logits(hidden, weight, bias)``: the batch-invariant head's logits;
+    - ``token_divergence(student, teacher, divergence, mask)``: ``(divergence, the student's
+      entropy, {extra metric: [B, T]})`` of a distillation (``api.distill``);
     - ``context_in_place``: under context parallelism ``policy_loss`` takes a rank's chunks of
       a token-local objective in place (the ``counts`` of ``api.args.PolicyLossArgs``,
       ``scaleout.context.in_place``), where
@@ -48,6 +50,7 @@ class Implementation(NamedTuple):
     policy_loss: Callable
     kl_penalty: Callable
     head_logits: Callable
+    token_divergence: Callable
     context_in_place: bool = False
 
     @contextlib.contextmanager

@@ -1,0 +1,164 @@
+"""Distillation: the divergence between a student's and a teacher's next-token distributions
+(``rlfuse.divergences``), per token (``token_divergence``) and as a loss (``distill_loss``)."""
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional
+
+import torch
+
+from .._names import AGGREGATIONS
+from .._types import LinearHead, Logits, LossOutput, TopK
+from ..checks.policy import PolicyInfo, check_policy, check_policy_targets, vocab_size
+from ..checks.values import (check_choice, check_count, check_loss_scale, check_tensor,
+                             check_token_tensors)
+from ..divergences import check_divergence
+from ..shared.aggregation import aggregation_weights
+from .args import check_weights
+
+
+class DistillArgs(NamedTuple):
+    """Checked arguments of a distillation: the student's ``PolicyInfo``, the bool mask."""
+
+    info: PolicyInfo
+    mask: torch.Tensor
+
+
+def _named(name: str, check, *args):
+    """``check(*args)`` with its errors naming ``name`` where they name ``policy``."""
+    try:
+        return check(*args)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("policy", name)) from None
+
+
+def _check_model(name: str, model, loss_shape) -> PolicyInfo:
+    if not isinstance(model, (Logits, LinearHead)):
+        raise TypeError(f"{name}: expected rlfuse.Logits or rlfuse.LinearHead"
+                        f"{' or rlfuse.TopK' if name == 'teacher' else ''}, got "
+                        f"{type(model).__name__}")
+    for field in ("index", "vocab_parallel_group"):
+        if getattr(model, field) is not None:
+            raise ValueError(f"{name}.{field}: distillation takes padded rows [B, S, ...] over "
+                             f"the whole vocabulary (packed rows and a split vocabulary are "
+                             f"not supported yet)")
+    return _named(name, check_policy, model, loss_shape)
+
+
+def _check_top_k(teacher: TopK, info: PolicyInfo, vocab: int, mask, validate: bool) -> None:
+    ids, logprobs = teacher.ids, teacher.logprobs
+    check_tensor("teacher.ids", ids, device=info.device, floating=False)
+    if ids.dim() != 3 or tuple(ids.shape[:2]) != info.shape or ids.shape[2] < 1:
+        raise ValueError(f"teacher.ids: expected shape [B, T, k] with [B, T] = {info.shape}, "
+                         f"got {tuple(ids.shape)}")
+    check_tensor("teacher.logprobs", logprobs, shape=tuple(ids.shape), device=info.device,
+                 floating=True)
+    if validate:
+        rows = mask.unsqueeze(-1).expand_as(ids)
+        bad = ((ids < 0) | (ids >= vocab)) & rows
+        if bool(bad.any()):
+            raise ValueError(f"teacher.ids: ids must lie in [0, {vocab}); found "
+                             f"{ids[bad][0].item()}")
+        bad = ~(logprobs <= 0) & rows
+        if bool(bad.any()):
+            raise ValueError(f"teacher.logprobs: expected log-probs <= 0 at actor positions; "
+                             f"found {logprobs[bad][0].item()}")
+
+
+def check_distill_args(student, teacher, mask, divergence, *, validate: bool) -> DistillArgs:
+    """The checks every distillation makes: the two models (the vocabularies equal, the same
+    ``[B, T]``), the mask, the divergence."""
+    check_divergence(divergence, isinstance(teacher, TopK))
+    info = _check_model("student", student, None)
+    mask = check_token_tensors(mask, {}, shape=info.shape, device=info.device,
+                               validate=validate)
+    _named("student", check_policy_targets, student, mask, info.shape, False)
+    vocab = vocab_size(student)
+    if isinstance(teacher, TopK):
+        _check_top_k(teacher, info, vocab, mask, validate)
+    else:
+        t_info = _check_model("teacher", teacher, None)
+        _named("teacher", check_policy_targets, teacher, mask, t_info.shape, False)
+        if t_info.shape != info.shape or t_info.device != info.device:
+            raise ValueError(f"teacher: expected the student's positions {info.shape} on "
+                             f"{info.device}, got {t_info.shape} on {t_info.device}")
+        if vocab_size(teacher) != vocab:
+            raise ValueError(f"teacher: the vocabularies must match; the student's has {vocab} "
+                             f"ids, the teacher's {vocab_size(teacher)}")
+    return DistillArgs(info, mask)
+
+
+def token_divergence(run, student, teacher, divergence, mask: Optional[torch.Tensor] = None,
+                     *, validate: bool = True) -> torch.Tensor:
+    """The divergence of each position ``[B, T]`` (fp32; fp64 for fp64 inputs) between the
+    student's and the teacher's next-token distributions, with its gradient to the student
+    (for a trainer's own aggregation, e.g. verl's ``agg_loss``); 0 at masked positions.
+
+    Args:
+        student: ``rlfuse.Logits`` or ``rlfuse.LinearHead`` (its ``targets [B, T]`` give the
+            positions; their values are not read).
+        teacher: ``rlfuse.Logits`` / ``rlfuse.LinearHead`` of the same vocabulary and positions
+            (its own temperature, hidden width, bias, logit scale, softcap; never
+            differentiated), or ``rlfuse.TopK(ids, logprobs)``.
+        divergence: ``rlfuse.divergences.ForwardKL()``, ``ReverseKL()`` or ``JSD(beta)``.
+        mask: ``[B, T]`` bool (or 0/1); None: every position.
+        validate: check the mask's values and a ``TopK`` teacher's ids and log-probs (reads
+            ``[B, T, k]`` data, one host sync).
+    """
+    with run.on(student) as (impl, student):
+        if mask is None:
+            mask = torch.ones(_named("student", check_policy, student, None).shape,
+                              dtype=torch.bool, device=student.targets.device)
+        args = check_distill_args(student, teacher, mask, divergence, validate=validate)
+        return impl.token_divergence(student, teacher, divergence, args.mask)[0]
+
+
+def distill_loss(run, student, teacher, mask: torch.Tensor, divergence, *,
+                 agg: str = "token-mean", num_tokens: Optional[float] = None,
+                 loss_scale: float = 1.0, weights: Optional[torch.Tensor] = None,
+                 validate: bool = True) -> LossOutput:
+    """The divergence between a student's and a teacher's next-token distributions, aggregated
+    over the actor tokens: on-policy distillation (TRL's ``DistillationTrainer`` and GKD with
+    ``JSD(beta)``, verl's ``forward_kl_topk`` with a ``TopK`` teacher).
+
+    Args:
+        student, teacher, divergence: as in ``token_divergence``.
+        mask: ``[B, T]`` bool (or 0/1), the positions that count.
+        agg: ``token-mean`` (TRL's ``batchmean`` over the valid tokens), or another of
+            ``policy_loss``'s aggregations (verl's ``agg_loss`` names).
+        num_tokens: the token count ``token-mean`` divides by (TRL's ``num_items_in_batch``:
+            the global batch's, for gradient accumulation); default: the local mask's sum.
+        loss_scale: multiplies the loss and every gradient.
+        weights: optional ``[B, T]`` per-token multipliers (>= 0).
+        validate: as in ``token_divergence``, and the weights finite and >= 0.
+
+    Returns:
+        ``LossOutput(loss, metrics)``: ``entropy`` (the student's mean entropy over the mask,
+        what TRL logs), ``loss_min`` / ``loss_max`` (the per-token divergence's range over
+        the mask), with a ``TopK`` teacher ``student_mass`` / ``teacher_mass`` (the mean
+        probability mass on the teacher's ids, verl's).
+    """
+    with run.on(student) as (impl, student):
+        args = check_distill_args(student, teacher, mask, divergence, validate=validate)
+        agg = check_choice("agg", agg, AGGREGATIONS)
+        num_tokens = check_count("num_tokens", num_tokens, args.info.device, validate)
+        scale = check_loss_scale(loss_scale)
+        weights = check_weights(weights, args.info, args.mask, validate)
+        value, entropy, extras = impl.token_divergence(student, teacher, divergence, args.mask)
+        return _loss(value, entropy, extras, args.mask, agg, num_tokens, scale, weights)
+
+
+def _loss(value, entropy, extras: Dict[str, torch.Tensor], mask, agg, num_tokens, scale,
+          weights) -> LossOutput:
+    dtype = value.dtype
+    row_weights = aggregation_weights(mask, agg, dtype, num_tokens=num_tokens).unsqueeze(-1)
+    per_token = value if weights is None else value * weights.to(dtype)
+    loss = scale * (torch.where(mask, per_token, 0.0) * row_weights).sum()
+    tokens = mask.sum().clamp_min(1).to(dtype)
+    detached = value.detach()
+    metrics = {"entropy": entropy.sum() / tokens,
+               "loss_min": torch.where(mask, detached, torch.inf).amin(),
+               "loss_max": torch.where(mask, detached, -torch.inf).amax(),
+               **{name: x.sum() / tokens for name, x in extras.items()}}
+    for name in ("loss_min", "loss_max"):    # no actor token: 0, as the other metrics
+        metrics[name] = torch.where(mask.any(), metrics[name], 0.0)
+    return LossOutput(loss, {k: v.detach() for k, v in metrics.items()})

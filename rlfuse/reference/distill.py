@@ -1,0 +1,74 @@
+"""The divergences between a student and a teacher (``rlfuse.divergences``), per token, from both
+models' whole next-token distributions: the definition of ``distill_loss`` and
+``token_divergence``. The teacher is never differentiated.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+from torch import Tensor
+
+from .._types import TopK, compute_dtype
+from ..divergences import JSD, ForwardKL, ReverseKL
+from .logprobs import as_logits
+
+
+def window_log_softmax(policy, mask: Tensor) -> Tensor:
+    """``log_softmax(z)`` ``[B, T, V]`` of the window rows of a ``Logits`` / ``LinearHead`` in
+    the compute dtype (``z``: its logits, scaled and softcapped by a head, over its temperature),
+    masked rows' logits taken as 0 (they may hold anything)."""
+    rows = as_logits(policy)
+    T = rows.targets.shape[1]
+    z = rows.logits[:, rows.offset:rows.offset + T]
+    z = torch.where(mask.unsqueeze(-1), z.to(compute_dtype(z.dtype)), 0.0)
+    return torch.log_softmax(z / rows.temperature, dim=-1)
+
+
+def _weighted(p: Tensor, x: Tensor) -> Tensor:
+    """``Σ_v p_v x_v``, a term of probability 0 counted 0 (whatever ``x`` is there)."""
+    return torch.where(p > 0, p * x, 0.0).sum(-1)
+
+
+def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """``KL(p ‖ q) = Σ p (log p − log q)`` over the last dimension."""
+    return _weighted(log_p.exp(), log_p - log_q)
+
+
+def _full(s: Tensor, t: Tensor, divergence) -> Tensor:
+    beta = divergence.beta if isinstance(divergence, JSD) else None
+    if isinstance(divergence, ForwardKL) or beta == 0.0:
+        return _kl(t, s)
+    if isinstance(divergence, ReverseKL) or beta == 1.0:
+        return _kl(s, t)
+    # log M = log((1 − β) S + β T)
+    log_m = torch.logaddexp(s + torch.log1p(torch.tensor(-beta, dtype=s.dtype)),
+                            t + torch.log(torch.tensor(beta, dtype=s.dtype)))
+    return beta * _kl(t, log_m) + (1 - beta) * _kl(s, log_m)
+
+
+def _top_k(s: Tensor, teacher: TopK, divergence: ForwardKL) -> Tuple[Tensor, Dict[str, Tensor]]:
+    s_k = s.gather(-1, teacher.ids.long())
+    t_k = teacher.logprobs.to(s.dtype)
+    masses = {"student_mass": s_k.exp().sum(-1), "teacher_mass": t_k.exp().sum(-1)}
+    if divergence.min_logprob is not None:
+        s_k, t_k = s_k.clamp_min(divergence.min_logprob), t_k.clamp_min(divergence.min_logprob)
+    return (t_k.exp() * (t_k - s_k)).sum(-1).clamp_min(0.0), masses
+
+
+def token_divergence(student, teacher, divergence, mask: Tensor
+                     ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
+    """``(divergence [B, T], the student's entropy [B, T], {name: [B, T]})`` (the extras: a
+    ``TopK`` teacher's ``student_mass`` and ``teacher_mass``), 0 at masked positions, on
+    checked arguments."""
+    s = window_log_softmax(student, mask)
+    entropy = -_weighted(s.exp(), s)
+    if isinstance(teacher, TopK):
+        value, extras = _top_k(s, teacher, divergence)
+    else:
+        with torch.no_grad():
+            t = window_log_softmax(teacher, mask).to(s.dtype)
+        value, extras = _full(s, t, divergence), {}
+    zero = torch.zeros((), dtype=s.dtype, device=s.device)
+    return (torch.where(mask, value, zero), torch.where(mask, entropy.detach(), zero),
+            {k: torch.where(mask, v.detach(), zero) for k, v in extras.items()})

@@ -1,0 +1,206 @@
+"""Distillation (``rlfuse.distill_loss``, ``rlfuse.token_divergence``, ``rlfuse.divergences``,
+``rlfuse.TopK``): against TRL 1.16's own ``generalized_jsd_loss`` (GKD) and
+``_chunked_divergence_loss`` (the ``DistillationTrainer``'s, from both models' heads) and verl
+0.9.1's ``forward_kl_topk`` on the same batches, against float64, masked positions inert, and
+bad input refused by name."""
+import types
+
+import pytest
+import torch
+
+import rlfuse
+import rlfuse.reference
+from conftest import TOL
+from rlfuse.divergences import JSD, ForwardKL, ReverseKL
+
+B, S, V, H = 3, 6, 37, 8
+T = S - 1
+LIBS = [rlfuse, rlfuse.reference]
+BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
+
+
+def _batch(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    student = (2 * torch.randn(B, S, V, generator=g, dtype=torch.float64)).to(dtype)
+    teacher = (2 * torch.randn(B, S, V, generator=g, dtype=torch.float64)).to(dtype)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[:, 0] = True
+    return student, teacher, mask
+
+
+def _positions():
+    return torch.zeros(B, T, dtype=torch.long)     # distillation reads no target
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=["fused", "reference"])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trl_generalized_jsd(lib, beta, temperature):
+    """TRL's GKD loss (``batchmean`` over the labelled tokens) and its gradient."""
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    student, teacher, mask = _batch()
+    leaf = student.clone().requires_grad_()
+    out = lib.distill_loss(rlfuse.Logits(leaf, _positions(), temperature),
+                           rlfuse.Logits(teacher, _positions(), temperature), mask, JSD(beta))
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    trl_leaf = student.clone().requires_grad_()
+    labels = torch.where(mask, 1, -100)
+    want = GKDTrainer.generalized_jsd_loss(trl_leaf[:, :-1], teacher[:, :-1], labels=labels,
+                                           beta=beta, temperature=temperature)
+    (want_grad,) = torch.autograd.grad(want, trl_leaf)
+    torch.testing.assert_close(out.loss, want, **TOL["fp32"])
+    torch.testing.assert_close(grad, want_grad, **TOL["fp32"])
+
+
+def _heads(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    h_s = torch.randn(B, T, H, generator=g)
+    h_t = torch.randn(B, T, 2 * H + 1, generator=g)                 # a wider teacher
+    w_s, w_t = torch.randn(V, H, generator=g) / 2, torch.randn(V, 2 * H + 1, generator=g) / 3
+    b_s, b_t = torch.randn(V, generator=g), torch.randn(V, generator=g)
+    return h_s, h_t, w_s, w_t, b_s, b_t
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=["fused", "reference"])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("style", ["plain", "cohere", "gemma"])
+def test_trl_distillation_trainer_heads(lib, beta, style):
+    """TRL's ``_chunked_divergence_loss`` over both models' hidden states and heads (a student
+    with a bias, logit scale and softcap, a wider teacher with its own): the loss, every
+    student gradient, and its ``entropy`` metric (entropy sum / valid tokens)."""
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    scale, cap = {"plain": (1.0, None), "cohere": (0.25, None), "gemma": (1.0, 3.0)}[style]
+    h_s, h_t, w_s, w_t, b_s, b_t = _heads()
+    _, _, mask = _batch()
+    leaves = [x.clone().requires_grad_() for x in (h_s, w_s, b_s)]
+    student = rlfuse.LinearHead(leaves[0], leaves[1], _positions(), bias=leaves[2],
+                                temperature=0.8, logit_scale=scale, softcap=cap)
+    teacher = rlfuse.LinearHead(h_t, w_t, _positions(), bias=b_t, temperature=0.8,
+                                logit_scale=2 * scale, softcap=cap and 2 * cap)
+    out = lib.distill_loss(student, teacher, mask, JSD(beta))
+    grads = torch.autograd.grad(out.loss, leaves)
+    trl_leaves = [x.clone().requires_grad_() for x in (h_s, w_s, b_s)]
+    want, entropy_sum, valid = _chunked_divergence_loss(
+        trl_leaves[0], h_t, trl_leaves[1], w_t, mask.long(), beta,
+        student_lm_head_bias=trl_leaves[2], teacher_lm_head_bias=b_t,
+        student_logit_scale=scale, teacher_logit_scale=2 * scale,
+        student_final_logit_softcapping=cap, teacher_final_logit_softcapping=cap and 2 * cap,
+        temperature=0.8)
+    want_grads = torch.autograd.grad(want, trl_leaves)
+    torch.testing.assert_close(out.loss, want, **TOL["fp32_matmul"])
+    torch.testing.assert_close(out.metrics["entropy"], entropy_sum / valid, **TOL["fp32_matmul"])
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, **TOL["fp32_matmul"])
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=["fused", "reference"])
+@pytest.mark.parametrize("min_logprob", [None, -4.0])
+def test_verl_forward_kl_topk(lib, min_logprob):
+    """verl's ``forward_kl_topk`` (FSDP's logits processor, then the loss's clamp at 0): the
+    per-token losses and their gradient, ``student_mass`` and ``teacher_mass``."""
+    from verl.trainer.distillation.fsdp.losses import compute_forward_kl_topk
+
+    student, teacher, _ = _batch()
+    k = 4
+    top = torch.log_softmax(teacher[:, :-1].double(), -1).topk(k, -1)
+    ids, logprobs = top.indices, top.values.float()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    leaf = student.clone().requires_grad_()
+    got = lib.token_divergence(rlfuse.Logits(leaf, _positions()), rlfuse.TopK(ids, logprobs),
+                               ForwardKL(min_logprob), mask)
+    (grad,) = torch.autograd.grad(got.sum(), leaf)
+    out = lib.distill_loss(rlfuse.Logits(student, _positions()), rlfuse.TopK(ids, logprobs),
+                           mask, ForwardKL(min_logprob))
+
+    def nested(x):
+        return torch.nested.nested_tensor(list(x), layout=torch.jagged)
+
+    config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(
+        log_prob_min_clamp=min_logprob, use_chunked_topk=False))
+    verl_leaf = student.clone().requires_grad_()
+    verl = compute_forward_kl_topk(verl_leaf[:, :-1].reshape(1, B * T, V), nested(logprobs),
+                                   nested(ids), config, "thd")
+    want = verl["distillation_losses"].clamp_min(0.0).view(B, T)
+    (want_grad,) = torch.autograd.grad(want.sum(), verl_leaf)
+    torch.testing.assert_close(got, want, **TOL["fp32"])
+    torch.testing.assert_close(grad, want_grad, **TOL["fp32"])
+    for name in ("student_mass", "teacher_mass"):
+        torch.testing.assert_close(out.metrics[name], verl[name].mean(), **TOL["fp32"])
+
+
+@pytest.mark.parametrize("divergence", [ForwardKL(), ReverseKL(), JSD(0.3)], ids=repr)
+def test_against_float64_and_masked_positions_inert(divergence):
+    """fp32 against float64 (loss, metrics, the student logits' gradient); NaN in the masked
+    rows of both models' logits reaches nothing; a masked position has zero gradient."""
+    student, teacher, mask = _batch()
+    for logits in (student, teacher):    # the masked rows of the window, the row after it
+        logits[:, :-1][~mask] = float("nan")
+        logits[:, -1] = float("nan")
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        leaf = student.to(dtype).requires_grad_()
+        out = rlfuse.distill_loss(rlfuse.Logits(leaf, _positions(), 0.9),
+                                  rlfuse.Logits(teacher.to(dtype), _positions(), 0.9), mask,
+                                  divergence, agg="seq-mean-token-mean")
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        results.append((out.loss, *out.metrics.values(), grad))
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b, **TOL["fp32"])
+    assert (results[0][-1][:, :-1][~mask] == 0).all() and (results[0][-1][:, -1] == 0).all()
+
+
+def test_token_divergence_is_the_loss_per_token():
+    student, teacher, mask = _batch()
+    leaf = student.clone().requires_grad_()
+    args = (rlfuse.Logits(leaf, _positions()), rlfuse.Logits(teacher, _positions()))
+    per_token = rlfuse.token_divergence(*args, JSD(0.5), mask)
+    assert per_token.shape == (B, T) and (per_token[~mask] == 0).all()
+    out = rlfuse.distill_loss(*args, mask, JSD(0.5), agg="token-sum", loss_scale=2.0,
+                              weights=mask.float() * 0.5)
+    torch.testing.assert_close(out.loss, per_token.sum(), **TOL["fp32"])
+    assert out.metrics["loss_max"] == per_token[mask].max()
+
+
+BAD = [
+    (dict(divergence="forward_kl"), TypeError, "divergence: expected"),
+    (dict(divergence=ReverseKL(), topk=True), ValueError, "divergence: a TopK teacher"),
+    (dict(divergence=ForwardKL(-3.0)), ValueError, "divergence.min_logprob"),
+    (dict(teacher_vocab=V + 1), ValueError, "teacher: the vocabularies must match"),
+    (dict(teacher_rows=T - 1), ValueError, "teacher"),
+    (dict(mask=torch.ones(B, T + 1, dtype=torch.bool)), ValueError, "mask"),
+    (dict(topk=True, ids_shift=V), ValueError, r"teacher.ids: ids must lie in \[0, 37\)"),
+    (dict(topk=True, logprob_shift=1.5), ValueError, "teacher.logprobs: expected log-probs"),
+    (dict(student="logprobs"), TypeError, "student: expected rlfuse.Logits"),
+    (dict(packed=True), ValueError, "student.index: distillation takes padded rows"),
+]
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=["fused", "reference"])
+@pytest.mark.parametrize("bad,error,match", BAD, ids=[m for _, _, m in BAD])
+def test_bad_input(lib, bad, error, match):
+    student, teacher, mask = _batch()
+    s = rlfuse.Logits(student, _positions())
+    if bad.get("student") == "logprobs":
+        s = torch.zeros(B, T)
+    if bad.get("packed"):
+        s = rlfuse.Logits(student.reshape(-1, V)[:B * T], torch.zeros(B * T, dtype=torch.long),
+                          index=torch.arange(B * T))
+    rows = S - (T - bad.get("teacher_rows", T))
+    t = rlfuse.Logits(torch.zeros(B, rows, bad.get("teacher_vocab", V)),
+                      torch.zeros(B, rows - 1, dtype=torch.long))
+    if bad.get("topk"):
+        ids = torch.zeros(B, T, 2, dtype=torch.long) + bad.get("ids_shift", 0)
+        t = rlfuse.TopK(ids, torch.full((B, T, 2), -1.0) + bad.get("logprob_shift", 0.0))
+    with pytest.raises(error, match=match):
+        lib.distill_loss(s, t, bad.get("mask", mask), bad.get("divergence", ForwardKL()))
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.5, float("nan")])
+def test_beta_outside_the_unit_interval(beta):
+    with pytest.raises(ValueError, match=r"divergence.beta: expected a number in \[0, 1\]"):
+        JSD(beta)
+    with pytest.raises(TypeError, match="divergence.beta"):
+        JSD("0.5")
