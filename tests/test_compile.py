@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import rlfuse
-from rlfuse.fused_losses import (ggpo, gr_opd, head_logits, kl, linear_head, logprobs, regions,
-                                 surrogate)
+from rlfuse.fused_losses import (distill, ggpo, gr_opd, head_logits, kl, linear_head, logprobs,
+                                 regions, surrogate)
 
 from conftest import TOL
 from vocab_split_worker import SPLIT_OPS
@@ -83,6 +83,9 @@ STEPS = {
             *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
                                    return_entropy=True, validate=False,
                                    batch_invariant=True))),
+    "distill": (("logits",), lambda leaf, x, form: _loss(rlfuse.distill_loss(
+        rlfuse.Logits(leaf, x.targets, 0.9), rlfuse.Logits(x.logits.flip(0), x.targets, 1.25),
+        x.mask, rlfuse.divergences.JSD(0.3), validate=False))),
     "policy_logprobs": (("logits", "head", "invariant_head", "packed_logits"),
                         lambda leaf, x, form: (
         lambda lp, ent: (lp.sum() + 0.5 * ent.sum(), {"logp": lp, "entropy": ent}))(
@@ -333,6 +336,15 @@ def _op_cases(device):
              [1.0, 1.05], 20.0, "k1", True, False, False, 1, 7, False, [True, True, True])],
         "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6,
                                torch.float64)],
+        "distill": [(full, x.logits.flip(0), x.mask, 0.9, 1.25, 1, 0, "jsd", 0.3),
+                    (full, x.logits.double(), x.mask, 1.0, 0.5, 0, 1, "reverse_kl", 1.0),
+                    (logits.double().detach().requires_grad_(), x.logits, x.mask, 1.0, 1.0, 0,
+                     1, "forward_kl", 0.0)],
+        "distill_backward": [
+            (full.detach(), x.logits.flip(0), x.mask,
+             distill.distill_op(full.detach(), x.logits.flip(0), x.mask, 0.9, 1.25, 1, 0, "jsd",
+                                0.3)[2], torch.randn(B, T, device=device), 0.9, 1.25, 1, 0,
+             "jsd", 0.3)],
         "scale_cast": [(torch.randn(7, 5, device=device), torch.tensor(0.3, device=device),
                         torch.bfloat16),
                        (torch.randn(3, device=device, dtype=torch.float64),
@@ -353,7 +365,8 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "linear_logprobs_backward": linear_head.linear_logprobs_backward_op,
        "linear_surrogate": linear_head.linear_surrogate_op,
        "scale_cast": linear_head.scale_cast_op, "kl_penalty": kl.kl_penalty_op,
-       "kl_penalty_backward": kl.kl_penalty_backward_op}
+       "kl_penalty_backward": kl.kl_penalty_backward_op, "distill": distill.distill_op,
+       "distill_backward": distill.distill_backward_op}
 ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")
 

@@ -10,7 +10,7 @@ import torch
 
 import rlfuse
 import rlfuse.reference
-from conftest import TOL
+from conftest import TOL, assert_three_way
 from rlfuse.divergences import JSD, ForwardKL, ReverseKL
 
 B, S, V, H = 3, 6, 37, 8
@@ -36,7 +36,8 @@ def _positions():
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_trl_generalized_jsd(lib, beta, temperature):
-    """TRL's GKD loss (``batchmean`` over the labelled tokens) and its gradient."""
+    """TRL's GKD loss (``batchmean`` over the labelled tokens) and its gradient: TRL's own
+    function in fp32 the yardstick and in float64 the truth (the three-way rule)."""
     from trl.experimental.gkd.gkd_trainer import GKDTrainer
 
     student, teacher, mask = _batch()
@@ -44,13 +45,16 @@ def test_trl_generalized_jsd(lib, beta, temperature):
     out = lib.distill_loss(rlfuse.Logits(leaf, _positions(), temperature),
                            rlfuse.Logits(teacher, _positions(), temperature), mask, JSD(beta))
     (grad,) = torch.autograd.grad(out.loss, leaf)
-    trl_leaf = student.clone().requires_grad_()
     labels = torch.where(mask, 1, -100)
-    want = GKDTrainer.generalized_jsd_loss(trl_leaf[:, :-1], teacher[:, :-1], labels=labels,
-                                           beta=beta, temperature=temperature)
-    (want_grad,) = torch.autograd.grad(want, trl_leaf)
-    torch.testing.assert_close(out.loss, want, **TOL["fp32"])
-    torch.testing.assert_close(grad, want_grad, **TOL["fp32"])
+    trl = []
+    for dtype in (torch.float32, torch.float64):
+        trl_leaf = student.to(dtype).requires_grad_()
+        want = GKDTrainer.generalized_jsd_loss(trl_leaf[:, :-1], teacher.to(dtype)[:, :-1],
+                                               labels=labels, beta=beta,
+                                               temperature=temperature)
+        trl.append((want, *torch.autograd.grad(want, trl_leaf)))
+    for name, got, want32, want64 in zip(("loss", "grad"), (out.loss, grad), *trl):
+        assert_three_way(got, want32, want64, name)
 
 
 def _heads(seed=1):
@@ -130,26 +134,37 @@ def test_verl_forward_kl_topk(lib, min_logprob):
         torch.testing.assert_close(out.metrics[name], verl[name].mean(), **TOL["fp32"])
 
 
+def _run(lib, student, teacher, mask, divergence, dtype):
+    leaf = student.to(dtype).requires_grad_()
+    out = lib.distill_loss(rlfuse.Logits(leaf, _positions(), 0.9),
+                           rlfuse.Logits(teacher.to(dtype), _positions(), 1.25), mask,
+                           divergence, agg="seq-mean-token-mean")
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    return (out.loss, *out.metrics.values(), grad)
+
+
 @pytest.mark.parametrize("divergence", [ForwardKL(), ReverseKL(), JSD(0.3)], ids=repr)
-def test_against_float64_and_masked_positions_inert(divergence):
-    """fp32 against float64 (loss, metrics, the student logits' gradient); NaN in the masked
-    rows of both models' logits reaches nothing; a masked position has zero gradient."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_against_float64_and_masked_positions_inert(divergence, dtype):
+    """The kernels against float64 (the three-way rule; fp64 to fp64's rounding): loss,
+    metrics, the student logits' gradient; NaN in the masked rows of both models' logits
+    reaches nothing; a masked position has zero gradient."""
     student, teacher, mask = _batch()
     for logits in (student, teacher):    # the masked rows of the window, the row after it
         logits[:, :-1][~mask] = float("nan")
         logits[:, -1] = float("nan")
-    results = []
-    for dtype in (torch.float32, torch.float64):
-        leaf = student.to(dtype).requires_grad_()
-        out = rlfuse.distill_loss(rlfuse.Logits(leaf, _positions(), 0.9),
-                                  rlfuse.Logits(teacher.to(dtype), _positions(), 0.9), mask,
-                                  divergence, agg="seq-mean-token-mean")
-        (grad,) = torch.autograd.grad(out.loss, leaf)
-        results.append((out.loss, *out.metrics.values(), grad))
-    for a, b in zip(*results):
-        assert torch.isfinite(a).all()
-        torch.testing.assert_close(a.double(), b, **TOL["fp32"])
-    assert (results[0][-1][:, :-1][~mask] == 0).all() and (results[0][-1][:, -1] == 0).all()
+    student, teacher = student.to(dtype), teacher.to(dtype)    # the inputs, rounded
+    fused = _run(rlfuse, student, teacher, mask, divergence, dtype)
+    ref64 = _run(rlfuse.reference, student, teacher, mask, divergence, torch.float64)
+    ref = _run(rlfuse.reference, student, teacher, mask, divergence, dtype)
+    names = ("loss", "entropy", "loss_min", "loss_max", "grad")
+    for name, a, b, b64 in zip(names, fused, ref, ref64):
+        if dtype == torch.float64:
+            torch.testing.assert_close(a, b64, **TOL["fp64_chain"])
+        else:
+            assert_three_way(a, b, b64, name)
+    grad = fused[-1]
+    assert (grad[:, :-1][~mask] == 0).all() and (grad[:, -1] == 0).all()
 
 
 def test_token_divergence_is_the_loss_per_token():
@@ -204,3 +219,23 @@ def test_beta_outside_the_unit_interval(beta):
         JSD(beta)
     with pytest.raises(TypeError, match="divergence.beta"):
         JSD("0.5")
+
+
+def test_a_teacher_of_another_dtype_and_strides():
+    """A bf16 student over a window of a model's whole output (offset 1), an fp32 teacher as
+    a non-contiguous view: the kernels against float64 (the three-way rule)."""
+    student, teacher, mask = _batch(seed=5)
+    wide = torch.cat([teacher, teacher], -1)[..., ::2]          # every other column
+    assert not wide.is_contiguous()
+    results = []
+    for lib, s_dtype, t_dtype in ((rlfuse, torch.bfloat16, torch.float32),
+                                  (rlfuse.reference, torch.bfloat16, torch.float32),
+                                  (rlfuse.reference, torch.float64, torch.float64)):
+        leaf = student.to(torch.bfloat16).to(s_dtype).requires_grad_()
+        value = lib.token_divergence(
+            rlfuse.Logits(leaf, _positions()[:, 1:], offset=1),
+            rlfuse.Logits(wide.to(t_dtype), _positions()[:, 1:], 0.8, offset=1), JSD(0.7),
+            mask[:, 1:])
+        results.append((value, *torch.autograd.grad(value.sum(), leaf)))
+    for name, got, ref, ref64 in zip(("divergence", "grad"), *results):
+        assert_three_way(got, ref, ref64, name)

@@ -416,3 +416,25 @@ def test_exponentials_of_large_log_ratios():
     want_grad, want_ratio = results["ref64"]
     torch.testing.assert_close(grad, want_grad, rtol=4 * 2.0 ** -23, atol=0)   # 4 ulp
     torch.testing.assert_close(ratio, want_ratio, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_distillation_on_the_gpu(dtype):
+    """The divergence kernels on the GPU's approximate exponentials and 16-warp blocks, a
+    vocabulary of two blocks and a ragged tail, rows at unaligned addresses: loss, entropy
+    and the student's gradient against float64 (the three-way rule), each divergence."""
+    from rlfuse.divergences import JSD, ForwardKL, ReverseKL
+
+    x = case("cuda", dtype)
+    teacher = unaligned_copy(case("cuda", dtype, seed=1)["logits"])
+    for divergence in (ForwardKL(), ReverseKL(), JSD(0.5)):
+        results = []
+        for lib, cast in ((rlfuse, dtype), (reference, dtype), (reference, torch.float64)):
+            leaf = x["logits"].to(cast).requires_grad_()
+            out = lib.distill_loss(rlfuse.Logits(leaf, x["targets"], 0.7),
+                                   rlfuse.Logits(teacher.to(cast), x["targets"], 1.3),
+                                   x["mask"], divergence)
+            results.append((out.loss, out.metrics["entropy"],
+                            *torch.autograd.grad(out.loss, leaf)))
+        for name, got, ref, ref64 in zip(("loss", "entropy", "grad"), *results):
+            assert_three_way(got, ref, ref64, f"{divergence} {name}")

@@ -46,6 +46,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import rlfuse  # noqa: E402
 import rlfuse.kernels  # noqa: E402
 from bench import cases, measure  # noqa: E402
+from rlfuse import divergences  # noqa: E402
 from rlfuse._names import GEOMETRIES, TOPOLOGIES  # noqa: E402
 from rlfuse.kernels import single_pass, surrogate  # noqa: E402
 from rlfuse.fused_losses.linear_head import chunk_tokens_for  # noqa: E402
@@ -157,6 +158,17 @@ def _drive():
                     lp.sum().backward()
                 else:
                     backward(out)
+
+    # Distillation between two Logits: each divergence, bf16 / fp32 / fp64, a teacher of
+    # another dtype.
+    for dtype, teacher_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32,
+                                                                    torch.bfloat16),
+                                 (torch.float64, torch.float64)):
+        for divergence in (divergences.ForwardKL(), divergences.ReverseKL(),
+                           divergences.JSD(0.5)):
+            backward(rlfuse.distill_loss(rlfuse.Logits(logits_of(dtype), targets, 0.7),
+                                         rlfuse.Logits(logits_of(teacher_dtype).detach(),
+                                                       targets), mask, divergence).loss)
 
     for dtype in (torch.float32, torch.float64):
         lp = old.to(dtype).clone().requires_grad_()

@@ -1,8 +1,7 @@
 """The fused implementation: custom ops (``torch.ops.rlfuse.*``) over the kernels, their
 autograd formulas, and ``FUSED``, the math of each public function on checked arguments."""
 from ..api import Implementation
-from ..reference import distill    # the divergences' kernels are not written yet: the twin
-from . import ggpo, gr_opd, head_logits, kl, logprobs, policy, policy_loss, regions
+from . import distill, ggpo, gr_opd, head_logits, kl, logprobs, policy, policy_loss, regions
 
 FUSED = Implementation(
     "fused", token_logprobs=logprobs.token_logprobs, window_logprobs=policy.window_logprobs,
