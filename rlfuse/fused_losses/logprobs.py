@@ -12,7 +12,7 @@ from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_
 from ..kernels.head import HeadParams
 from ..kernels.utils import empty
 from ._op import custom_op, register_autograd
-from .vocab_blocks import block_row_stats
+from .vocab_blocks import window_block_logprobs
 
 
 def batched_rows(logits: Tensor, targets: Tensor, mask: Optional[Tensor]):
@@ -38,9 +38,8 @@ def token_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tensor], t
     logits3, targets3, mask3 = batched_rows(logits, targets, mask)
     head = HeadParams(temperature)
     if batch_invariant:
-        window = logits3[:, offset:offset + targets3.shape[1]]
-        _, row_stats = block_row_stats(window, targets3, mask3, head, with_entropy)
-        logp, stats, entropy = (row_stats[:, cols].clone() for cols in (0, slice(1, 3), 3))
+        logp, stats, entropy = window_block_logprobs(logits3, targets3, mask3, head,
+                                                     with_entropy, offset)
     else:
         logp, stats, entropy = token_logprobs_fwd(logits3, targets3, mask3, head, with_entropy,
                                                   offset)

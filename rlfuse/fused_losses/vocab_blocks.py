@@ -99,3 +99,16 @@ def block_row_stats(logits: Tensor, targets: Tensor, mask: Optional[Tensor], hea
         keep = mask.reshape(-1)
         logp, entropy = (torch.where(keep, x, 0.0) for x in (logp, entropy))
     return local, torch.stack([logp, row_max, log_sum, entropy], -1)
+
+
+def window_block_logprobs(logits: Tensor, targets: Tensor, mask: Optional[Tensor],
+                          head: HeadParams, with_entropy: bool, offset: int,
+                          group_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
+    """``(logp [B T], stats [B T, 2] (max, log-sum), entropy [B T])`` of the rows ``[offset,
+    offset + T)`` of ``logits [B, S, V_l]`` for ``targets [B, T]`` (``block_row_stats``; a
+    window whose last stride is not 1 is made contiguous first), each its own tensor."""
+    window = logits[:, offset:offset + targets.shape[1]]
+    if window.stride(-1) != 1:
+        window = window.contiguous()
+    _, row_stats = block_row_stats(window, targets, mask, head, with_entropy, group_name)
+    return tuple(row_stats[:, cols].clone() for cols in (0, slice(1, 3), 3))

@@ -24,7 +24,7 @@ from .logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
 from ..kernels.head import HeadParams
 from ..scaleout.sequence import row_blocks
-from .vocab_blocks import block_row_stats
+from .vocab_blocks import window_block_logprobs
 from ..scaleout.vocab import shard_targets, whole_rows
 
 
@@ -70,10 +70,9 @@ def vocab_split_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tens
     shards (rows ``[offset, offset + T)`` predict the global ``targets [B, T]``);
     ``batch_invariant``: from fixed vocabulary blocks (``vocab_blocks``)."""
     if batch_invariant:
-        window = logits[:, offset:offset + targets.shape[1]]
-        _, row_stats = block_row_stats(window, targets, mask, HeadParams(temperature),
-                                       with_entropy, group_name)
-        logp, stats, entropy = (row_stats[:, cols].clone() for cols in (0, slice(1, 3), 3))
+        logp, stats, entropy = window_block_logprobs(logits, targets, mask,
+                                                     HeadParams(temperature), with_entropy,
+                                                     offset, group_name)
         return (logp.view(targets.shape),
                 entropy.view(targets.shape) if with_entropy else logp.new_empty(0), stats)
     local, _ = shard_targets(targets, logits.shape[-1], group_name)
