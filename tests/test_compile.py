@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import rlfuse
+from rlfuse.divergences import JSD
 from rlfuse.fused_losses import (distill, ggpo, gr_opd, head_logits, kl, linear_head, logprobs,
                                  regions, surrogate)
 
@@ -238,6 +239,7 @@ def _op_cases(device):
     full = x.logits.clone().requires_grad_(True)      # a model's whole output: rows 1..T
     hidden = x.hidden.clone().requires_grad_(True)
     weight = x.weight.clone().requires_grad_(True)
+    jsd = ("jsd", list(JSD(0.3).terms().params))
     _, head_entropy, head_stats = linear_head.linear_logprobs_op(
         hidden.detach(), x.weight, x.bias, x.targets, x.mask, 0.9, 0.5, 3.0, 1, 7, False, True)
     stats = logprobs.token_logprobs_op(logits.detach(), x.targets, x.mask, 0.9, False, False,
@@ -336,15 +338,15 @@ def _op_cases(device):
              [1.0, 1.05], 20.0, "k1", True, False, False, 1, 7, False, [True, True, True])],
         "gr_opd_advantages": [(x.old, x.teacher, x.mask, M, 0.99, 0.25, 5.0, 5.0, 1e-6,
                                torch.float64)],
-        "distill": [(full, x.logits.flip(0), x.mask, 0.9, 1.25, 1, 0, "jsd", 0.3),
-                    (full, x.logits.double(), x.mask, 1.0, 0.5, 0, 1, "reverse_kl", 1.0),
+        "distill": [(full, x.logits.flip(0), x.mask, 0.9, 1.25, 1, 0, *jsd),
+                    (full, x.logits.double(), x.mask, 1.0, 0.5, 0, 1, "reverse_kl", []),
                     (logits.double().detach().requires_grad_(), x.logits, x.mask, 1.0, 1.0, 0,
-                     1, "forward_kl", 0.0)],
+                     1, "forward_kl", [])],
         "distill_backward": [
             (full.detach(), x.logits.flip(0), x.mask,
-             distill.distill_op(full.detach(), x.logits.flip(0), x.mask, 0.9, 1.25, 1, 0, "jsd",
-                                0.3)[2], torch.randn(B, T, device=device), 0.9, 1.25, 1, 0,
-             "jsd", 0.3)],
+             distill.distill_op(full.detach(), x.logits.flip(0), x.mask, 0.9, 1.25, 1, 0,
+                                *jsd)[2],
+             torch.randn(B, T, device=device), 0.9, 1.25, 1, 0, *jsd)],
         "scale_cast": [(torch.randn(7, 5, device=device), torch.tensor(0.3, device=device),
                         torch.bfloat16),
                        (torch.randn(3, device=device, dtype=torch.float64),

@@ -3,15 +3,23 @@
 ``_chunked_divergence_loss`` (the ``DistillationTrainer``'s, from both models' heads) and verl
 0.9.1's ``forward_kl_topk`` on the same batches, against float64, masked positions inert, and
 bad input refused by name."""
+import dataclasses
 import types
+from typing import ClassVar
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import rlfuse
 import rlfuse.reference
 from conftest import TOL, assert_three_way
+from rlfuse import divergences
 from rlfuse.divergences import JSD, ForwardKL, ReverseKL
+from rlfuse.kernels import divergence_functions as kernel_divergences
+from rlfuse.kernels.utils import exp_accurate
+from rlfuse.reference import divergence_functions as reference_divergences
 
 B, S, V, H = 3, 6, 37, 8
 T = S - 1
@@ -143,7 +151,11 @@ def _run(lib, student, teacher, mask, divergence, dtype):
     return (out.loss, *out.metrics.values(), grad)
 
 
-@pytest.mark.parametrize("divergence", [ForwardKL(), ReverseKL(), JSD(0.3)], ids=repr)
+# An instance of every record of rlfuse.divergences (test_objectives holds the table to it)
+DIVERGENCES = [ForwardKL(), ReverseKL(), JSD(0.3)]
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES, ids=repr)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_against_float64_and_masked_positions_inert(divergence, dtype):
     """The kernels against float64 (the three-way rule; fp64 to fp64's rounding): loss,
@@ -239,3 +251,41 @@ def test_a_teacher_of_another_dtype_and_strides():
         results.append((value, *torch.autograd.grad(value.sum(), leaf)))
     for name, got, ref, ref64 in zip(("divergence", "grad"), *results):
         assert_three_way(got, ref, ref64, name)
+
+
+@triton.jit
+def total_variation(s, t, aux, params):
+    p_s, p_t = exp_accurate(s), exp_accurate(t)
+    sign = tl.where(p_s > p_t, 1.0, tl.where(p_s < p_t, -1.0, 0.0))
+    return 0.5 * tl.abs(p_s - p_t), sign * p_s, 0.5 * p_s * (sign - aux)
+
+
+def reference_total_variation(s, t, params):
+    return 0.5 * (s.exp() - t.exp()).abs().sum(-1)
+
+
+def test_a_divergence_is_added_by_its_record_and_its_functions_alone(monkeypatch):
+    """docs/layout.md's worked example, run: a record, its Triton function and its reference
+    function registered, and nothing else, give a fused divergence equal to its definition in
+    float64 (value and the student's gradient)."""
+    @dataclasses.dataclass(frozen=True)
+    class TotalVariation(divergences.Divergence):
+        function: ClassVar[str] = "total_variation"
+
+    monkeypatch.setattr(divergences, "DIVERGENCES", divergences.DIVERGENCES + (TotalVariation,))
+    monkeypatch.setitem(kernel_divergences.DIVERGENCE_FUNCTIONS, "total_variation",
+                        total_variation)
+    reference_total_variation.__name__ = "total_variation"
+    monkeypatch.setitem(reference_divergences.DIVERGENCE_FUNCTIONS, "total_variation",
+                        reference_total_variation)
+    student, teacher, mask = _batch(torch.float64)
+    results = []
+    for lib in LIBS:
+        leaf = student.clone().requires_grad_()
+        out = lib.distill_loss(rlfuse.Logits(leaf, _positions(), 0.8),
+                               rlfuse.Logits(teacher, _positions(), 1.25), mask,
+                               TotalVariation())
+        results.append((out.loss, *torch.autograd.grad(out.loss, leaf)))
+    for fused, ref in zip(*results):
+        torch.testing.assert_close(fused, ref, **TOL["fp64_chain"])
+    assert results[0][0] > 0

@@ -1,8 +1,9 @@
-"""The registry of objectives and KL estimators is the one list: every record of
+"""The registries of objectives, divergences and KL estimators are the one list: every record of
 ``rlfuse.objectives`` names a per-token function both implementations define (or a batch
-function), every such function serves a record, every KL estimator has its math in both
-implementations, and the tables that test or document them cover the registry (a record or
-estimator missing from one fails here); no kernel takes more than 40 arguments."""
+function), every record of ``rlfuse.divergences`` a per-position function both define, every
+such function serves a record, every KL estimator has its math in both implementations, and
+the tables that test or document them cover the registry (a record or estimator missing from
+one fails here); no kernel takes more than 40 arguments."""
 import ast
 import dataclasses
 import inspect
@@ -11,13 +12,17 @@ from pathlib import Path
 import pytest
 
 import rlfuse
+from rlfuse import divergences as D
 from rlfuse import objectives as O
 from rlfuse._names import KL_ESTIMATORS
+from rlfuse.kernels import divergence_functions as kernel_divergences
 from rlfuse.kernels import kl as kernel_kl
 from rlfuse.kernels import token_functions as kernel_functions
+from rlfuse.reference import divergence_functions as reference_divergences
 from rlfuse.reference import kl as reference_kl
 from rlfuse.reference import token_functions as reference_functions
 
+import test_distill
 import test_fuzz
 import test_policy_loss
 
@@ -79,6 +84,38 @@ def test_the_tables_cover_every_record():
         text = (ROOT / page).read_text()
         missing = [cls.__name__ for cls in registry if f"`{cls.__name__}(" not in text]
         assert not missing, (page, missing)
+
+
+@pytest.mark.parametrize("record", D.DIVERGENCES, ids=lambda cls: cls.__name__)
+def test_a_divergence_record_is_its_whole_divergence(record):
+    """A divergence's example is checked when built and computed by a per-position function
+    both implementations define (each registered where it is defined)."""
+    example = record.example()
+    assert dataclasses.is_dataclass(example) and D.check_divergence(example, False) is example
+    function, params = example.terms()
+    assert all(isinstance(p, float) for p in params)
+    assert kernel_divergences.divergence_function(function) is \
+        kernel_divergences.DIVERGENCE_FUNCTIONS[function]
+    assert reference_divergences.divergence_function(function).__name__ == function
+
+
+def test_every_per_position_function_serves_a_divergence():
+    functions = {cls.function for cls in D.DIVERGENCES}
+    assert set(kernel_divergences.DIVERGENCE_FUNCTIONS) == \
+        set(reference_divergences.DIVERGENCE_FUNCTIONS) == functions
+    for lookup in (kernel_divergences.divergence_function,
+                   reference_divergences.divergence_function):
+        with pytest.raises(ValueError, match="no per-position function 'hellinger'"):
+            lookup("hellinger")
+
+
+def test_the_tables_cover_every_divergence():
+    """The float64 parity table of distillation holds an instance of every record, the docs'
+    table a row."""
+    assert {type(d) for d in test_distill.DIVERGENCES} == set(D.DIVERGENCES)
+    text = (ROOT / "docs/distillation.md").read_text()
+    missing = [cls.__name__ for cls in D.DIVERGENCES if f"| `{cls.__name__}(" not in text]
+    assert not missing, missing
 
 
 def test_every_estimator_is_tested_and_documented():

@@ -159,13 +159,12 @@ def _drive():
                 else:
                     backward(out)
 
-    # Distillation between two Logits: each divergence, bf16 / fp32 / fp64, a teacher of
+    # Distillation between two Logits: each divergence's example, bf16 / fp32 / fp64, a teacher of
     # another dtype.
     for dtype, teacher_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32,
                                                                     torch.bfloat16),
                                  (torch.float64, torch.float64)):
-        for divergence in (divergences.ForwardKL(), divergences.ReverseKL(),
-                           divergences.JSD(0.5)):
+        for divergence in (cls.example() for cls in divergences.DIVERGENCES):
             backward(rlfuse.distill_loss(rlfuse.Logits(logits_of(dtype), targets, 0.7),
                                          rlfuse.Logits(logits_of(teacher_dtype).detach(),
                                                        targets), mask, divergence).loss)

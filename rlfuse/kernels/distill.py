@@ -1,36 +1,25 @@
-"""The divergences of distillation (``rlfuse.divergences``) between a student's and a teacher's
-rows of logits, one program per position, and the student's gradient.
+"""Distillation's kernels between a student's and a teacher's rows of logits, one program per
+position, over the per-position function of a divergence (``DIVERGENCE``, a function of
+``divergence_functions``), and the student's gradient.
 
 Forward: each model's row reduced to its (m, log s) (``rows.row_logsumexp``; the student's
-entropy beside it), then both rows read once more to sum the divergence from the exact
-log-probs ``s_v = (x_v − m_s) / τ_s − log s_s`` and ``t_v``, term by term (no difference of
-large sums): the forward KL ``Σ T_v (t_v − s_v)``, the reverse ``Σ S_v (s_v − t_v)``, TRL's
-generalized JSD ``β Σ T_v (t_v − μ_v) + (1 − β) Σ S_v (s_v − μ_v)``, ``μ_v = log((1 − β) S_v +
-β T_v)``. Backward: both rows read once, the student's gradient written once, for an upstream
-gradient g of the position's divergence D, with respect to ``z = x / τ_s``:
-
-    forward KL   g (S_v − T_v)
-    reverse KL   g S_v ((s_v − t_v) − D)
-    JSD          g (1 − β) S_v ((s_v − μ_v) − KL(S ‖ M))      (KL(S ‖ M): saved by the forward)
-
-(the JSD's term in μ_v cancels: ``∂/∂s_v Σ_u (β T_u (t_u − μ_u) + (1 − β) S_u (s_u − μ_u)) =
-(1 − β) S_v (s_v − μ_v)``, then the log-softmax's projection). Rows outside the window and
-masked rows get a gradient of zeros, never read.
+entropy beside it), then both rows read once more to sum the function's terms from the exact
+log-probs ``s_v = (x_v − m_s) / τ_s − log s_s`` and ``t_v``. Backward: both rows read once,
+the student's gradient ``g ∂D/∂z_v / τ_s`` written once for an upstream gradient g of the
+position's divergence D. Rows outside the window and masked rows get a gradient of zeros,
+never read.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from .rows import COMPILER_STAGES, at, program_token, row_logsumexp, row_write_zeros
-from .utils import (constexpr_codes, empty, exp_accurate, fp64_args, fp64_values, mask_args,
-                    tl_compute_dtype, vocab_launch_config)
+from .divergence_functions import divergence_args
+from .utils import (empty, fp64_args, fp64_values, mask_args, tl_compute_dtype,
+                    vocab_launch_config)
 
-MODES = ("forward_kl", "reverse_kl", "jsd")
-FORWARD_KL, REVERSE_KL, JSD = constexpr_codes(MODES, *MODES)
 # Columns of the per-position statistics the forward saves for the backward.
 DISTILL_STATS = ("student_max", "student_log_sum", "teacher_max", "teacher_log_sum", "aux")
 N_STATS = tl.constexpr(len(DISTILL_STATS))
@@ -44,29 +33,15 @@ def _log_probs(row_ptr, cols, V, m, log_s, inv_temp, ACC: tl.constexpr):
 
 
 @triton.jit
-def _mixture(s, t, log_a, log_b):
-    """``μ = log(e^(s + log_a) + e^(t + log_b))``, -inf where both are."""
-    u, w = s + log_a, t + log_b
-    hi = tl.maximum(u, w)
-    safe = tl.where(hi == float("-inf"), 0.0, hi)
-    return safe + tl.log(exp_accurate(u - safe) + exp_accurate(w - safe))
-
-
-@triton.jit
-def _weighted(p, x):
-    """``p x`` where ``p > 0``, else 0 (whatever x is there)."""
-    return tl.where(p > 0, p * x, 0.0)
-
-
-@triton.jit
 def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_ptr, stats_ptr,
                         stride_sb, stride_st, stride_tb, stride_tt, stride_mb, stride_mt,
-                        T, V, scalars,
-                        MODE: tl.constexpr, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr,
+                        T, V, inv_temps, hyper,
+                        DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr,
                         ACC: tl.constexpr):
     token, b, t, _, _, is_actor = program_token(tl.program_id(0), mask_ptr, T, T, 0, stride_mb,
                                                 stride_mt, HAS_MASK)
-    inv_s, inv_t, log_a, log_b, beta = fp64_values(scalars, ACC)
+    inv_s, inv_t = fp64_values(inv_temps, ACC)
+    div_params = fp64_values(hyper, ACC)
     value = tl.zeros((), ACC)
     aux = tl.zeros((), ACC)
     entropy = tl.zeros((), ACC)
@@ -82,24 +57,16 @@ def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_p
         m_t, log_s_t, no_entropy = row_logsumexp(t_row, V, inv_t, 1.0, 1.0, BLOCK_V, False,
                                                  False, ACC, False, COMPILER_STAGES)
         acc = tl.zeros((BLOCK_V,), ACC)
-        acc_s = tl.zeros((BLOCK_V,), ACC)
+        acc_aux = tl.zeros((BLOCK_V,), ACC)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             s = _log_probs(s_row, cols, V, m_s, log_s_s, inv_s, ACC)
             lt = _log_probs(t_row, cols, V, m_t, log_s_t, inv_t, ACC)
-            if MODE == FORWARD_KL:
-                acc += _weighted(exp_accurate(lt), lt - s)
-            elif MODE == REVERSE_KL:
-                acc += _weighted(exp_accurate(s), s - lt)
-            else:
-                mu = _mixture(s, lt, log_a, log_b)
-                acc += _weighted(exp_accurate(lt), lt - mu)
-                acc_s += _weighted(exp_accurate(s), s - mu)
+            term, aux_term, unused = DIVERGENCE(s, lt, aux, div_params)
+            acc += term
+            acc_aux += aux_term
         value = tl.sum(acc, 0)
-        aux = value
-        if MODE == JSD:
-            aux = tl.sum(acc_s, 0)
-            value = beta * value + (1.0 - beta) * aux
+        aux = tl.sum(acc_aux, 0)
     tl.store(value_ptr + token, value)
     tl.store(entropy_ptr + token, entropy)
     stats = stats_ptr + N_STATS * token
@@ -113,8 +80,8 @@ def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_p
 @triton.jit
 def _distill_bwd_kernel(student_ptr, teacher_ptr, mask_ptr, stats_ptr, dvalue_ptr, dlogits_ptr,
                         stride_sb, stride_st, stride_tb, stride_tt, stride_mb, stride_mt,
-                        stride_db, stride_dt, T, S, offset, V, scalars,
-                        MODE: tl.constexpr, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr,
+                        stride_db, stride_dt, T, S, offset, V, inv_temps, hyper,
+                        DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr,
                         ACC: tl.constexpr):
     # One program per row of the student's whole [B, S] logits.
     token, b, s_row_index, t, _, is_actor = program_token(tl.program_id(0), mask_ptr, T, S,
@@ -122,7 +89,8 @@ def _distill_bwd_kernel(student_ptr, teacher_ptr, mask_ptr, stats_ptr, dvalue_pt
                                                           HAS_MASK)
     drow = dlogits_ptr + at(b, stride_db, s_row_index, stride_dt)
     if is_actor:
-        inv_s, inv_t, log_a, log_b, beta = fp64_values(scalars, ACC)
+        inv_s, inv_t = fp64_values(inv_temps, ACC)
+        div_params = fp64_values(hyper, ACC)
         stats = stats_ptr + N_STATS * token
         m_s = tl.load(stats).to(ACC)
         log_s_s = tl.load(stats + 1).to(ACC)
@@ -136,28 +104,21 @@ def _distill_bwd_kernel(student_ptr, teacher_ptr, mask_ptr, stats_ptr, dvalue_pt
             cols = start + tl.arange(0, BLOCK_V)
             s = _log_probs(s_row, cols, V, m_s, log_s_s, inv_s, ACC)
             lt = _log_probs(t_row, cols, V, m_t, log_s_t, inv_t, ACC)
-            p = exp_accurate(s)
-            if MODE == FORWARD_KL:
-                d = p - exp_accurate(lt)
-            elif MODE == REVERSE_KL:
-                d = _weighted(p, (s - lt) - aux)
-            else:
-                d = (1.0 - beta) * _weighted(p, (s - _mixture(s, lt, log_a, log_b)) - aux)
+            unused_term, unused_aux, d = DIVERGENCE(s, lt, aux, div_params)
             tl.store(drow + cols, (g * d).to(dlogits_ptr.dtype.element_ty), mask=cols < V)
     else:
         row_write_zeros(drow, V, BLOCK_V, False)
 
 
-def _scalars(temperature: float, teacher_temperature: float, beta: float):
-    log_a = math.log1p(-beta) if beta < 1 else -math.inf
-    log_b = math.log(beta) if beta > 0 else -math.inf
-    return fp64_args((1.0 / temperature, 1.0 / teacher_temperature, log_a, log_b, beta))
+def _inv_temps(temperature: float, teacher_temperature: float):
+    return fp64_args((1.0 / temperature, 1.0 / teacher_temperature))
 
 
 def distill_fwd(student: torch.Tensor, teacher: torch.Tensor, mask, temperature: float,
-                teacher_temperature: float, mode: str, beta: float):
+                teacher_temperature: float, terms):
     """``(value [B, T], student entropy [B, T], stats [B T, DISTILL_STATS])`` of the window rows
-    ``student [B, T, V]`` and ``teacher [B, T, V]`` (views, ``stride(-1) == 1``), in the
+    ``student [B, T, V]`` and ``teacher [B, T, V]`` (views, ``stride(-1) == 1``) for a
+    divergence's ``terms`` (``rlfuse.divergences.DivergenceTerms`` or its fields), in the
     student's compute dtype; masked positions 0."""
     B, T, V = student.shape
     acc = torch.float64 if student.dtype == torch.float64 else torch.float32
@@ -169,18 +130,19 @@ def distill_fwd(student: torch.Tensor, teacher: torch.Tensor, mask, temperature:
     block_v, num_warps = vocab_launch_config(V, max(student.element_size(),
                                                     teacher.element_size()))
     mask_u8, stride_mb, stride_mt = mask_args(mask)
+    function, hyper = divergence_args(terms)
     _distill_fwd_kernel[(B * T,)](
         student, teacher, mask_u8, value, entropy, stats,
         student.stride(0), student.stride(1), teacher.stride(0), teacher.stride(1),
-        stride_mb, stride_mt, T, V, _scalars(temperature, teacher_temperature, beta),
-        MODE=MODES.index(mode), BLOCK_V=block_v, HAS_MASK=mask is not None,
+        stride_mb, stride_mt, T, V, _inv_temps(temperature, teacher_temperature), hyper,
+        DIVERGENCE=function, BLOCK_V=block_v, HAS_MASK=mask is not None,
         ACC=tl_compute_dtype(student.dtype), num_warps=num_warps)
     return value, entropy, stats
 
 
 def distill_bwd(logits: torch.Tensor, offset: int, teacher: torch.Tensor, mask, stats,
-                dvalue: torch.Tensor, temperature: float, teacher_temperature: float, mode: str,
-                beta: float) -> torch.Tensor:
+                dvalue: torch.Tensor, temperature: float, teacher_temperature: float,
+                terms) -> torch.Tensor:
     """The gradient of the student's whole ``logits [B, S, V]`` (window rows ``[offset, offset +
     T)``) for ``dvalue [B, T]``: zeros outside the window and at masked positions."""
     B, S, V = logits.shape
@@ -189,11 +151,12 @@ def distill_bwd(logits: torch.Tensor, offset: int, teacher: torch.Tensor, mask, 
     block_v, num_warps = vocab_launch_config(V, max(logits.element_size(),
                                                     teacher.element_size()))
     mask_u8, stride_mb, stride_mt = mask_args(mask)
+    function, hyper = divergence_args(terms)
     _distill_bwd_kernel[(B * S,)](
         logits, teacher, mask_u8, stats, dvalue.contiguous(), dlogits,
         logits.stride(0), logits.stride(1), teacher.stride(0), teacher.stride(1),
         stride_mb, stride_mt, dlogits.stride(0), dlogits.stride(1), T, S, offset, V,
-        _scalars(temperature, teacher_temperature, beta), MODE=MODES.index(mode),
+        _inv_temps(temperature, teacher_temperature), hyper, DIVERGENCE=function,
         BLOCK_V=block_v, HAS_MASK=mask is not None, ACC=tl_compute_dtype(logits.dtype),
         num_warps=num_warps)
     return dlogits

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from .._types import TopK, compute_dtype
-from ..divergences import JSD, ForwardKL, ReverseKL
+from ..divergences import ForwardKL
+from .divergence_functions import divergence_function, weighted
 from .logprobs import as_logits
 
 
@@ -23,28 +24,6 @@ def window_log_softmax(policy, mask: Tensor) -> Tensor:
     z = rows.logits[:, rows.offset:rows.offset + T]
     z = torch.where(mask.unsqueeze(-1), z.to(compute_dtype(z.dtype)), 0.0)
     return torch.log_softmax(z / rows.temperature, dim=-1)
-
-
-def _weighted(p: Tensor, x: Tensor) -> Tensor:
-    """``Σ_v p_v x_v``, a term of probability 0 counted 0 (whatever ``x`` is there)."""
-    return torch.where(p > 0, p * x, 0.0).sum(-1)
-
-
-def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
-    """``KL(p ‖ q) = Σ p (log p − log q)`` over the last dimension."""
-    return _weighted(log_p.exp(), log_p - log_q)
-
-
-def _full(s: Tensor, t: Tensor, divergence) -> Tensor:
-    beta = divergence.beta if isinstance(divergence, JSD) else None
-    if isinstance(divergence, ForwardKL) or beta == 0.0:
-        return _kl(t, s)
-    if isinstance(divergence, ReverseKL) or beta == 1.0:
-        return _kl(s, t)
-    # log M = log((1 − β) S + β T)
-    log_m = torch.logaddexp(s + torch.log1p(torch.tensor(-beta, dtype=s.dtype)),
-                            t + torch.log(torch.tensor(beta, dtype=s.dtype)))
-    return beta * _kl(t, log_m) + (1 - beta) * _kl(s, log_m)
 
 
 def _top_k(s: Tensor, teacher: TopK, divergence: ForwardKL) -> Tuple[Tensor, Dict[str, Tensor]]:
@@ -62,13 +41,14 @@ def token_divergence(student, teacher, divergence, mask: Tensor
     ``TopK`` teacher's ``student_mass`` and ``teacher_mass``), 0 at masked positions, on
     checked arguments."""
     s = window_log_softmax(student, mask)
-    entropy = -_weighted(s.exp(), s)
+    entropy = -weighted(s.exp(), s)
     if isinstance(teacher, TopK):
         value, extras = _top_k(s, teacher, divergence)
     else:
         with torch.no_grad():
             t = window_log_softmax(teacher, mask).to(s.dtype)
-        value, extras = _full(s, t, divergence), {}
+        function, params = divergence.terms()
+        value, extras = divergence_function(function)(s, t, params), {}
     zero = torch.zeros((), dtype=s.dtype, device=s.device)
     return (torch.where(mask, value, zero), torch.where(mask, entropy.detach(), zero),
             {k: torch.where(mask, v.detach(), zero) for k, v in extras.items()})
