@@ -54,23 +54,24 @@ class Dispatch(NamedTuple):
     reference: Implementation
 
     @contextlib.contextmanager
-    def on(self, x):
-        """``(implementation, x)`` for ``x``, a policy, logits or log-probs (anything else goes
-        to the reference, whose checks name what was expected), a policy holding DTensors first
-        made of its local tensors (``scaleout.dtensor``), a sequence-parallel head of every
-        rank's rows (``scaleout.sequence``). On the kernels, a head's matmuls run
-        in its ``head_dtype``, else in autocast's dtype (as autocast runs a linear layer), and
-        the rest in the kernels' own precision (fp32 accumulation): autocast is off inside."""
-        x = gather_sequence(local_policy(x))
-        device = policy_device(x)
+    def on(self, x, *others):
+        """``(implementation, x, *others)`` for ``x``, a policy, logits or log-probs (anything
+        else goes to the reference, whose checks name what was expected), and policies that go
+        with it (a distillation's teacher), each holding DTensors first made of its local
+        tensors (``scaleout.dtensor``), a sequence-parallel head of every rank's rows
+        (``scaleout.sequence``). On the kernels, a head's matmuls run in its ``head_dtype``,
+        else in autocast's dtype (as autocast runs a linear layer), and the rest in the kernels'
+        own precision (fp32 accumulation): autocast is off inside."""
+        xs = [gather_sequence(local_policy(y)) for y in (x, *others)]
+        device = policy_device(xs[0])
         if self.fused is None or device is None or not use_kernels(device):
-            yield self.reference, x
+            yield (self.reference, *xs)
             return
         dtype = autocast_dtype(device)
-        x = matmul_head(x, dtype)
+        xs = [matmul_head(y, dtype) for y in xs]
         with contextlib.nullcontext() if dtype is None else \
                 torch.autocast(device.type, enabled=False):
-            yield self.fused, x
+            yield (self.fused, *xs)
 
 
 DISPATCH = Dispatch(FUSED, reference.REFERENCE)

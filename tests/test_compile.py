@@ -84,8 +84,11 @@ STEPS = {
             *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
                                    return_entropy=True, validate=False,
                                    batch_invariant=True))),
-    "distill": (("logits",), lambda leaf, x, form: _loss(rlfuse.distill_loss(
-        rlfuse.Logits(leaf, x.targets, 0.9), rlfuse.Logits(x.logits.flip(0), x.targets, 1.25),
+    "distill": (("logits", "head"), lambda leaf, x, form: _loss(rlfuse.distill_loss(
+        rlfuse.Logits(leaf, x.targets, 0.9) if form == "logits" else policy_of(leaf, x, form),
+        rlfuse.Logits(x.logits.flip(0), x.targets, 1.25) if form == "logits" else
+        rlfuse.LinearHead(x.hidden.flip(0), x.weight, x.targets, x.bias, 1.25, offset=1,
+                          softcap=2.0),
         x.mask, rlfuse.divergences.JSD(0.3), validate=False))),
     "policy_logprobs": (("logits", "head", "invariant_head", "packed_logits"),
                         lambda leaf, x, form: (
@@ -347,6 +350,24 @@ def _op_cases(device):
              distill.distill_op(full.detach(), x.logits.flip(0), x.mask, 0.9, 1.25, 1, 0,
                                 *jsd)[2],
              torch.randn(B, T, device=device), 0.9, 1.25, 1, 0, *jsd)],
+        "linear_distill": [
+            (hidden, weight, x.bias, x.hidden.flip(0), x.weight, None, x.mask, 0.9, 0.5, 3.0,
+             1.25, 1.0, 0.0, 1, 1, *jsd, 3, False, False),
+            (hidden, weight, None, x.logits.double(), None, None, x.mask, 1.0, 1.0, 0.0, 0.8,
+             1.0, 0.0, 1, 0, "reverse_kl", [], 7, True, False),
+            (hidden, weight, x.bias, x.hidden, x.weight, x.bias, x.mask, 1.0, 1.0, 0.0, 1.0,
+             2.0, 4.0, 0, 1, "forward_kl", [], 5, False, True)],
+        "linear_distill_backward": [
+            (hidden.detach(), x.weight, x.bias, x.hidden.flip(0), x.weight, None, x.mask,
+             distill.linear_distill_op(hidden.detach(), x.weight, x.bias, x.hidden.flip(0),
+                                       x.weight, None, x.mask, 0.9, 0.5, 3.0, 1.25, 1.0, 0.0,
+                                       1, 1, *jsd, 3, False, False)[2],
+             torch.randn(B, T, device=device), 0.9, 0.5, 3.0, 1.25, 1.0, 0.0, 1, 1, *jsd, 3,
+             False, False, [True, True, True]),
+            (hidden.detach(), x.weight, None, x.logits, None, None, x.mask,
+             torch.zeros(B * T, 5, device=device), torch.randn(B, T, device=device), 1.0, 1.0,
+             0.0, 1.0, 1.0, 0.0, 1, 0, "forward_kl", [], 7, True, False,
+             [False, True, False])],
         "scale_cast": [(torch.randn(7, 5, device=device), torch.tensor(0.3, device=device),
                         torch.bfloat16),
                        (torch.randn(3, device=device, dtype=torch.float64),
@@ -368,7 +389,9 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "linear_surrogate": linear_head.linear_surrogate_op,
        "scale_cast": linear_head.scale_cast_op, "kl_penalty": kl.kl_penalty_op,
        "kl_penalty_backward": kl.kl_penalty_backward_op, "distill": distill.distill_op,
-       "distill_backward": distill.distill_backward_op}
+       "distill_backward": distill.distill_backward_op,
+       "linear_distill": distill.linear_distill_op,
+       "linear_distill_backward": distill.linear_distill_backward_op}
 ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")
 

@@ -4,6 +4,7 @@
 0.9.1's ``forward_kl_topk`` on the same batches, against float64, masked positions inert, and
 bad input refused by name."""
 import dataclasses
+import math
 import types
 from typing import ClassVar
 
@@ -14,7 +15,7 @@ import triton.language as tl
 
 import rlfuse
 import rlfuse.reference
-from conftest import TOL, assert_three_way
+from conftest import TOL, assert_three_way, matmul_rounding
 from rlfuse import divergences
 from rlfuse.divergences import JSD, ForwardKL, ReverseKL
 from rlfuse.kernels import divergence_functions as kernel_divergences
@@ -177,6 +178,104 @@ def test_against_float64_and_masked_positions_inert(divergence, dtype):
             assert_three_way(a, b, b64, name)
     grad = fused[-1]
     assert (grad[:, :-1][~mask] == 0).all() and (grad[:, -1] == 0).all()
+
+
+def _head_z(y, scale, cap, temperature):
+    y = y * scale
+    return (cap * torch.tanh(y / cap) if cap else y) / temperature
+
+
+HEAD_STYLES = {"student": dict(temperature=0.8, logit_scale=0.7, softcap=3.0),
+               "teacher": dict(temperature=1.25, logit_scale=1.3, softcap=None)}
+
+
+def _head_floors(divergence, h_s, w_s, b_s, h_t, w_t, b_t, mask, dtype):
+    """The rounding floors in ``dtype`` of the loss and the gradients of hidden, weight and bias:
+    each model's logits ``y = h W^T + b`` rounded by its matmul move the loss by at most
+    ``|dL/dy|`` times that; the gradients are matmuls of ``dL/dy_s`` with W (V terms) and h (N
+    terms) and its sum over N. ``dL/dy`` from float64 autograd of the divergence's reference
+    function over the exact logits."""
+    function, params = divergence.terms()
+    ys = [(h @ w.T + b).requires_grad_() for h, w, b in ((h_s, w_s, b_s), (h_t, w_t, b_t))]
+    s, t = (torch.log_softmax(_head_z(y, style["logit_scale"], style["softcap"],
+                                      style["temperature"]), -1)
+            for y, style in zip(ys, HEAD_STYLES.values()))
+    value = reference_divergences.divergence_function(function)(s, t, params)
+    loss = torch.where(mask, value, 0.0).sum() / mask.sum()
+    dy_s, dy_t = torch.autograd.grad(loss, ys)
+    loss_floor = sum((dy.abs() * matmul_rounding(h, w.T, dtype)).sum().item()
+                     for dy, h, w in ((dy_s, h_s, w_s), (dy_t, h_t, w_t)))
+    dy = dy_s.reshape(-1, V)
+    u = torch.finfo(dtype).eps / 2
+    return (loss_floor, matmul_rounding(dy, w_s, dtype).max().item(),
+            matmul_rounding(dy.T, h_s.reshape(-1, H), dtype).max().item(),
+            math.sqrt(dy.shape[0]) * u * dy.abs().sum(0).max().item())
+
+
+def _run_heads(lib, divergence, tensors, mask, dtype, validate):
+    h_s, w_s, b_s, h_t, w_t, b_t = (x.to(dtype) for x in tensors)
+    leaves = [x.clone().requires_grad_() for x in (h_s, w_s, b_s)]
+    student = rlfuse.LinearHead(leaves[0], leaves[1], _positions(), bias=leaves[2],
+                                chunk_tokens=4, **HEAD_STYLES["student"])
+    teacher = rlfuse.LinearHead(h_t, w_t, _positions(), bias=b_t, **HEAD_STYLES["teacher"])
+    out = lib.distill_loss(student, teacher, mask, divergence, validate=validate)
+    return (out.loss, out.metrics["entropy"], *torch.autograd.grad(out.loss, leaves))
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("validate", [True, False], ids=["actor_rows", "every_row"])
+def test_heads_against_float64(divergence, dtype, validate):
+    """A LinearHead student (bias, logit scale, softcap; chunks of 4 positions) and a wider
+    LinearHead teacher (its own bias, scale, temperature): the loss, the student's entropy and
+    the gradients of hidden, weight and bias against float64 by the three-way rule, with the
+    floors of the matmuls' own rounding; fp64 to fp64's rounding. Masked positions get a zero
+    hidden-state gradient and their hidden rows change nothing: with validate they are never
+    read (NaN there), without it their logits are formed and given a zero gradient (large
+    finite values there)."""
+    h_s, h_t, w_s, w_t, b_s, b_t = (x.double() for x in _heads())
+    _, _, mask = _batch()
+    tensors = (h_s, w_s, b_s, h_t, w_t, b_t)     # the reference's: every row finite
+    garbage = [x.clone() for x in (h_s, h_t)]
+    for x in garbage:
+        x[~mask] = float("nan") if validate else 1e3
+    fused = _run_heads(rlfuse, divergence, (garbage[0], w_s, b_s, garbage[1], w_t, b_t), mask,
+                       dtype, validate)
+    ref64 = _run_heads(rlfuse.reference, divergence, tensors, mask, torch.float64, True)
+    assert (fused[2][~mask] == 0).all()
+    if dtype == torch.float64:
+        for a, b in zip(fused, ref64):
+            torch.testing.assert_close(a, b, **TOL["fp64_chain"])
+        return
+    ref = _run_heads(rlfuse.reference, divergence, tensors, mask, dtype, True)
+    floors = _head_floors(divergence, h_s, w_s, b_s, h_t, w_t, b_t, mask, dtype)
+    names = ("loss", "entropy", "dhidden", "dweight", "dbias")
+    for name, a, b, b64, floor in zip(names, fused, ref, ref64, (floors[0], 0.0, *floors[1:])):
+        assert_three_way(a, b, b64, name, floor=floor)
+
+
+@pytest.mark.parametrize("teacher_form", ["head", "logits"])
+def test_mixed_forms_against_float64(teacher_form):
+    """A Logits student beside a LinearHead teacher (its window's logits formed once), and a
+    LinearHead student beside a Logits teacher: fp64 to fp64's rounding, values and the
+    student's gradient."""
+    h_s, h_t, w_s, w_t, b_s, b_t = (x.double() for x in _heads())
+    student, teacher, mask = _batch(torch.float64)
+    results = []
+    for lib in LIBS:
+        if teacher_form == "head":
+            leaf = student.clone().requires_grad_()
+            s = rlfuse.Logits(leaf, _positions(), 0.9, offset=1)
+            t = rlfuse.LinearHead(h_t, w_t, _positions(), bias=b_t, **HEAD_STYLES["teacher"])
+        else:
+            leaf = h_s.clone().requires_grad_()
+            s = rlfuse.LinearHead(leaf, w_s, _positions(), bias=b_s, chunk_tokens=3,
+                                  **HEAD_STYLES["student"])
+            t = rlfuse.Logits(teacher, _positions(), 1.25, offset=1)
+        out = lib.distill_loss(s, t, mask, JSD(0.4))
+        results.append((out.loss, out.metrics["entropy"], *torch.autograd.grad(out.loss, leaf)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **TOL["fp64_chain"])
 
 
 def test_token_divergence_is_the_loss_per_token():

@@ -258,6 +258,11 @@ def _drive():
         backward(rlfuse.policy_loss(capped, old, adv_seq, mask, "clip", ref_logprobs=teacher,
                                     kl=terms.KLPenalty(0.01), entropy=terms.EntropyBonus(0.01),
                                     validate=False).loss)
+        # distillation between two capped heads (S_SOFTCAP, T_SOFTCAP), each divergence
+        for divergence in (cls.example() for cls in divergences.DIVERGENCES):
+            backward(rlfuse.distill_loss(capped, capped._replace(hidden=capped.hidden.detach(),
+                                                                 temperature=1.0), mask,
+                                         divergence).loss)
 
     # The batch-invariant head (kernels.matmul: the logits, the hidden states' and the weight's
     # gradients), in bf16, fp32 and fp64 with a bias, from the log-prob and the single pass.

@@ -104,12 +104,12 @@ def token_divergence(run, student, teacher, divergence, mask: Optional[torch.Ten
         validate: check the mask's values and a ``TopK`` teacher's ids and log-probs (reads
             ``[B, T, k]`` data, one host sync).
     """
-    with run.on(student) as (impl, student):
+    with run.on(student, teacher) as (impl, student, teacher):
         if mask is None:
             mask = torch.ones(_named("student", check_policy, student, None).shape,
                               dtype=torch.bool, device=student.targets.device)
         args = check_distill_args(student, teacher, mask, divergence, validate=validate)
-        return impl.token_divergence(student, teacher, divergence, args.mask)[0]
+        return impl.token_divergence(student, teacher, divergence, args.mask, validate)[0]
 
 
 def distill_loss(run, student, teacher, mask: torch.Tensor, divergence, *,
@@ -137,13 +137,14 @@ def distill_loss(run, student, teacher, mask: torch.Tensor, divergence, *,
         the mask), with a ``TopK`` teacher ``student_mass`` / ``teacher_mass`` (the mean
         probability mass on the teacher's ids, verl's).
     """
-    with run.on(student) as (impl, student):
+    with run.on(student, teacher) as (impl, student, teacher):
         args = check_distill_args(student, teacher, mask, divergence, validate=validate)
         agg = check_choice("agg", agg, AGGREGATIONS)
         num_tokens = check_count("num_tokens", num_tokens, args.info.device, validate)
         scale = check_loss_scale(loss_scale)
         weights = check_weights(weights, args.info, args.mask, validate)
-        value, entropy, extras = impl.token_divergence(student, teacher, divergence, args.mask)
+        value, entropy, extras = impl.token_divergence(student, teacher, divergence, args.mask,
+                                                       validate)
         return _loss(value, entropy, extras, args.mask, agg, num_tokens, scale, weights)
 
 

@@ -2,9 +2,10 @@
 ``rlfuse.api`` becomes a public function bound to one (``bind``).
 
 A definition takes the implementation it runs on as its first argument and picks the one for
-its first tensor with ``run.on(x)``: ``Implementation.on`` is always itself (the reference
-binds ``rlfuse.reference.*`` to its own), ``rlfuse._dispatch.Dispatch.on`` the kernels where
-they run on ``x``'s device and the reference elsewhere (``rlfuse.*``).
+its first tensor with ``run.on(x)`` (``run.on(x, *others)``: policies that go with it):
+``Implementation.on`` is always itself (the reference binds ``rlfuse.reference.*`` to its own),
+``rlfuse._dispatch.Dispatch.on`` the kernels where they run on ``x``'s device and the
+reference elsewhere (``rlfuse.*``).
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ class Implementation(NamedTuple):
       entropies of ``[B, T]`` log-probs, when known);
     - ``kl_penalty(logprobs, ref_logprobs, estimator, straight, clamp)``: the estimates;
     - ``head_logits(hidden, weight, bias)``: the batch-invariant head's logits;
-    - ``token_divergence(student, teacher, divergence, mask)``: ``(divergence, the student's
-      entropy, {extra metric: [B, T]})`` of a distillation (``api.distill``);
+    - ``token_divergence(student, teacher, divergence, mask, validate)``: ``(divergence, the
+      student's entropy, {extra metric: [B, T]})`` of a distillation (``api.distill``);
     - ``context_in_place``: under context parallelism ``policy_loss`` takes a rank's chunks of
       a token-local objective in place (the ``counts`` of ``api.args.PolicyLossArgs``,
       ``scaleout.context.in_place``), where
@@ -54,11 +55,11 @@ class Implementation(NamedTuple):
     context_in_place: bool = False
 
     @contextlib.contextmanager
-    def on(self, x):
-        """``(self, x)``, a policy holding DTensors made of its local tensors
+    def on(self, x, *others):
+        """``(self, x, *others)``, each policy holding DTensors made of its local tensors
         (``scaleout.dtensor``), a sequence-parallel head of every rank's rows
         (``scaleout.sequence``)."""
-        yield self, gather_sequence(local_policy(x))
+        yield (self, *(gather_sequence(local_policy(y)) for y in (x, *others)))
 
 
 def bind(definition: Callable, run) -> Callable:

@@ -1,19 +1,31 @@
-"""Distillation's op (``rlfuse::distill``) over the divergence kernels (``kernels.distill``):
-from a student's and a teacher's ``Logits``, the per-position divergence and the student's
-entropy, the forward reading each model's window rows twice, the backward once and writing the
-student's gradient once. The other forms (a ``LinearHead`` on either side, a ``TopK`` teacher)
-run the reference's twin (``reference.distill``) until their kernels exist."""
+"""Distillation's ops over the divergence kernels (``kernels.distill``), the per-position
+divergence and the student's entropy:
+
+- ``rlfuse::distill``, between two ``Logits`` (a ``LinearHead`` teacher beside them: its
+  window's logits formed once, never differentiated): the forward reads each model's window
+  rows twice, the backward once and writes the student's gradient once;
+- ``rlfuse::linear_distill``, a ``LinearHead`` student (and a ``LinearHead`` or ``Logits``
+  teacher): each chunk of tokens' logits formed by one matmul per model and reduced as above;
+  the backward forms both chunks once more, writes the student's gradient in place into its
+  chunk and turns it into the gradients of the hidden states, weight and bias at once. No
+  ``[N, V]`` tensor of either model exists.
+
+A ``TopK`` teacher runs the reference's twin (``reference.distill``) until its kernel exists.
+"""
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .._types import Logits, compute_dtype
+from .._types import LinearHead, Logits, TopK, compute_dtype
 from ..kernels.distill import DISTILL_STATS, distill_bwd, distill_fwd
+from ..kernels.head import HeadParams
 from ..reference import distill as twin
 from ._op import custom_op, register_autograd
+from .head_matmuls import HeadGradients, chunk_logits
+from .linear_head import Rows, chunk_tokens_for, head_gradients
 
 
 def _window(logits: Tensor, offset: int, T: int) -> Tensor:
@@ -21,31 +33,45 @@ def _window(logits: Tensor, offset: int, T: int) -> Tensor:
     return window if window.stride(-1) == 1 else window.contiguous()
 
 
-@custom_op("distill")
-def distill_op(student: Tensor, teacher: Tensor, mask: Tensor, temperature: float,
-               teacher_temperature: float, offset: int, teacher_offset: int, function: str,
-               params: List[float]) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(divergence [B, T], the student's entropy [B, T], stats [B T, DISTILL_STATS])`` of the
-    rows ``[offset, offset + T)`` of ``student [B, S, V]`` and ``[teacher_offset, ... + T)`` of
-    ``teacher``, ``mask [B, T]``, for a divergence's per-position ``function`` and its
-    ``params`` (``DivergenceTerms``); the gradient is the whole student logits'."""
-    T = mask.shape[1]
-    return distill_fwd(_window(student, offset, T), _window(teacher, teacher_offset, T), mask,
-                       temperature, teacher_temperature, (function, params))
-
-
-@distill_op.register_fake
-def _(student, teacher, mask, temperature, teacher_temperature, offset, teacher_offset,
-      function, params):
+def _stats_fake(student: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     acc = compute_dtype(student.dtype)
     return (student.new_empty(mask.shape, dtype=acc), student.new_empty(mask.shape, dtype=acc),
             student.new_empty((mask.numel(), len(DISTILL_STATS)), dtype=acc))
 
 
+# --------------------------------------------------------------------------------------------
+# Two Logits
+# --------------------------------------------------------------------------------------------
+
+@custom_op("distill")
+def distill_op(student: Tensor, teacher: Tensor, mask: Tensor, temperature: float,
+               teacher_temperature: float, offset: int, teacher_offset: int, function: str,
+               params: List[float], teacher_logit_scale: float = 1.0,
+               teacher_softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(divergence [B, T], the student's entropy [B, T], stats [B T, DISTILL_STATS])`` of the
+    rows ``[offset, offset + T)`` of ``student [B, S, V]`` and ``[teacher_offset, ... + T)`` of
+    ``teacher``, ``mask [B, T]``, for a divergence's per-position ``function`` and its
+    ``params`` (``DivergenceTerms``; the teacher's rows: raw logits of a head with
+    ``teacher_logit_scale`` and ``teacher_softcap``); the gradient is the whole student
+    logits'."""
+    T = mask.shape[1]
+    return distill_fwd(_window(student, offset, T), _window(teacher, teacher_offset, T), mask,
+                       HeadParams(temperature),
+                       HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap),
+                       (function, params))
+
+
+@distill_op.register_fake
+def _(student, teacher, mask, temperature, teacher_temperature, offset, teacher_offset,
+      function, params, teacher_logit_scale=1.0, teacher_softcap=0.0):
+    return _stats_fake(student, mask)
+
+
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(inputs.student, inputs.teacher, inputs.mask, output[2])
     ctx.fields = (inputs.temperature, inputs.teacher_temperature, inputs.offset,
-                  inputs.teacher_offset, inputs.function, inputs.params)
+                  inputs.teacher_offset, inputs.function, inputs.params,
+                  inputs.teacher_logit_scale, inputs.teacher_softcap)
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)
 
@@ -53,16 +79,19 @@ def _setup(ctx, inputs, output):
 @custom_op("distill_backward")
 def distill_backward_op(student: Tensor, teacher: Tensor, mask: Tensor, stats: Tensor,
                         dvalue: Tensor, temperature: float, teacher_temperature: float,
-                        offset: int, teacher_offset: int, function: str,
-                        params: List[float]) -> Tensor:
+                        offset: int, teacher_offset: int, function: str, params: List[float],
+                        teacher_logit_scale: float = 1.0,
+                        teacher_softcap: float = 0.0) -> Tensor:
     """The gradient of ``distill_op``'s whole ``student`` logits for ``dvalue [B, T]``."""
     return distill_bwd(student, offset, _window(teacher, teacher_offset, mask.shape[1]), mask,
-                       stats, dvalue, temperature, teacher_temperature, (function, params))
+                       stats, dvalue, HeadParams(temperature),
+                       HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap),
+                       (function, params))
 
 
 @distill_backward_op.register_fake
 def _(student, teacher, mask, stats, dvalue, temperature, teacher_temperature, offset,
-      teacher_offset, function, params):
+      teacher_offset, function, params, teacher_logit_scale=1.0, teacher_softcap=0.0):
     return torch.empty_like(student, memory_format=torch.contiguous_format)
 
 
@@ -75,15 +104,164 @@ def _backward(ctx, dvalue, _dentropy, _dstats):
 register_autograd(distill_op, _backward, _setup)
 
 
-def token_divergence(student, teacher, divergence, mask: Tensor
+# --------------------------------------------------------------------------------------------
+# A LinearHead student, chunk by chunk
+# --------------------------------------------------------------------------------------------
+
+class _Teacher:
+    """A chunk's rows of the teacher: of its hidden states through its head (``weight`` given)
+    or of its logits, at the flat rows ``b S_t + teacher_offset + t`` of the chunk's tokens."""
+
+    def __init__(self, teacher: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                 offset: int, T: int, batch_invariant: bool):
+        self.flat = teacher.reshape(-1, teacher.shape[-1])
+        self.S, self.offset, self.T = teacher.shape[1], offset, T
+        self.weight, self.bias, self.batch_invariant = weight, bias, batch_invariant
+
+    def chunk(self, tokens: Tensor) -> Tensor:
+        rows = self.flat[(tokens // self.T) * self.S + self.offset + tokens % self.T]
+        if self.weight is None:
+            return rows.unsqueeze(1)
+        return chunk_logits(rows, self.weight, self.bias, self.batch_invariant)
+
+
+@custom_op("linear_distill")
+def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher: Tensor,
+                      teacher_weight: Optional[Tensor], teacher_bias: Optional[Tensor],
+                      mask: Tensor, temperature: float, logit_scale: float, softcap: float,
+                      teacher_temperature: float, teacher_logit_scale: float,
+                      teacher_softcap: float, offset: int, teacher_offset: int, function: str,
+                      params: List[float], chunk_tokens: int, gather: bool,
+                      batch_invariant: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``distill_op``'s outputs for a student head (``hidden [B, S, H]``, ``weight [V, H]``,
+    ``bias``; its logit scale and softcap, 0: none) and a teacher head (``teacher [B, S_t,
+    H_t]``, ``teacher_weight``) or the teacher's logits (``teacher [B, S_t, V]``,
+    ``teacher_weight`` None), over chunks of ``chunk_tokens`` positions (with ``gather``: the
+    actor positions only); ``batch_invariant``: both heads' logits by the fixed-order
+    matmul."""
+    acc = compute_dtype(hidden.dtype)
+    B, T = mask.shape
+    value = torch.zeros(B * T, dtype=acc, device=hidden.device)
+    entropy = torch.zeros(B * T, dtype=acc, device=hidden.device)
+    stats = torch.zeros((B * T, len(DISTILL_STATS)), dtype=acc, device=hidden.device)
+    h_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), mask.reshape(-1)
+    rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, T, batch_invariant)
+    heads = (HeadParams(temperature, logit_scale, softcap),
+             HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
+    for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
+        value_c, entropy_c, stats_c = distill_fwd(
+            chunk_logits(h_flat[rows], weight, bias, batch_invariant), rows_of.chunk(tokens),
+            m_flat[tokens, None], *heads, (function, params))
+        value[tokens], entropy[tokens], stats[tokens] = value_c[:, 0], entropy_c[:, 0], stats_c
+    return value.view(B, T), entropy.view(B, T), stats
+
+
+@linear_distill_op.register_fake
+def _(hidden, weight, bias, teacher, teacher_weight, teacher_bias, mask, *args):
+    return _stats_fake(hidden, mask)
+
+
+@custom_op("linear_distill_backward")
+def linear_distill_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                               teacher: Tensor, teacher_weight: Optional[Tensor],
+                               teacher_bias: Optional[Tensor], mask: Tensor, stats: Tensor,
+                               dvalue: Tensor, temperature: float, logit_scale: float,
+                               softcap: float, teacher_temperature: float,
+                               teacher_logit_scale: float, teacher_softcap: float, offset: int,
+                               teacher_offset: int, function: str, params: List[float],
+                               chunk_tokens: int, gather: bool, batch_invariant: bool,
+                               needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(dhidden, dweight, dbias)`` (empty where not needed) of ``linear_distill_op`` for the
+    upstream ``dvalue [B, T]``: each chunk's logits formed again, the student's gradient
+    written in place into its chunk."""
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), batch_invariant=batch_invariant)
+    T = mask.shape[1]
+    h_flat, m_flat, dvalue = hidden.reshape(-1, hidden.shape[-1]), mask.reshape(-1), \
+        dvalue.reshape(-1)
+    rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, T, batch_invariant)
+    heads = (HeadParams(temperature, logit_scale, softcap),
+             HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
+    for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
+        h_rows = h_flat[rows]
+        logits = chunk_logits(h_rows, weight, bias, batch_invariant)
+        distill_bwd(logits, 0, rows_of.chunk(tokens), m_flat[tokens, None], stats[tokens],
+                    dvalue[tokens, None], *heads, (function, params), dlogits=logits)
+        grads.add(logits, h_rows, rows)
+    return grads.results(hidden, weight)
+
+
+@linear_distill_backward_op.register_fake
+def _(hidden, weight, bias, teacher, teacher_weight, teacher_bias, mask, stats, dvalue, *args):
+    needs = args[-1]
+    return (hidden.new_empty(hidden.shape if needs[0] else (0,)),
+            weight.new_empty(weight.shape if needs[1] else (0,)),
+            weight.new_empty((weight.shape[0],) if needs[2] and bias is not None else (0,)))
+
+
+_LINEAR_FIELDS = ("temperature", "logit_scale", "softcap", "teacher_temperature",
+                  "teacher_logit_scale", "teacher_softcap", "offset", "teacher_offset",
+                  "function", "params", "chunk_tokens", "gather", "batch_invariant")
+
+
+def _linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.bias, inputs.teacher,
+                          inputs.teacher_weight, inputs.teacher_bias, inputs.mask, output[2])
+    ctx.fields = tuple(getattr(inputs, name) for name in _LINEAR_FIELDS)
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)
+
+
+def _linear_backward(ctx, dvalue, _dentropy, _dstats):
+    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
+    if dvalue is None or not any(needs):
+        return None
+    saved = ctx.saved_tensors
+    dh, dw, db = linear_distill_backward_op(*saved, dvalue, *ctx.fields, needs)
+    return head_gradients(needs, saved[2] is not None, dh, dw, db)
+
+
+register_autograd(linear_distill_op, _linear_backward, _linear_setup)
+
+
+def _head(model) -> dict:
+    return dict(zip(("temperature", "logit_scale", "softcap"), HeadParams.of(model)))
+
+
+def _teacher_logits(teacher: LinearHead, T: int) -> Tensor:
+    """A teacher head's raw logits of its window ``[B, T, V]``, formed once."""
+    window = teacher.hidden[:, int(teacher.offset):int(teacher.offset) + T]
+    return chunk_logits(window.reshape(-1, window.shape[-1]), teacher.weight, teacher.bias,
+                        bool(teacher.batch_invariant)).view(*window.shape[:2], -1)
+
+
+def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool = False
                      ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
-    """``reference.distill.token_divergence`` on the kernels where they exist (two ``Logits``),
-    else the twin."""
-    if not (isinstance(student, Logits) and isinstance(teacher, Logits)):
+    """``reference.distill.token_divergence`` on the kernels (a ``TopK`` teacher: the twin);
+    ``validate``: a ``LinearHead`` student forms the logits of the actor positions only (reads
+    the mask on the host)."""
+    if isinstance(teacher, TopK):
         return twin.token_divergence(student, teacher, divergence, mask)
     function, params = divergence.terms()
-    value, entropy, _ = distill_op(student.logits, teacher.logits.detach(), mask,
-                                   float(student.temperature), float(teacher.temperature),
-                                   int(student.offset), int(teacher.offset), function,
-                                   list(params))
+    teacher = teacher._replace(**{f: getattr(teacher, f).detach() for f in
+                                  ("logits", "hidden", "weight", "bias")
+                                  if isinstance(getattr(teacher, f, None), Tensor)})
+    t_head = HeadParams.of(teacher)
+    if isinstance(student, LinearHead):
+        t_rows, t_weight, t_bias = (teacher.logits, None, None) if isinstance(teacher, Logits) \
+            else (teacher.hidden, teacher.weight, teacher.bias)
+        chunk = chunk_tokens_for(student.weight, student.chunk_tokens, mask.numel())
+        value, entropy, _ = linear_distill_op(
+            student.hidden, student.weight, student.bias, t_rows, t_weight, t_bias, mask,
+            **_head(student), teacher_temperature=t_head.temperature,
+            teacher_logit_scale=t_head.logit_scale, teacher_softcap=t_head.softcap,
+            offset=int(student.offset), teacher_offset=int(teacher.offset), function=function,
+            params=list(params), chunk_tokens=chunk, gather=validate,
+            batch_invariant=bool(student.batch_invariant))
+        return value, entropy, {}
+    T = mask.shape[1]
+    t_logits, t_offset = (teacher.logits, int(teacher.offset)) if isinstance(teacher, Logits) \
+        else (_teacher_logits(teacher, T), 0)
+    value, entropy, _ = distill_op(student.logits, t_logits, mask, float(student.temperature),
+                                   t_head.temperature, int(student.offset), t_offset, function,
+                                   list(params), t_head.logit_scale, t_head.softcap)
     return value, entropy, {}

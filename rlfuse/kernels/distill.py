@@ -11,14 +11,16 @@ never read.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from .rows import COMPILER_STAGES, at, program_token, row_logsumexp, row_write_zeros
 from .divergence_functions import divergence_args
-from .utils import (empty, fp64_args, fp64_values, mask_args, tl_compute_dtype,
-                    vocab_launch_config)
+from .head import HeadParams, softcap
+from .utils import empty, fp64_values, mask_args, tl_compute_dtype, vocab_launch_config
 
 # Columns of the per-position statistics the forward saves for the backward.
 DISTILL_STATS = ("student_max", "student_log_sum", "teacher_max", "teacher_log_sum", "aux")
@@ -26,21 +28,29 @@ N_STATS = tl.constexpr(len(DISTILL_STATS))
 
 
 @triton.jit
-def _log_probs(row_ptr, cols, V, m, log_s, inv_temp, ACC: tl.constexpr):
-    """A block of a row's log-probs ``(x − m) / τ − log s``; -inf past the row."""
-    x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(ACC)
-    return tl.where(cols < V, (x - m) * inv_temp - log_s, float("-inf"))
+def _log_probs(row_ptr, cols, V, m, log_s, head, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """A block of a row's log-probs ``(x − m) z_scale − log s`` (x: the logit, through the head's
+    softcap with ``SOFTCAP``; ``head``: its ``(inv_temp, cap, cap_in)``, ``HeadParams``), -inf
+    past the row, and ``dx/dlogit / (cap cap_in)`` (1 without a softcap)."""
+    inv_temp, cap, cap_in = head
+    x = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(ACC)
+    if SOFTCAP:
+        x, dx = softcap(x, cap, cap_in, ACC)
+        return tl.where(cols < V, (x - m) * inv_temp - log_s, float("-inf")), dx
+    else:
+        return tl.where(cols < V, (x - m) * inv_temp - log_s, float("-inf")), 1.0
 
 
 @triton.jit
 def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_ptr, stats_ptr,
                         stride_sb, stride_st, stride_tb, stride_tt, stride_mb, stride_mt,
-                        T, V, inv_temps, hyper,
+                        T, V, s_head_args, t_head_args, hyper,
                         DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr,
-                        ACC: tl.constexpr):
+                        S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, ACC: tl.constexpr):
     token, b, t, _, _, is_actor = program_token(tl.program_id(0), mask_ptr, T, T, 0, stride_mb,
                                                 stride_mt, HAS_MASK)
-    inv_s, inv_t = fp64_values(inv_temps, ACC)
+    s_head = fp64_values(s_head_args, ACC)
+    t_head = fp64_values(t_head_args, ACC)
     div_params = fp64_values(hyper, ACC)
     value = tl.zeros((), ACC)
     aux = tl.zeros((), ACC)
@@ -52,16 +62,18 @@ def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_p
     if is_actor:
         s_row = student_ptr + at(b, stride_sb, t, stride_st)
         t_row = teacher_ptr + at(b, stride_tb, t, stride_tt)
-        m_s, log_s_s, entropy = row_logsumexp(s_row, V, inv_s, 1.0, 1.0, BLOCK_V, True, False,
-                                              ACC, False, COMPILER_STAGES)
-        m_t, log_s_t, no_entropy = row_logsumexp(t_row, V, inv_t, 1.0, 1.0, BLOCK_V, False,
-                                                 False, ACC, False, COMPILER_STAGES)
+        m_s, log_s_s, entropy = row_logsumexp(s_row, V, s_head[0], s_head[1], s_head[2],
+                                              BLOCK_V, True, S_SOFTCAP, ACC, False,
+                                              COMPILER_STAGES)
+        m_t, log_s_t, no_entropy = row_logsumexp(t_row, V, t_head[0], t_head[1], t_head[2],
+                                                 BLOCK_V, False, T_SOFTCAP, ACC, False,
+                                                 COMPILER_STAGES)
         acc = tl.zeros((BLOCK_V,), ACC)
         acc_aux = tl.zeros((BLOCK_V,), ACC)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
-            s = _log_probs(s_row, cols, V, m_s, log_s_s, inv_s, ACC)
-            lt = _log_probs(t_row, cols, V, m_t, log_s_t, inv_t, ACC)
+            s, unused_ds = _log_probs(s_row, cols, V, m_s, log_s_s, s_head, S_SOFTCAP, ACC)
+            lt, unused_dt = _log_probs(t_row, cols, V, m_t, log_s_t, t_head, T_SOFTCAP, ACC)
             term, aux_term, unused = DIVERGENCE(s, lt, aux, div_params)
             acc += term
             acc_aux += aux_term
@@ -80,16 +92,18 @@ def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_p
 @triton.jit
 def _distill_bwd_kernel(student_ptr, teacher_ptr, mask_ptr, stats_ptr, dvalue_ptr, dlogits_ptr,
                         stride_sb, stride_st, stride_tb, stride_tt, stride_mb, stride_mt,
-                        stride_db, stride_dt, T, S, offset, V, inv_temps, hyper,
+                        stride_db, stride_dt, T, S, offset, V, s_head_args, t_head_args,
+                        hyper,
                         DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr,
-                        ACC: tl.constexpr):
+                        S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, ACC: tl.constexpr):
     # One program per row of the student's whole [B, S] logits.
     token, b, s_row_index, t, _, is_actor = program_token(tl.program_id(0), mask_ptr, T, S,
                                                           offset, stride_mb, stride_mt,
                                                           HAS_MASK)
     drow = dlogits_ptr + at(b, stride_db, s_row_index, stride_dt)
     if is_actor:
-        inv_s, inv_t = fp64_values(inv_temps, ACC)
+        s_head = fp64_values(s_head_args, ACC)
+        t_head = fp64_values(t_head_args, ACC)
         div_params = fp64_values(hyper, ACC)
         stats = stats_ptr + N_STATS * token
         m_s = tl.load(stats).to(ACC)
@@ -97,27 +111,27 @@ def _distill_bwd_kernel(student_ptr, teacher_ptr, mask_ptr, stats_ptr, dvalue_pt
         m_t = tl.load(stats + 2).to(ACC)
         log_s_t = tl.load(stats + 3).to(ACC)
         aux = tl.load(stats + 4).to(ACC)
-        g = tl.load(dvalue_ptr + token).to(ACC) * inv_s
+        # dD/dlogit = dD/dz inv_temp (times the softcap's derivative cap cap_in dx)
+        g = tl.load(dvalue_ptr + token).to(ACC) * s_head[0]
+        if S_SOFTCAP:
+            g = g * s_head[1] * s_head[2]
         s_row = student_ptr + at(b, stride_sb, s_row_index, stride_st)
         t_row = teacher_ptr + at(b, stride_tb, t, stride_tt)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
-            s = _log_probs(s_row, cols, V, m_s, log_s_s, inv_s, ACC)
-            lt = _log_probs(t_row, cols, V, m_t, log_s_t, inv_t, ACC)
+            s, ds = _log_probs(s_row, cols, V, m_s, log_s_s, s_head, S_SOFTCAP, ACC)
+            lt, unused_dt = _log_probs(t_row, cols, V, m_t, log_s_t, t_head, T_SOFTCAP, ACC)
             unused_term, unused_aux, d = DIVERGENCE(s, lt, aux, div_params)
-            tl.store(drow + cols, (g * d).to(dlogits_ptr.dtype.element_ty), mask=cols < V)
+            tl.store(drow + cols, (g * d * ds).to(dlogits_ptr.dtype.element_ty), mask=cols < V)
     else:
         row_write_zeros(drow, V, BLOCK_V, False)
 
 
-def _inv_temps(temperature: float, teacher_temperature: float):
-    return fp64_args((1.0 / temperature, 1.0 / teacher_temperature))
-
-
-def distill_fwd(student: torch.Tensor, teacher: torch.Tensor, mask, temperature: float,
-                teacher_temperature: float, terms):
+def distill_fwd(student: torch.Tensor, teacher: torch.Tensor, mask, student_head: HeadParams,
+                teacher_head: HeadParams, terms):
     """``(value [B, T], student entropy [B, T], stats [B T, DISTILL_STATS])`` of the window rows
-    ``student [B, T, V]`` and ``teacher [B, T, V]`` (views, ``stride(-1) == 1``) for a
+    ``student [B, T, V]`` and ``teacher [B, T, V]`` (views, ``stride(-1) == 1``) of the heads
+    ``student_head`` and ``teacher_head`` (``HeadParams``; a ``Logits``: its temperature) for a
     divergence's ``terms`` (``rlfuse.divergences.DivergenceTerms`` or its fields), in the
     student's compute dtype; masked positions 0."""
     B, T, V = student.shape
@@ -131,32 +145,38 @@ def distill_fwd(student: torch.Tensor, teacher: torch.Tensor, mask, temperature:
                                                     teacher.element_size()))
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     function, hyper = divergence_args(terms)
+    (s_head, s_softcap), (t_head, t_softcap) = student_head.kernel_args(), \
+        teacher_head.kernel_args()
     _distill_fwd_kernel[(B * T,)](
         student, teacher, mask_u8, value, entropy, stats,
         student.stride(0), student.stride(1), teacher.stride(0), teacher.stride(1),
-        stride_mb, stride_mt, T, V, _inv_temps(temperature, teacher_temperature), hyper,
-        DIVERGENCE=function, BLOCK_V=block_v, HAS_MASK=mask is not None,
+        stride_mb, stride_mt, T, V, s_head, t_head, hyper, DIVERGENCE=function,
+        BLOCK_V=block_v, HAS_MASK=mask is not None, S_SOFTCAP=s_softcap, T_SOFTCAP=t_softcap,
         ACC=tl_compute_dtype(student.dtype), num_warps=num_warps)
     return value, entropy, stats
 
 
 def distill_bwd(logits: torch.Tensor, offset: int, teacher: torch.Tensor, mask, stats,
-                dvalue: torch.Tensor, temperature: float, teacher_temperature: float,
-                terms) -> torch.Tensor:
+                dvalue: torch.Tensor, student_head: HeadParams, teacher_head: HeadParams,
+                terms, dlogits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The gradient of the student's whole ``logits [B, S, V]`` (window rows ``[offset, offset +
-    T)``) for ``dvalue [B, T]``: zeros outside the window and at masked positions."""
+    T)``) for ``dvalue [B, T]``: zeros outside the window and at masked positions; into
+    ``dlogits`` when given (``logits`` itself: in place)."""
     B, S, V = logits.shape
     T = dvalue.shape[1]
-    dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if dlogits is None:
+        dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
     block_v, num_warps = vocab_launch_config(V, max(logits.element_size(),
                                                     teacher.element_size()))
     mask_u8, stride_mb, stride_mt = mask_args(mask)
     function, hyper = divergence_args(terms)
+    (s_head, s_softcap), (t_head, t_softcap) = student_head.kernel_args(), \
+        teacher_head.kernel_args()
     _distill_bwd_kernel[(B * S,)](
         logits, teacher, mask_u8, stats, dvalue.contiguous(), dlogits,
         logits.stride(0), logits.stride(1), teacher.stride(0), teacher.stride(1),
         stride_mb, stride_mt, dlogits.stride(0), dlogits.stride(1), T, S, offset, V,
-        _inv_temps(temperature, teacher_temperature), hyper, DIVERGENCE=function,
-        BLOCK_V=block_v, HAS_MASK=mask is not None, ACC=tl_compute_dtype(logits.dtype),
+        s_head, t_head, hyper, DIVERGENCE=function, BLOCK_V=block_v, HAS_MASK=mask is not None,
+        S_SOFTCAP=s_softcap, T_SOFTCAP=t_softcap, ACC=tl_compute_dtype(logits.dtype),
         num_warps=num_warps)
     return dlogits

@@ -35,11 +35,11 @@ def _top_k(s: Tensor, teacher: TopK, divergence: ForwardKL) -> Tuple[Tensor, Dic
     return (t_k.exp() * (t_k - s_k)).sum(-1).clamp_min(0.0), masses
 
 
-def token_divergence(student, teacher, divergence, mask: Tensor
+def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool = False
                      ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
     """``(divergence [B, T], the student's entropy [B, T], {name: [B, T]})`` (the extras: a
     ``TopK`` teacher's ``student_mass`` and ``teacher_mass``), 0 at masked positions, on
-    checked arguments."""
+    checked arguments (``validate`` changes nothing here)."""
     s = window_log_softmax(student, mask)
     entropy = -weighted(s.exp(), s)
     if isinstance(teacher, TopK):
