@@ -157,6 +157,28 @@ def router_loss_problems(model) -> List[str]:
     return []
 
 
+@contextlib.contextmanager
+def _without_mixed_precision(model):
+    """``model`` whose forward is its own meanwhile, not accelerate's mixed-precision wrapper of
+    it (a prepared model's forward runs under autocast; the check compares the model's math)."""
+    wrapper, original = model.__dict__.get("forward"), getattr(model, "_original_forward", None)
+    if wrapper is None or original is None:
+        yield
+        return
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapper
+
+
+def _backbone_and_head(model, input_ids):
+    """``(last hidden state, head weight, head bias)`` of ``model`` on ``input_ids``."""
+    out = getattr(model, model.base_model_prefix)(input_ids=input_ids, use_cache=False)
+    head = model.get_output_embeddings()
+    return out.last_hidden_state, head.weight, head.bias
+
+
 def model_head(model) -> dict:
     """The ``LinearHead`` fields of ``model``'s output head (``config_head``), checked
     against the model's own logits the first time."""
@@ -165,6 +187,7 @@ def model_head(model) -> dict:
     fields = getattr(model, "_rlfuse_head", None)
     if fields is None:
         fields = config_head(model.config)
-        check_head(model, fields, lambda ids: model(input_ids=ids, rlfuse_head=lambda *h: h))
+        with _without_mixed_precision(model):
+            check_head(model, fields, functools.partial(_backbone_and_head, model))
         model._rlfuse_head = fields
     return fields

@@ -1,0 +1,132 @@
+"""rlfuse in TRL's distillation (the real package): RLFuseDistillationTrainer's loss, every
+parameter's gradient and its ``entropy`` metric against TRL 1.16's own DistillationTrainer on
+the same generation batch, for each ``beta`` and temperature, gradient accumulation's global
+token count, scaled and soft-capped heads, TRL's default precision (bf16), and the real
+training loop."""
+import copy
+import math
+
+import pytest
+import torch
+
+from conftest import TOL, assert_three_way, integration
+
+trl = integration("trl")
+transformers = integration("transformers")
+
+from rlfuse.integrations.trl_distill import (RLFuseDistillationConfig,  # noqa: E402
+                                             RLFuseDistillationTrainer)
+from test_trl import TINY, dataset, head_model, tokenizer  # noqa: E402
+
+
+def student(seed=0):
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+
+
+def teacher(seed=1):
+    """A wider teacher over the same vocabulary, its head with a bias."""
+    torch.manual_seed(seed)
+    net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **dict(TINY, hidden_size=24, intermediate_size=48)))
+    net.lm_head = torch.nn.Linear(24, TINY["vocab_size"], bias=True)
+    return net
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                max_completion_length=4, max_steps=2, learning_rate=1e-2, logging_steps=1,
+                report_to="none", use_cpu=True, save_strategy="no", seed=0)
+    base.update(kw)
+    return base
+
+
+def trainers(tmp_path, nets=None, **kw):
+    """TRL's trainer and rlfuse's on copies of one student and one teacher, with one config."""
+    nets = nets or (student(), teacher())
+    data, tok = dataset(), tokenizer()
+    theirs = trl.DistillationTrainer(
+        model=copy.deepcopy(nets[0]), teacher_model=copy.deepcopy(nets[1]),
+        args=trl.DistillationConfig(**config(tmp_path, **kw)), train_dataset=data,
+        processing_class=tok)
+    ours = RLFuseDistillationTrainer(
+        model=copy.deepcopy(nets[0]), teacher_model=copy.deepcopy(nets[1]),
+        args=RLFuseDistillationConfig(**config(tmp_path, **kw), rlfuse_chunk_tokens=5),
+        train_dataset=data, processing_class=tok)
+    theirs.model.train()
+    inputs = theirs._generate_and_score_completions([data[i] for i in range(4)])
+    return theirs, ours, inputs
+
+
+def step(trainer, inputs):
+    """The loss, every gradient and the logged entropy of one compute_loss."""
+    trainer.model.train()
+    trainer.model.zero_grad()
+    with trainer.compute_loss_context_manager():
+        loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()
+             if p.grad is not None}
+    return loss.detach(), grads, trainer._metrics["train"]["entropy"][-1]
+
+
+def assert_same_step(theirs, ours, inputs):
+    (want, want_grads, want_entropy), (got, got_grads, got_entropy) = \
+        step(theirs, inputs), step(ours, inputs)
+    torch.testing.assert_close(got, want, **TOL["fp32_chain"])
+    assert got_entropy == pytest.approx(want_entropy, rel=1e-5)
+    assert got_grads.keys() == want_grads.keys() and want_grads
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOL["fp32_matmul"],
+                                   msg=name)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_reproduces_trl(beta, temperature, tmp_path):
+    """fp32: the loss, every gradient and the entropy metric equal TRL's, a wider teacher with
+    a biased head."""
+    theirs, ours, inputs = trainers(tmp_path, beta=beta, temperature=temperature, bf16=False)
+    assert_same_step(theirs, ours, inputs)
+
+
+def test_gradient_accumulation_divides_by_the_global_count(tmp_path):
+    """Under accumulation TRL divides each micro-batch's sum by the tokens of all of them
+    (``num_items_in_batch``): so does rlfuse's loss."""
+    theirs, ours, inputs = trainers(tmp_path, bf16=False, gradient_accumulation_steps=2)
+    inputs["num_items_in_batch"] = inputs["num_items_in_batch"] * 3
+    assert_same_step(theirs, ours, inputs)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "cohere", "granite"])
+def test_model_heads_reproduce_trl(name, tmp_path):
+    """A student and a teacher whose forwards scale or softcap their logits after the head."""
+    theirs, ours, inputs = trainers(tmp_path, nets=(head_model(name), head_model(name, seed=1)),
+                                    bf16=False, beta=0.5)
+    assert_same_step(theirs, ours, inputs)
+
+
+def test_default_precision(tmp_path):
+    """TRL's default config (bf16 on): the first step's loss and gradients keep the three-way
+    rule against TRL's fp32 run, TRL's own bf16 run the yardstick; then the real loop trains,
+    its logged losses and entropies finite."""
+    default = trl.DistillationConfig(**config(tmp_path))
+    assert default.bf16, "TRL's default precision changed"
+    nets = (student(), teacher())
+    theirs32, _, inputs = trainers(tmp_path, nets=nets, bf16=False)   # one generation batch
+    results = [step(theirs32, inputs)]
+    theirs, ours, _ = trainers(tmp_path, nets=nets)     # (accelerate's state: the last built)
+    assert ours.accelerator.mixed_precision == "bf16"
+    for trainer in (ours, theirs):
+        with trainer.accelerator.autocast():
+            results.append(step(trainer, inputs))
+    (ref32, ref32_g, _), (got, got_g, _), (ref, ref_g, _) = results
+    assert not torch.equal(ref, ref32)      # TRL's default run is a bf16 one
+    assert_three_way(got, ref, ref32, "loss", atol_dtype=torch.bfloat16)
+    for name in ref32_g:
+        assert_three_way(got_g[name], ref_g[name], ref32_g[name], name,
+                         atol_dtype=torch.bfloat16)
+    ours.train()
+    logged = [h for h in ours.state.log_history if "loss" in h]
+    assert len(logged) == 2
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["entropy"]) for h in logged)
