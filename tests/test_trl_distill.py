@@ -4,7 +4,11 @@ the same generation batch, for each ``beta`` and temperature, gradient accumulat
 token count, scaled and soft-capped heads, TRL's default precision (bf16), and the real
 training loop."""
 import copy
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +20,8 @@ transformers = integration("transformers")
 
 from rlfuse.integrations.trl_distill import (RLFuseDistillationConfig,  # noqa: E402
                                              RLFuseDistillationTrainer)
-from test_trl import TINY, dataset, head_model, tokenizer  # noqa: E402
+from test_trl import (ENGINES, TINY, _fsdp_on_the_cpu, dataset, eos_model,  # noqa: E402
+                      head_model, tokenizer)
 
 
 def student(seed=0):
@@ -130,3 +135,71 @@ def test_default_precision(tmp_path):
     logged = [h for h in ours.state.log_history if "loss" in h]
     assert len(logged) == 2
     assert all(math.isfinite(h["loss"]) and math.isfinite(h["entropy"]) for h in logged)
+
+
+def _distributed_worker(out_dir: str, engine: str) -> None:
+    """One process of ``torchrun --nproc_per_node 2 tests/test_trl_distill.py DIR ENGINE``: two
+    SGD steps of TRL's trainer, then of rlfuse's, under ``engine`` (DDP or FSDP2 through
+    accelerate, gloo), each rank on its own prompts, completions of different lengths; rank 0
+    writes each one's whole parameters and logs."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if engine.startswith("fsdp"):
+        _fsdp_on_the_cpu()
+    kw = config(out_dir, optim="sgd", beta=0.5, bf16=False, **ENGINES[engine])
+    for kind in ("trl", "rlfuse"):
+        make, make_config = ((trl.DistillationTrainer, trl.DistillationConfig) if kind == "trl"
+                             else (RLFuseDistillationTrainer, RLFuseDistillationConfig))
+        trainer = make(model=eos_model(), teacher_model=teacher(), args=make_config(**kw),
+                       train_dataset=dataset(16), processing_class=tokenizer())
+        trainer.train()
+        state = trainer.accelerator.get_state_dict(trainer.model)
+        if trainer.accelerator.is_main_process:
+            torch.save({k: v.detach().cpu() for k, v in state.items()},
+                       os.path.join(out_dir, f"{engine}-{kind}.pt"))
+            with open(os.path.join(out_dir, f"{engine}-{kind}.json"), "w") as f:
+                json.dump({"processes": trainer.accelerator.num_processes,
+                           "wrapper": "ddp" if isinstance(trainer.model_wrapped,
+                                                          DistributedDataParallel)
+                           else "fsdp2" if isinstance(trainer.model, FSDPModule) else "none",
+                           "logs": trainer.state.log_history}, f)
+        trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_engines_train_as_trl(engine, tmp_path):
+    """DDP and FSDP2 (the heads' weights sharded, gathered whole once per step as TRL does) over
+    two gloo processes whose completions end at different lengths: rlfuse's trainer ends with
+    TRL's own parameters after the same logged losses, gradient norms and entropies."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--standalone", __file__, str(tmp_path), engine],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (theirs, want), (ours, got) = [
+        (json.loads((tmp_path / f"{engine}-{kind}.json").read_text()),
+         torch.load(tmp_path / f"{engine}-{kind}.pt")) for kind in ("trl", "rlfuse")]
+    assert theirs["processes"] == ours["processes"] == 2
+    assert theirs["wrapper"] == ours["wrapper"] == engine
+    lengths = [s["completions/mean_length"] for s in theirs["logs"] if "grad_norm" in s]
+    assert min(lengths) < 4      # some completions end early: the processes' tokens differ
+    start = eos_model().state_dict()
+    assert got.keys() == want.keys() == start.keys()
+    assert max((want[k] - start[k]).abs().max().item() for k in start) > 1e-4
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL["fp32_matmul"], msg=name)
+    steps = [(a, b) for a, b in zip(theirs["logs"], ours["logs"]) if "grad_norm" in a]
+    assert len(steps) == 2
+    for a, b in steps:
+        for key in ("loss", "grad_norm", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
+if __name__ == "__main__":
+    _distributed_worker(*sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
