@@ -143,6 +143,14 @@ def context_trl(tmp_path):
                 settings=settings)
 
 
+def context_trl_distill(tmp_path):
+    from test_trl import dataset, tokenizer
+    from test_trl_distill import config, student, teacher
+
+    return dict(student=student(), teacher=teacher(), data=dataset(), tokenizer=tokenizer(),
+                settings=config(tmp_path, max_steps=1))
+
+
 def context_verl(tmp_path):
     from test_verl import batch, config
 
