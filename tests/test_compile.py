@@ -84,6 +84,11 @@ STEPS = {
             *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
                                    return_entropy=True, validate=False,
                                    batch_invariant=True))),
+    "distill_top_k": (("logits",), lambda leaf, x, form: _loss(rlfuse.distill_loss(
+        rlfuse.Logits(leaf, x.targets, 0.9), rlfuse.TopK(x.targets[..., None] % 3 + torch.arange(
+            2, device=x.targets.device), torch.full((*x.targets.shape, 2), -1.5,
+                                                   device=x.targets.device)),
+        x.mask, rlfuse.divergences.ForwardKL(-4.0), validate=False))),
     "distill": (("logits", "head"), lambda leaf, x, form: _loss(rlfuse.distill_loss(
         rlfuse.Logits(leaf, x.targets, 0.9) if form == "logits" else policy_of(leaf, x, form),
         rlfuse.Logits(x.logits.flip(0), x.targets, 1.25) if form == "logits" else
@@ -243,6 +248,7 @@ def _op_cases(device):
     hidden = x.hidden.clone().requires_grad_(True)
     weight = x.weight.clone().requires_grad_(True)
     jsd = ("jsd", list(JSD(0.3).terms().params))
+    top_ids = torch.randint(0, V, (B, T, 3), device=device)
     _, head_entropy, head_stats = linear_head.linear_logprobs_op(
         hidden.detach(), x.weight, x.bias, x.targets, x.mask, 0.9, 0.5, 3.0, 1, 7, False, True)
     stats = logprobs.token_logprobs_op(logits.detach(), x.targets, x.mask, 0.9, False, False,
@@ -368,6 +374,12 @@ def _op_cases(device):
              torch.zeros(B * T, 5, device=device), torch.randn(B, T, device=device), 1.0, 1.0,
              0.0, 1.0, 1.0, 0.0, 1, 0, "forward_kl", [], 7, True, False,
              [False, True, False])],
+        "logprobs_at": [(full, top_ids, x.mask, 0.9, 1),
+                        (x.logits.double().requires_grad_(), top_ids[..., :1], x.mask, 1.0, 0)],
+        "logprobs_at_backward": [
+            (full.detach(), top_ids, x.mask,
+             distill.logprobs_at_op(full.detach(), top_ids, x.mask, 0.9, 1)[2],
+             torch.randn(*top_ids.shape, device=device), 0.9, 1)],
         "scale_cast": [(torch.randn(7, 5, device=device), torch.tensor(0.3, device=device),
                         torch.bfloat16),
                        (torch.randn(3, device=device, dtype=torch.float64),
@@ -391,7 +403,9 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "kl_penalty_backward": kl.kl_penalty_backward_op, "distill": distill.distill_op,
        "distill_backward": distill.distill_backward_op,
        "linear_distill": distill.linear_distill_op,
-       "linear_distill_backward": distill.linear_distill_backward_op}
+       "linear_distill_backward": distill.linear_distill_backward_op,
+       "logprobs_at": distill.logprobs_at_op,
+       "logprobs_at_backward": distill.logprobs_at_backward_op}
 ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")
 

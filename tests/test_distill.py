@@ -278,6 +278,40 @@ def test_mixed_forms_against_float64(teacher_form):
         torch.testing.assert_close(a, b, **TOL["fp64_chain"])
 
 
+def _run_top_k(lib, student, ids, logprobs, mask, min_logprob, dtype):
+    leaf = student.to(dtype).requires_grad_()
+    out = lib.distill_loss(rlfuse.Logits(leaf, _positions(), 0.8, offset=1),
+                           rlfuse.TopK(ids, logprobs.to(dtype)), mask, ForwardKL(min_logprob))
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    return (out.loss, *out.metrics.values(), grad)
+
+
+@pytest.mark.parametrize("min_logprob", [None, -3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_top_k_against_float64(min_logprob, dtype):
+    """A TopK teacher (verl's top-k forward KL) on the kernels (the student's log-probs at the
+    teacher's ids from one read of its rows): loss, metrics and the logits' gradient against
+    float64 by the three-way rule; NaN in the masked rows of the student's logits and of the
+    teacher's top-k reaches nothing; a masked row's gradient is zero."""
+    student, teacher, mask = _batch()
+    top = torch.log_softmax(teacher[:, 1:].double() / 0.9, -1).topk(6, -1)
+    ids, logprobs = top.indices, top.values
+    logprobs[~mask] = float("nan")
+    student[:, 1:][~mask] = float("nan")
+    fused = _run_top_k(rlfuse, student, ids, logprobs, mask, min_logprob, dtype)
+    ref = _run_top_k(rlfuse.reference, student, ids, logprobs, mask, min_logprob, dtype)
+    ref64 = _run_top_k(rlfuse.reference, student, ids, logprobs, mask, min_logprob,
+                       torch.float64)
+    names = ("loss", "entropy", "loss_min", "loss_max", "student_mass", "teacher_mass", "grad")
+    for name, a, b, b64 in zip(names, fused, ref, ref64):
+        if dtype == torch.float64:
+            torch.testing.assert_close(a, b64, **TOL["fp64_chain"])
+        else:
+            assert_three_way(a, b, b64, name)
+    grad = fused[-1]
+    assert (grad[:, 1:][~mask] == 0).all() and (grad[:, 0] == 0).all()
+
+
 def test_token_divergence_is_the_loss_per_token():
     student, teacher, mask = _batch()
     leaf = student.clone().requires_grad_()

@@ -26,9 +26,21 @@ def window_log_softmax(policy, mask: Tensor) -> Tensor:
     return torch.log_softmax(z / rows.temperature, dim=-1)
 
 
-def _top_k(s: Tensor, teacher: TopK, divergence: ForwardKL) -> Tuple[Tensor, Dict[str, Tensor]]:
-    s_k = s.gather(-1, teacher.ids.long())
-    t_k = teacher.logprobs.to(s.dtype)
+def at_actor_positions(mask: Tensor, value: Tensor, entropy: Tensor, extras: Dict[str, Tensor]
+                       ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
+    """The value (differentiable), entropy and extras ``[B, T]`` at the actor positions, 0
+    elsewhere (whatever they hold there)."""
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    return (torch.where(mask, value, zero), torch.where(mask, entropy.detach(), zero),
+            {k: torch.where(mask, v.detach(), zero) for k, v in extras.items()})
+
+
+def top_k_divergence(s_k: Tensor, t_k: Tensor, divergence: ForwardKL
+                     ) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """verl's ``forward_kl_topk`` from the student's log-probs ``s_k`` at the teacher's ids
+    (under its full softmax) and the teacher's ``t_k`` ``[B, T, k]``: the value and the
+    ``student_mass`` / ``teacher_mass`` metrics."""
+    t_k = t_k.to(s_k.dtype)
     masses = {"student_mass": s_k.exp().sum(-1), "teacher_mass": t_k.exp().sum(-1)}
     if divergence.min_logprob is not None:
         s_k, t_k = s_k.clamp_min(divergence.min_logprob), t_k.clamp_min(divergence.min_logprob)
@@ -43,12 +55,11 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
     s = window_log_softmax(student, mask)
     entropy = -weighted(s.exp(), s)
     if isinstance(teacher, TopK):
-        value, extras = _top_k(s, teacher, divergence)
+        value, extras = top_k_divergence(s.gather(-1, teacher.ids.long()), teacher.logprobs,
+                                         divergence)
     else:
         with torch.no_grad():
             t = window_log_softmax(teacher, mask).to(s.dtype)
         function, params = divergence.terms()
         value, extras = divergence_function(function)(s, t, params), {}
-    zero = torch.zeros((), dtype=s.dtype, device=s.device)
-    return (torch.where(mask, value, zero), torch.where(mask, entropy.detach(), zero),
-            {k: torch.where(mask, v.detach(), zero) for k, v in extras.items()})
+    return at_actor_positions(mask, value, entropy, extras)
