@@ -59,6 +59,38 @@ def test_reference_and_fused_follow_the_same_trajectory(method):
     assert fused.reward_after == pytest.approx(ref.reward_after, **APPROX["demo_reward"])
 
 
+def test_distill_runs_each_divergence_and_lowers_it(capsys):
+    """``--method distill``: a teacher of its own, each divergence in turn (two here), the
+    divergence on the student's samples before and after training printed; training lowers
+    it."""
+    results = main(["--method", "distill", "--divergence", "forward_kl", "--divergence",
+                    "jsd", "--steps", "3", "--prompts-per-step", "2", "--group-size", "2",
+                    "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    for name in ("forward_kl", "jsd"):
+        assert f"distill/{name}: reward " in out and f"distill/{name}  " in out
+    assert len(results) == 2
+    for result in results:
+        assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in result.history)
+        assert 0 < result.divergence_after < result.divergence_before
+
+
+def test_distill_fused_and_reference_follow_the_same_trajectory():
+    fused = run("distill", impl="fused", divergence="reverse_kl", **{**TINY, "steps": 3})
+    ref = run("distill", impl="reference", divergence="reverse_kl", **{**TINY, "steps": 3})
+    assert "Triton" in fused.path
+    for a, b in zip(fused.history, ref.history):
+        assert a["reward"] == b["reward"]
+        assert a["loss"] == pytest.approx(b["loss"], **APPROX["demo_steps"])
+    for name in ("divergence_before", "divergence_after"):
+        assert getattr(fused, name) == pytest.approx(getattr(ref, name), **APPROX["demo_steps"])
+
+
+def test_distill_refuses_a_split_vocabulary():
+    with pytest.raises(SystemExit):
+        main(["--method", "distill", "--tp", "2"])
+
+
 def test_linear_head_and_logits_follow_the_same_trajectory():
     """The default learner is a LinearHead (hidden states + lm_head, no [B, L, V] logits); the
     whole-output Logits form trains the same way."""

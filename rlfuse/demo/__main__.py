@@ -1,5 +1,6 @@
 """python -m rlfuse.demo: train a tiny byte-level LoRA policy with each rlfuse loss (GGPO, GPPO,
-GR-OPD) on a rule-verified task and report the reward before and after training."""
+GR-OPD) on a rule-verified task and report the reward before and after training; --method
+distill distils a tiny teacher into it with each divergence and reports the divergence."""
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,12 @@ import torch
 
 import rlfuse
 
-from .methods import METHODS
+from .methods import DIVERGENCES, METHODS
 from .text import EVAL_PROMPTS
 from .train import Settings, active_path, resolve_device, run
 
+# what a run without --method trains (distill only when named)
+DEFAULT_METHODS = ("ggpo", "gppo", "gr_opd")
 TASK = ("task: continue a 12-byte window of the Zen of Python; the verifier rewards 1 when more "
         "than half of the response bytes are even")
 
@@ -65,7 +68,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rlfuse.demo", description=__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--method", choices=list(METHODS), action="append",
-                        help="repeatable; None: all three, one after another")
+                        help="repeatable; None: " + ", ".join(DEFAULT_METHODS) +
+                             ", one after another")
+    parser.add_argument("--divergence", choices=list(DIVERGENCES), action="append",
+                        help="of --method distill, repeatable; None: each in turn")
     parser.add_argument("--steps", type=int, default=defaults.steps,
                         help="optimizer steps of each method")
     parser.add_argument("--group-size", type=int, default=defaults.group_size,
@@ -88,6 +94,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                              "(torchrun --nproc_per_node TP -m rlfuse.demo --tp TP; gloo on CPU)")
     parser.add_argument("--json", help="write the results (rewards, every step) to this file")
     args = parser.parse_args(argv)
+    if args.tp > 1 and "distill" in (args.method or ()):
+        parser.error("--method distill: distillation takes the whole vocabulary on one "
+                     "process (a split vocabulary is not supported yet); leave --tp out")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False (a CPU build of torch, "
                      "or no GPU visible); use --device cpu or leave --device out")
@@ -120,7 +129,9 @@ def vocab_parallel_group(tp: int, device: torch.device):
 
 def main(argv: Optional[List[str]] = None) -> List:
     args = parse_args(argv)
-    methods = args.method or list(METHODS)
+    runs = [(method, {}) for method in args.method or DEFAULT_METHODS if method != "distill"]
+    if "distill" in (args.method or ()):
+        runs += [("distill", dict(divergence=d)) for d in args.divergence or DIVERGENCES]
     group, device = vocab_parallel_group(args.tp, resolve_device(args.device))
     if group is not None and torch.distributed.get_rank() != 0:   # rank 0 speaks for all
         sys.stdout = open(os.devnull, "w")
@@ -133,26 +144,33 @@ def main(argv: Optional[List[str]] = None) -> List:
     print("policy: byte-level Llama (2 layers, hidden 64, random init) + LoRA on attention; "
           + ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(Settings(**settings)).items()))
 
-    results = []
-    for method in methods:
-        print(f"\n== {method}")
-        progress = Progress(args.steps, method)
+    results, labels = [], []
+    for method, extra in runs:
+        label = f"{method}/{extra['divergence']}" if extra else method
+        print(f"\n== {label}")
+        progress = Progress(args.steps, label)
         try:
             result = run(method, impl=args.impl, device=str(device), seed=args.seed,
-                         on_step=lambda r: progress.step(step_line(method, args.steps, r)),
-                         vocab_parallel_group=group, **settings)
+                         on_step=lambda r: progress.step(step_line(label, args.steps, r)),
+                         vocab_parallel_group=group, **settings, **extra)
         finally:
             progress.close()
         results.append(result)
-        print(f"{method}: reward {result.reward_before:.3f} -> {result.reward_after:.3f} "
-              f"in {result.seconds:.1f} s")
+        labels.append(label)
+        line = f"{label}: reward {result.reward_before:.3f} -> {result.reward_after:.3f}"
+        if result.divergence_before is not None:
+            line += (f", divergence {result.divergence_before:.4f} -> "
+                     f"{result.divergence_after:.4f}")
+        print(f"{line} in {result.seconds:.1f} s")
 
     print(f"\nsummary: mean reward on {EVAL_PROMPTS} held-out prompts x "
           f"{Settings().eval_samples} samples, before -> after training")
-    for r in results:
-        print(f"  {r.method:6s}  {r.reward_before:.3f} -> {r.reward_after:.3f}  "
+    for label, r in zip(labels, results):
+        divergence = "" if r.divergence_before is None else \
+            f"  divergence {r.divergence_before:.4f} -> {r.divergence_after:.4f}"
+        print(f"  {label:6s}  {r.reward_before:.3f} -> {r.reward_after:.3f}  "
               f"({r.reward_after - r.reward_before:+.3f})  {len(r.history)} steps  "
-              f"{r.seconds:.1f} s")
+              f"{r.seconds:.1f} s{divergence}")
     if args.json and (group is None or torch.distributed.get_rank() == 0):
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in results], f, indent=1)

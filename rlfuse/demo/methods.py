@@ -1,5 +1,6 @@
-"""The three methods. Each adds what its loss needs to a rollout (``prepare``) and makes exactly
-one rlfuse loss call per optimizer step (``loss``); the training loop is shared (train.py).
+"""The methods: GGPO, GPPO, GR-OPD and distillation. Each adds what its loss needs to a rollout
+(``prepare``) and makes exactly one rlfuse loss call per optimizer step (``loss``); the training
+loop is shared (train.py).
 
 ``lib`` is ``rlfuse`` (fused) or ``rlfuse.reference``: the same functions with the same
 signatures. ``policy`` is the learner as ``rlfuse.Logits`` over the response positions.
@@ -10,8 +11,11 @@ import copy
 
 import torch
 
-from .model import VOCAB_SIZE, frozen_copy, load_weights, next_token_logits
-from .rollout import Batch, good_byte, response_logprobs
+from rlfuse.divergences import JSD, ForwardKL, ReverseKL
+
+from .model import (VOCAB_SIZE, build_policy, frozen_copy, last_hidden_and_head, load_weights,
+                    next_token_logits)
+from .rollout import Batch, good_byte, response_logprobs, sample
 
 
 class Method:
@@ -29,6 +33,10 @@ class Method:
 
     def after_step(self, step: int, policy) -> None:
         """After optimizer step ``step`` (counted from 1)."""
+
+    def measure(self, lib, policy, prompts: torch.Tensor, seed: int):
+        """What the method reports before and after training besides the reward (None)."""
+        return None
 
 
 class GGPO(Method):
@@ -92,6 +100,50 @@ class GROPD(Method):
                                advantages=batch.extra["advantages"])
 
 
+DIVERGENCES = {"forward_kl": ForwardKL(), "reverse_kl": ReverseKL(), "jsd": JSD(0.5)}
+
+
+class Distill(Method):
+    """On-policy distillation of a whole distribution: a teacher, its own tiny Llama built from
+    the config and trained to prefer the rewarded bytes, then frozen; the student trained on
+    the divergence (``settings.divergence``) between its next-byte distribution and the
+    teacher's at the positions it sampled (both as ``LinearHead``: no ``[B, L, V]`` logits of
+    either). The verifier's reward is only reported."""
+
+    name = "distill"
+    mixed_only = False
+
+    def __init__(self, policy, settings, prompts, generator):
+        super().__init__(policy, settings, prompts, generator)
+        self.divergence = DIVERGENCES[settings.divergence]
+        own = build_policy(generator.initial_seed() + 1, prompts.device,
+                           lora_rank=settings.lora_rank)
+        self.teacher = train_teacher(own, settings, prompts, generator)
+
+    def _teacher(self, lib, sequences, targets, offset):
+        with torch.no_grad():
+            hidden, weight = last_hidden_and_head(self.teacher, sequences)
+        return lib.LinearHead(hidden, weight, targets, offset=offset)
+
+    def loss(self, lib, policy, batch):
+        teacher = self._teacher(lib, batch.sequences, batch.responses, batch.prompt_len - 1)
+        return lib.distill_loss(policy, teacher, batch.mask, self.divergence)
+
+    @torch.no_grad()
+    def measure(self, lib, policy, prompts, seed):
+        """The mean divergence over the student's own samples on ``prompts`` (a fixed stream of
+        draws, a quarter of the reward's), what training lowers."""
+        generator = torch.Generator(prompts.device).manual_seed(seed + 2)
+        samples = max(1, self.settings.eval_samples // 4)
+        sequences, mask = sample(policy, prompts.repeat_interleave(samples, 0),
+                                 self.settings.max_new_tokens, generator)
+        P = prompts.shape[1]
+        hidden, weight = last_hidden_and_head(policy, sequences)
+        student = lib.LinearHead(hidden, weight, sequences[:, P:], offset=P - 1)
+        teacher = self._teacher(lib, sequences, sequences[:, P:], P - 1)
+        return lib.distill_loss(student, teacher, mask, self.divergence).loss.item()
+
+
 def train_teacher(policy, settings, prompts: torch.Tensor, generator: torch.Generator):
     """A teacher that prefers the rewarded behavior: a copy of the initial policy trained for a
     few supervised steps to put its next byte among the task's bytes at every position of the
@@ -110,4 +162,4 @@ def train_teacher(policy, settings, prompts: torch.Tensor, generator: torch.Gene
     return frozen_copy(teacher)
 
 
-METHODS = {cls.name: cls for cls in (GGPO, GPPO, GROPD)}
+METHODS = {cls.name: cls for cls in (GGPO, GPPO, GROPD, Distill)}

@@ -1,4 +1,4 @@
-"""The training loop shared by the three methods, and the evaluation."""
+"""The training loop shared by the methods, and the evaluation."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +35,7 @@ class Settings:
     ref_refresh_every: int = 3      # GGPO: optimizer steps between reference refreshes
     teacher_steps: int = 20         # GR-OPD: supervised steps that make the teacher
     teacher_lr: float = 2e-2
+    divergence: str = "jsd"         # distill: forward_kl, reverse_kl or jsd (JSD(0.5))
     eval_samples: int = 16          # sampled responses per evaluation prompt
     policy: str = "linear"          # the learner as rlfuse.LinearHead (hidden states + lm_head,
                                     # no [B, L, V] logits) or as rlfuse.Logits (the whole output)
@@ -49,6 +50,8 @@ class RunResult:
     reward_after: float
     seconds: float
     history: List[Dict]             # one dict per optimizer step
+    divergence_before: Optional[float] = None   # distill: the mean divergence on eval samples
+    divergence_after: Optional[float] = None
 
 
 def resolve_device(device: Optional[str] = None) -> torch.device:
@@ -143,6 +146,7 @@ def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed:
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad],
                                  lr=settings.lr)
     reward_before = evaluate(policy, eval_prompts, settings, seed)
+    measured_before = algo.measure(lib, policy, eval_prompts, seed)
 
     history = []
     for step in range(1, settings.steps + 1):
@@ -180,4 +184,5 @@ def run(method: str, *, impl: str = "fused", device: Optional[str] = None, seed:
 
     reward_after = evaluate(policy, eval_prompts, settings, seed)
     return RunResult(method, impl, active_path(impl, device), reward_before, reward_after,
-                     time.perf_counter() - start, history)
+                     time.perf_counter() - start, history, measured_before,
+                     algo.measure(lib, policy, eval_prompts, seed))
