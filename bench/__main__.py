@@ -278,11 +278,13 @@ def _measure(timing, device, bandwidth, gemm_ms, shape, op, impl, mode, forward,
 
     def floor(rows):
         """(bytes, flops, ms): the minimal HBM bytes over the copy bandwidth, or for the
-        LinearHead ops the time of the plain GEMMs of their matmuls (``rows`` of the head)."""
+        LinearHead ops the time of plain GEMMs of their matmuls (``rows`` of the head)."""
         nbytes, flops = op.bytes(shape, mode, rows), op.flops(shape, mode, rows)
         if flops is None:
             return nbytes, flops, nbytes / (bandwidth * 1e9) * 1e3
-        return nbytes, flops, gemm_ms(shape, shape.N if rows is None else rows)
+        # the three GEMMs timed, scaled to the op's matmuls (distillation: the teacher's too)
+        gemms = gemm_ms(shape, shape.N if rows is None else rows) * op.matmuls[mode] / 3
+        return nbytes, flops, gemms
 
     # the floor of the actor rows (masked rows: one write of zeros), and the dense one (every
     # row read and written as an actor's)

@@ -24,6 +24,8 @@ import torch
 
 import rlfuse
 
+from . import distill_cases
+
 MODES = ("fwd", "bwd", "fwd+bwd")
 IMPLS = ("fused", "reference", "compiled", "liger", "trl")
 
@@ -159,6 +161,8 @@ def make_inputs(shape: Shape, device, *, seed: int = 0, validate: bool = True,
     x.advantages = rlfuse.reference.group_advantages(rewards, group_size=m)
     x.opd_advantages = rlfuse.reference.gr_opd_advantages(x.old_lp, x.teacher_lp, mask,
                                                           group_size=m)
+    if shape.V is not None:
+        distill_cases.add_teacher(x, shape, device, seed)
     return x
 
 
@@ -278,6 +282,13 @@ _FLOORS = {
     # GR-OPD from logits: as GPPO, plus the [B, T] advantage pass (old_lp, teacher_lp, mask).
     "gr_opd_logits": {"fwd": (1, 0, TGT + 2 * MSK + 3 * F32), "bwd": (1, 1, TGT + MSK + 2 * F32),
                       "fwd+bwd": (1, 1, TGT + 2 * MSK + 3 * F32)},
+    # Distillation from two models' logits (the rows of both counted): fwd one read of each +
+    # mask, the divergence and entropy written; bwd one read of each + one write of the
+    # student's gradient + mask, each model's max and log-sum, the upstream gradient; fwd+bwd
+    # both, as token_logprobs (the per-token upstream gradient comes after the forward; a
+    # single pass for the scalar loss alone, 2 reads + 1 write, is not built).
+    "distill_logits": {"fwd": (2, 0, MSK + 2 * F32), "bwd": (2, 1, MSK + 5 * F32),
+                       "fwd+bwd": (4, 1, 2 * MSK + 7 * F32)},
 }
 
 
@@ -338,6 +349,8 @@ def _trl_head(loss: str):
 # once, then dhidden and dweight: 3 matmuls (a chunked GGPO forms each chunk's logits twice, 4).
 _HEAD_MATMULS = {"fwd+bwd": 3}
 _HEAD_FLOOR = {"fwd+bwd": (0, 0, TGT + MSK + 2 * F32)}   # the [B, T] side data only
+# Distillation from two heads: each model's logits once, dhidden and dweight of the student's
+_DISTILL_HEAD_MATMULS = {"fwd+bwd": 4}
 
 
 def _gppo(lib, policy, x, **kw):
@@ -447,6 +460,12 @@ def _ops():
                       _HEAD_FLOOR, liger=liger_head.get(loss), liger_modes=step,
                       trl=_trl_head(loss),
                       fused_modes=step, modes=step, matmuls=_HEAD_MATMULS))
+    # distillation (JSD, TRL's default): both models' rows, fwd read twice and bwd once each
+    ops.append(Op("distill_logits", True, distill_cases.run_logits, _FLOORS["distill_logits"]))
+    ops.append(Op("distill_head", True, distill_cases.run_head, _HEAD_FLOOR,
+                  liger=distill_cases.liger_head, liger_modes=("fwd+bwd",),
+                  trl=distill_cases.trl_head, fused_modes=("fwd+bwd",), modes=("fwd+bwd",),
+                  matmuls=_DISTILL_HEAD_MATMULS))
     return {op.name: op for op in ops}
 
 

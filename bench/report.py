@@ -107,7 +107,8 @@ def markdown(results: dict, modes: Optional[Iterable[str]] = None) -> str:
               "must, every row's gradient written once (a masked row's: zeros); in "
               "parentheses the dense floor, every row counted as an actor's — for the `_head` "
               "ops (LinearHead, H = 4096) the time of the three plain GEMMs (cuBLAS) of the "
-              "same shapes, timed in the same run; fused vs X: X's time over fused's; GB/s: "
+              "same shapes, timed in the same run (`distill_head`: four, the teacher's "
+              "logits besides); fused vs X: X's time over fused's; GB/s: "
               "the floor's bytes over fused's time, TFLOP/s (the `_head` ops): the GEMMs' "
               "FLOPs over it; peak: bytes allocated during one step beyond its inputs."]
     if header.get("truncated"):

@@ -80,6 +80,8 @@ def _expected(name, op, mode):
     per actor row; and the logits-sized allocations per row of the [B, T] window."""
     if not op.from_logits:
         return {}, {}, 0.0
+    if name.startswith("distill"):
+        return _expected_distill(op, mode)
     target = 1 / V      # z[y], read once by a forward kernel
     single_pass = not name.startswith(("token_logprobs", "ggpo")) and \
         "two passes" not in name                # token-local losses
@@ -121,6 +123,22 @@ def _expected(name, op, mode):
     if mode == "fwd" or "inplace" in name:
         window_rows = 0.0
     return rows, {}, window_rows
+
+
+def _expected_distill(op, mode):
+    """Distillation, both models' rows counted: the forward reads each model's row twice (its
+    max and log-sum, then the divergence's terms), the backward each once and writes the
+    student's gradient once (zeros at a masked row). From heads (the training step) each
+    model's chunk is formed by a matmul in the forward and again in the backward, whose
+    gradient is written into the student's chunk and read by the two products."""
+    fwd, bwd = (4, 2, 0), (2, 2, 1)
+    if op.matmuls is not None:
+        chunk = tuple(a + b for a, b in zip(fwd, bwd))
+        return ({"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": chunk},
+                {"linear": (0, 4), "matmul": (1, 0), "addmm_": (2, 0)}, 0.0)
+    actor = {"fwd": fwd, "bwd": bwd, "fwd+bwd": tuple(a + b for a, b in zip(fwd, bwd))}[mode]
+    writes = 0 if mode == "fwd" else 1
+    return {"actor": actor, "masked": (0, 0, writes)}, {}, float(writes)
 
 
 CASES = [(name, mode) for name, op in traffic.cases().items() for mode in traffic.modes_of(op)]

@@ -1,0 +1,62 @@
+"""The distillation cases of the benchmark (``cases.OPS``: ``distill_logits``,
+``distill_head``): TRL's default divergence, ``JSD(0.5)``, between the policy and a teacher of
+the same vocabulary, from logits and from both models' heads, with the peers a TRL user runs
+today for the heads: TRL 1.16's ``ChunkedDivergenceFunction`` (its DistillationTrainer's loss)
+and Liger's ``LigerFusedLinearJSDLoss``."""
+from __future__ import annotations
+
+import torch
+
+from rlfuse.divergences import JSD
+
+BETA = 0.5            # TRL's DistillationConfig default
+TRL_DIVERGENCE_MODULE = "trl.kernels.chunked_divergence"
+
+
+@torch.no_grad()
+def add_teacher(x, shape, device, seed: int) -> None:
+    """A teacher beside ``make_inputs``' policy, from its own random stream (the policy's inputs
+    stay as they were): ``teacher_logits [B, T, V]`` (``randn * 2``), and a head,
+    ``teacher_hidden [B, T+1, H]`` and ``teacher_weight [V, H]`` (H the policy's: a width no
+    rows of logits share)."""
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    B, T, V, H = shape.batch, shape.T, shape.V, shape.hidden
+
+    def randn(*size):
+        return torch.randn(*size, generator=g, device=device, dtype=shape.dtype)
+
+    x.teacher_logits = randn(B, T, V).mul_(2.0)
+    x.teacher_hidden = randn(B, T + 1, H)
+    x.teacher_weight = randn(V, H).mul_(2.0 / H ** 0.5)
+
+
+def run_logits(lib, x):
+    return lib.distill_loss(lib.Logits(x.logits, x.targets),
+                            lib.Logits(x.teacher_logits, x.targets), x.mask, JSD(BETA),
+                            validate=x.validate).loss
+
+
+def run_head(lib, x):
+    student = lib.LinearHead(x.hidden, x.weight, x.targets)
+    teacher = lib.LinearHead(x.teacher_hidden, x.teacher_weight, x.targets)
+    return lib.distill_loss(student, teacher, x.mask, JSD(BETA), validate=x.validate).loss
+
+
+def trl_head(_module, x):
+    """TRL's ``ChunkedDivergenceFunction`` over the actor positions, as its trainer calls it."""
+    import importlib
+
+    chunked = importlib.import_module(TRL_DIVERGENCE_MODULE).ChunkedDivergenceFunction
+    student, teacher = x.hidden[:, :-1][x.mask], x.teacher_hidden[:, :-1][x.mask]
+    divergence, _ = chunked.apply(student, x.weight, None, teacher, x.teacher_weight, None,
+                                  BETA, 1.0)
+    return divergence.sum() / x.mask.sum()
+
+
+def liger_head(_module, x):
+    """Liger's fused-linear JSD (the soft loss alone) over the actor positions."""
+    from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+    loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA)
+    student, teacher = x.hidden[:, :-1][x.mask], x.teacher_hidden[:, :-1][x.mask]
+    return loss(student, x.weight, teacher, x.teacher_weight, x.targets[x.mask])
