@@ -108,6 +108,39 @@ def test_trl_distillation_trainer_heads(lib, beta, style):
         torch.testing.assert_close(a, b, **TOL["fp32_matmul"])
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bf16_heads_no_less_accurate_than_trl(seed):
+    """bf16 heads (JSD 0.5), both against float64 on the same rounded inputs: rlfuse's loss and
+    its hidden-state and weight gradients are at least as accurate as TRL's
+    ``_chunked_divergence_loss`` (both form the logits in fp32; the gradients round the
+    student's logit gradient to bf16 for the head's matmuls, then to bf16)."""
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    g = torch.Generator().manual_seed(seed)
+    n, h_size, v = 64, 64, 512
+    tensors = [torch.randn(*size, generator=g).div(d).bfloat16()
+               for size, d in (((n, h_size), 1), ((n, h_size), 1), ((v, h_size), 4),
+                               ((v, h_size), 4))]
+    mask = torch.rand(1, n, generator=g) > 0.2
+    positions = torch.zeros(1, n, dtype=torch.long)
+
+    def run(lib, dtype):
+        h_s, h_t, w_s, w_t = (x.to(dtype) for x in tensors)
+        leaves = [h_s.requires_grad_(), w_s.requires_grad_()]
+        if lib == "trl":
+            loss = _chunked_divergence_loss(h_s[None], h_t[None], w_s, w_t, mask.long(), 0.5)[0]
+        else:
+            loss = lib.distill_loss(lib.LinearHead(h_s[None], w_s, positions),
+                                    lib.LinearHead(h_t[None], w_t, positions), mask,
+                                    JSD(0.5)).loss
+        return [loss.double(), *(x.double() for x in torch.autograd.grad(loss, leaves))]
+
+    truth = run(rlfuse.reference, torch.float64)
+    ours, trl_out = run(rlfuse, torch.bfloat16), run("trl", torch.bfloat16)
+    for name, a, b, t in zip(("loss", "dhidden", "dweight"), ours, trl_out, truth):
+        assert (a - t).abs().max() <= (b - t).abs().max(), name
+
+
 @pytest.mark.parametrize("lib", LIBS, ids=["fused", "reference"])
 @pytest.mark.parametrize("min_logprob", [None, -4.0])
 def test_verl_forward_kl_topk(lib, min_logprob):
@@ -233,7 +266,8 @@ def test_heads_against_float64(divergence, dtype, validate):
     hidden-state gradient and their hidden rows change nothing: with validate they are never
     read (NaN there), without it their logits are formed and given a zero gradient (large
     finite values there)."""
-    h_s, h_t, w_s, w_t, b_s, b_t = (x.double() for x in _heads())
+    # the inputs, rounded to the dtype: float64 computes from the same numbers
+    h_s, h_t, w_s, w_t, b_s, b_t = (x.to(dtype).double() for x in _heads())
     _, _, mask = _batch()
     tensors = (h_s, w_s, b_s, h_t, w_t, b_t)     # the reference's: every row finite
     garbage = [x.clone() for x in (h_s, h_t)]

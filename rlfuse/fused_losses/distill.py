@@ -5,10 +5,11 @@ divergence and the student's entropy:
   window's logits formed once, never differentiated): the forward reads each model's window
   rows twice, the backward once and writes the student's gradient once;
 - ``rlfuse::linear_distill``, a ``LinearHead`` student (and a ``LinearHead`` or ``Logits``
-  teacher): each chunk of tokens' logits formed by one matmul per model and reduced as above;
-  the backward forms both chunks once more, writes the student's gradient in place into its
-  chunk and turns it into the gradients of the hidden states, weight and bias at once. No
-  ``[N, V]`` tensor of either model exists.
+  teacher): each chunk of tokens' logits formed in fp32 by one matmul per model (never
+  rounded to a bf16 head's dtype) and reduced as above; the backward forms both chunks once
+  more, writes the student's gradient in place into its chunk and turns it, in the head's
+  dtype, into the gradients of the hidden states, weight and bias at once. No ``[N, V]``
+  tensor of either model exists.
 
 - ``rlfuse::logprobs_at``, a ``Logits`` student's log-probs at a ``TopK`` teacher's ids
   (``token_logprobs``' kernels: one read of a row forward, one read and one write backward),
@@ -188,7 +189,7 @@ class _Teacher:
         rows = self.flat[(tokens // self.T) * self.S + self.offset + tokens % self.T]
         if self.weight is None:
             return rows.unsqueeze(1)
-        return chunk_logits(rows, self.weight, self.bias, self.batch_invariant)
+        return chunk_logits(rows, self.weight, self.bias, self.batch_invariant, fp32=True)
 
 
 @custom_op("linear_distill")
@@ -216,7 +217,8 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
         value_c, entropy_c, stats_c = distill_fwd(
-            chunk_logits(h_flat[rows], weight, bias, batch_invariant), rows_of.chunk(tokens),
+            chunk_logits(h_flat[rows], weight, bias, batch_invariant, fp32=True),
+            rows_of.chunk(tokens),
             m_flat[tokens, None], *heads, (function, params))
         value[tokens], entropy[tokens], stats[tokens] = value_c[:, 0], entropy_c[:, 0], stats_c
     return value.view(B, T), entropy.view(B, T), stats
@@ -249,10 +251,10 @@ def linear_distill_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Te
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
-        logits = chunk_logits(h_rows, weight, bias, batch_invariant)
+        logits = chunk_logits(h_rows, weight, bias, batch_invariant, fp32=True)
         distill_bwd(logits, 0, rows_of.chunk(tokens), m_flat[tokens, None], stats[tokens],
                     dvalue[tokens, None], *heads, (function, params), dlogits=logits)
-        grads.add(logits, h_rows, rows)
+        grads.add(logits.to(weight.dtype), h_rows, rows)
     return grads.results(hidden, weight)
 
 

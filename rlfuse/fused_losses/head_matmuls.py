@@ -14,13 +14,24 @@ from ..scaleout import sequence, vocab
 
 
 def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 batch_invariant: bool = False) -> Tensor:
+                 batch_invariant: bool = False, fp32: bool = False) -> Tensor:
     """``[C, 1, V]`` logits of a chunk of hidden rows (a batch of C one-token rows for the row
     kernels), in the weight's dtype (accumulated in fp32); ``batch_invariant``: by the
-    fixed-order matmul (``kernels.matmul``), each row's bits its own whatever the chunk."""
+    fixed-order matmul (``kernels.matmul``), each row's bits its own whatever the chunk;
+    ``fp32``: in fp32, the accumulation never rounded to a bf16 / fp16 weight's dtype (on CUDA
+    one matmul with an fp32 output; elsewhere of the inputs cast, exact in fp32)."""
+    dtype = torch.float32 if fp32 and weight.dtype != torch.float64 else weight.dtype
     if batch_invariant:
-        return fixed_matmul(h_rows, weight.t(), bias=bias, dtype=weight.dtype).unsqueeze(1)
-    return torch.nn.functional.linear(h_rows, weight, bias).unsqueeze(1)
+        return fixed_matmul(h_rows, weight.t(), bias=bias, dtype=dtype).unsqueeze(1)
+    if dtype == weight.dtype:
+        return torch.nn.functional.linear(h_rows, weight, bias).unsqueeze(1)
+    if _fp32_output(h_rows, dtype):
+        logits = torch.mm(h_rows, weight.t(), out_dtype=dtype)
+    else:
+        logits = h_rows.to(dtype) @ weight.t().to(dtype)
+    if bias is not None:
+        logits += bias.to(dtype)
+    return logits.unsqueeze(1)
 
 
 # cuBLAS matmuls of bf16 / fp16 inputs with an fp32 output (torch's mm / addmm with out_dtype:
