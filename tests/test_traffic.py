@@ -112,9 +112,10 @@ def _expected(name, op, mode):
         rows = {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": actor}
         formed = 1 if single_pass else 2        # GGPO forms each chunk twice
         # dhidden = dlogits W (one read of the chunk), dweight += dlogits^T h accumulated in
-        # fp32 (here: addmm_ of the chunk cast to fp32, two rows' bytes; on CUDA one matmul of
-        # the bf16 chunk with an fp32 output)
-        return rows, {"linear": (0, formed), "matmul": (1, 0), "addmm_": (2, 0)}, 0.0
+        # fp32 (here: the chunk cast to fp32, one read and two rows' bytes written, which
+        # addmm_ reads; on CUDA one matmul of the bf16 chunk with an fp32 output)
+        return rows, {"linear": (0, formed), "matmul": (1, 0), "to": (1, 2),
+                      "addmm_": (2, 0)}, 0.0
     rows = {"actor": actor, "masked": (0, 0, writes)}
     window_rows = 1.0
     if "offset" in name or "packed" in name:   # the rows outside the window: zeros written
@@ -134,8 +135,12 @@ def _expected_distill(op, mode):
     fwd, bwd = (4, 2, 0), (2, 2, 1)
     if op.matmuls is not None:
         chunk = tuple(a + b for a, b in zip(fwd, bwd))
+        # each model's chunk formed in fp32 twice (here the inputs cast, a matmul writing two
+        # rows' bytes; on CUDA one matmul with an fp32 output), dhidden's matmul reads the
+        # student's gradient cast to the head's dtype (two rows' bytes read, one written), the
+        # weight's addmm_ that cast again to fp32 (on CUDA: an fp32 output instead)
         return ({"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": chunk},
-                {"linear": (0, 4), "matmul": (1, 0), "addmm_": (2, 0)}, 0.0)
+                {"matmul": (1, 4 * 2), "to": (2 + 1, 1 + 2), "addmm_": (2, 0)}, 0.0)
     actor = {"fwd": fwd, "bwd": bwd, "fwd+bwd": tuple(a + b for a, b in zip(fwd, bwd))}[mode]
     writes = 0 if mode == "fwd" else 1
     return {"actor": actor, "masked": (0, 0, writes)}, {}, float(writes)

@@ -107,6 +107,12 @@ class KernelCounter(contextlib.AbstractContextManager):
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
 
 
+def _copied(func, args, out) -> bool:
+    """A cast (``aten.to``, whose schema may alias its input) that made a new tensor: a pass."""
+    return func.overloadpacket.__name__ == "to" and isinstance(out, torch.Tensor) and \
+        isinstance(args[0], torch.Tensor) and out.data_ptr() != args[0].data_ptr()
+
+
 class TorchPasses(TorchDispatchMode):
     """Every torch op outside the kernels with a logits-sized tensor among its inputs or outputs
     (``is_logits``): ``passes`` ``(op, rows read, rows written)`` and ``allocations`` (rows),
@@ -132,7 +138,7 @@ class TorchPasses(TorchDispatchMode):
             with self:
                 return opdef._init_fn(*args, **kwargs)
         out = func(*args, **kwargs)
-        if self.counter.in_kernel or func.is_view:
+        if self.counter.in_kernel or (func.is_view and not _copied(func, args, out)):
             return out
         outs = out if isinstance(out, (tuple, list)) else (out,)
         name = func.overloadpacket.__name__
