@@ -185,6 +185,16 @@ def _run(lib, student, teacher, mask, divergence, dtype):
     return (out.loss, *out.metrics.values(), grad)
 
 
+def _assert_against_float64(names, fused, ref, ref64, dtype):
+    """Each result of the kernels against float64: the three-way rule in fp32 / bf16, fp64's
+    rounding in fp64."""
+    for name, a, b, b64 in zip(names, fused, ref, ref64):
+        if dtype == torch.float64:
+            torch.testing.assert_close(a, b64, **TOL["fp64_chain"])
+        else:
+            assert_three_way(a, b, b64, name)
+
+
 # An instance of every record of rlfuse.divergences (test_objectives holds the table to it)
 DIVERGENCES = [ForwardKL(), ReverseKL(), JSD(0.3)]
 
@@ -203,12 +213,8 @@ def test_against_float64_and_masked_positions_inert(divergence, dtype):
     fused = _run(rlfuse, student, teacher, mask, divergence, dtype)
     ref64 = _run(rlfuse.reference, student, teacher, mask, divergence, torch.float64)
     ref = _run(rlfuse.reference, student, teacher, mask, divergence, dtype)
-    names = ("loss", "entropy", "loss_min", "loss_max", "grad")
-    for name, a, b, b64 in zip(names, fused, ref, ref64):
-        if dtype == torch.float64:
-            torch.testing.assert_close(a, b64, **TOL["fp64_chain"])
-        else:
-            assert_three_way(a, b, b64, name)
+    _assert_against_float64(("loss", "entropy", "loss_min", "loss_max", "grad"), fused, ref,
+                            ref64, dtype)
     grad = fused[-1]
     assert (grad[:, :-1][~mask] == 0).all() and (grad[:, -1] == 0).all()
 
@@ -336,12 +342,8 @@ def test_top_k_against_float64(min_logprob, dtype):
     ref = _run_top_k(rlfuse.reference, student, ids, logprobs, mask, min_logprob, dtype)
     ref64 = _run_top_k(rlfuse.reference, student, ids, logprobs, mask, min_logprob,
                        torch.float64)
-    names = ("loss", "entropy", "loss_min", "loss_max", "student_mass", "teacher_mass", "grad")
-    for name, a, b, b64 in zip(names, fused, ref, ref64):
-        if dtype == torch.float64:
-            torch.testing.assert_close(a, b64, **TOL["fp64_chain"])
-        else:
-            assert_three_way(a, b, b64, name)
+    _assert_against_float64(("loss", "entropy", "loss_min", "loss_max", "student_mass",
+                             "teacher_mass", "grad"), fused, ref, ref64, dtype)
     grad = fused[-1]
     assert (grad[:, 1:][~mask] == 0).all() and (grad[:, 0] == 0).all()
 

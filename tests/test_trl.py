@@ -741,6 +741,13 @@ def test_engines_train_as_trl(engine, tmp_path):
         assert ours["rank_spread"] == 0, ours
     lengths = [s["completions/mean_length"] for s in theirs["logs"] if "grad_norm" in s]
     assert min(lengths) < 4      # some completions end early: the processes' tokens differ
+    assert_trained_as_trl(theirs, want, ours, got,
+                          ("loss", "grad_norm", "entropy", "clip_ratio/region_mean"))
+
+
+def assert_trained_as_trl(theirs, want, ours, got, keys):
+    """Two trainers' runs from ``eos_model()`` (logs, final parameters): the parameters moved
+    and are TRL's, the two steps logged the same ``keys``."""
     start = eos_model().state_dict()
     assert got.keys() == want.keys() == start.keys()
     assert max((want[k] - start[k]).abs().max().item() for k in start) > 1e-4
@@ -749,7 +756,7 @@ def test_engines_train_as_trl(engine, tmp_path):
     steps = [(a, b) for a, b in zip(theirs["logs"], ours["logs"]) if "grad_norm" in a]
     assert len(steps) == 2
     for a, b in steps:
-        for key in ("loss", "grad_norm", "entropy", "clip_ratio/region_mean"):
+        for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
 
 

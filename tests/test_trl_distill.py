@@ -20,8 +20,8 @@ transformers = integration("transformers")
 
 from rlfuse.integrations.trl_distill import (RLFuseDistillationConfig,  # noqa: E402
                                              RLFuseDistillationTrainer)
-from test_trl import (ENGINES, TINY, _fsdp_on_the_cpu, dataset, eos_model,  # noqa: E402
-                      head_model, tokenizer)
+from test_trl import (ENGINES, TINY, _fsdp_on_the_cpu, assert_trained_as_trl,  # noqa: E402
+                      dataset, eos_model, head_model, tokenizer)
 
 
 def student(seed=0):
@@ -186,16 +186,7 @@ def test_engines_train_as_trl(engine, tmp_path):
     assert theirs["wrapper"] == ours["wrapper"] == engine
     lengths = [s["completions/mean_length"] for s in theirs["logs"] if "grad_norm" in s]
     assert min(lengths) < 4      # some completions end early: the processes' tokens differ
-    start = eos_model().state_dict()
-    assert got.keys() == want.keys() == start.keys()
-    assert max((want[k] - start[k]).abs().max().item() for k in start) > 1e-4
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], **TOL["fp32_matmul"], msg=name)
-    steps = [(a, b) for a, b in zip(theirs["logs"], ours["logs"]) if "grad_norm" in a]
-    assert len(steps) == 2
-    for a, b in steps:
-        for key in ("loss", "grad_norm", "entropy"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert_trained_as_trl(theirs, want, ours, got, ("loss", "grad_norm", "entropy"))
 
 
 if __name__ == "__main__":
