@@ -30,7 +30,8 @@ from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_
 from ..reference import distill as twin
 from ._op import custom_op, register_autograd
 from .head_matmuls import HeadGradients, chunk_logits
-from .linear_head import Rows, chunk_tokens_for, head_gradients
+from .linear_head import (Rows, chunk_tokens_for, head_fields, head_gradients,
+                          head_gradients_fake)
 
 
 def _window(logits: Tensor, offset: int, T: int) -> Tensor:
@@ -260,10 +261,7 @@ def linear_distill_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Te
 
 @linear_distill_backward_op.register_fake
 def _(hidden, weight, bias, teacher, teacher_weight, teacher_bias, mask, stats, dvalue, *args):
-    needs = args[-1]
-    return (hidden.new_empty(hidden.shape if needs[0] else (0,)),
-            weight.new_empty(weight.shape if needs[1] else (0,)),
-            weight.new_empty((weight.shape[0],) if needs[2] and bias is not None else (0,)))
+    return head_gradients_fake(hidden, weight, bias, args[-1])
 
 
 _LINEAR_FIELDS = ("temperature", "logit_scale", "softcap", "teacher_temperature",
@@ -289,10 +287,6 @@ def _linear_backward(ctx, dvalue, _dentropy, _dstats):
 
 
 register_autograd(linear_distill_op, _linear_backward, _linear_setup)
-
-
-def _head(model) -> dict:
-    return dict(zip(("temperature", "logit_scale", "softcap"), HeadParams.of(model)))
 
 
 def _teacher_logits(teacher: LinearHead, T: int) -> Tensor:
@@ -325,7 +319,7 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
         chunk = chunk_tokens_for(student.weight, student.chunk_tokens, mask.numel())
         value, entropy, _ = linear_distill_op(
             student.hidden, student.weight, student.bias, t_rows, t_weight, t_bias, mask,
-            **_head(student), teacher_temperature=t_head.temperature,
+            **head_fields(student), teacher_temperature=t_head.temperature,
             teacher_logit_scale=t_head.logit_scale, teacher_softcap=t_head.softcap,
             offset=int(student.offset), teacher_offset=int(teacher.offset), function=function,
             params=list(params), chunk_tokens=chunk, gather=validate,

@@ -19,7 +19,8 @@ def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor],
     kernels), in the weight's dtype (accumulated in fp32); ``batch_invariant``: by the
     fixed-order matmul (``kernels.matmul``), each row's bits its own whatever the chunk;
     ``fp32``: in fp32, the accumulation never rounded to a bf16 / fp16 weight's dtype (on CUDA
-    one matmul with an fp32 output; elsewhere of the inputs cast, exact in fp32)."""
+    one matmul with an fp32 output; elsewhere of the inputs cast, exact in fp32; an fp64
+    weight's stay fp64)."""
     dtype = torch.float32 if fp32 and weight.dtype != torch.float64 else weight.dtype
     if batch_invariant:
         return fixed_matmul(h_rows, weight.t(), bias=bias, dtype=dtype).unsqueeze(1)

@@ -102,7 +102,9 @@ def _split_row_stats(logits: Tensor, targets: Tensor, mask: Tensor, head: HeadPa
     return local, torch.stack([logp.reshape(-1), stats[:, 0], stats[:, 1], entropy], -1)
 
 
-def _gradients_fake(hidden, weight, bias, needs, accumulated=False):
+def head_gradients_fake(hidden, weight, bias, needs, accumulated=False):
+    """The fake ``(dhidden, dweight, dbias)`` of a head's backward op (empty where not needed;
+    ``accumulated``: the weight's and bias's in fp32)."""
     dtype = compute_dtype(weight.dtype) if accumulated else weight.dtype
     return (hidden.new_empty(hidden.shape if needs[0] else (0,)),
             weight.new_empty(weight.shape if needs[1] else (0,), dtype=dtype),
@@ -199,7 +201,7 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
 def _(hidden, weight, bias, targets, mask, stats, entropy, dlogp, dentropy, temperature,
       logit_scale, softcap, offset, chunk_tokens, gather, needs, group_name="",
       batch_invariant=False, row_blocks=0):
-    return _gradients_fake(hidden, weight, bias, needs)
+    return head_gradients_fake(hidden, weight, bias, needs)
 
 
 def _logprobs_setup(ctx, inputs, output):
@@ -317,7 +319,7 @@ def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_
       delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
       offset, chunk_tokens, gather, needs, group_name="", batch_invariant=False, row_blocks=0):
     sums = row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS)))
-    return (row_scale.new_empty(()), sums) + _gradients_fake(hidden, weight, bias, needs,
+    return (row_scale.new_empty(()), sums) + head_gradients_fake(hidden, weight, bias, needs,
                                                              accumulated=True)
 
 

@@ -12,28 +12,16 @@ logits over its temperature. What a kernel leaves unused is compiled away.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
-
 import triton
 import triton.language as tl
 
+from .._names import FunctionsByName
 from .utils import exp_accurate, fp64_args
 
-# The per-position functions by name: each is registered where it is defined (``per_position``)
-DIVERGENCE_FUNCTIONS: Dict[str, Callable] = {}
-
-
-def per_position(function):
-    DIVERGENCE_FUNCTIONS[function.fn.__name__] = function
-    return function
-
-
-def divergence_function(name: str):
-    """The per-position function a record's ``terms()`` names."""
-    if name not in DIVERGENCE_FUNCTIONS:
-        raise ValueError(f"divergence: no per-position function {name!r} in the kernels (they "
-                         f"have {', '.join(map(repr, DIVERGENCE_FUNCTIONS))})")
-    return DIVERGENCE_FUNCTIONS[name]
+# The per-position functions by name: each is registered where it is defined
+# (``per_position``); ``divergence_function``: the one a record's ``terms()`` names
+DIVERGENCE_FUNCTIONS = FunctionsByName("divergence", "per-position", "the kernels")
+per_position, divergence_function = DIVERGENCE_FUNCTIONS.register, DIVERGENCE_FUNCTIONS.lookup
 
 
 @triton.jit

@@ -23,26 +23,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from typing import Callable, Dict
-
+from .._names import FunctionsByName
 from .regions import region_codes, region_sizes
 from .utils import constexpr_codes, exp_accurate, fp64_args
 
-# The per-token functions by name: each is registered where it is defined (``per_token``)
-TOKEN_FUNCTIONS: Dict[str, Callable] = {}
-
-
-def per_token(function):
-    TOKEN_FUNCTIONS[function.fn.__name__] = function
-    return function
-
-
-def token_function(name: str):
-    """The per-token function a record's ``token`` names."""
-    if name not in TOKEN_FUNCTIONS:
-        raise ValueError(f"objective: no per-token function {name!r} in the kernels (they have "
-                         f"{', '.join(map(repr, TOKEN_FUNCTIONS))})")
-    return TOKEN_FUNCTIONS[name]
+# The per-token functions by name: each is registered where it is defined (``per_token``);
+# ``token_function``: the one a record's ``token`` names
+TOKEN_FUNCTIONS = FunctionsByName("objective", "per-token", "the kernels")
+per_token, token_function = TOKEN_FUNCTIONS.register, TOKEN_FUNCTIONS.lookup
 
 # Columns of the surrogate kernels' partial sums (per row from log-probs, per token from
 # logits): the loss, the objective's three flags, the ratio, old - lp (clamped to +-L), the

@@ -9,26 +9,15 @@ parameters (``DivergenceTerms.params``).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
-
 import torch
 from torch import Tensor
 
-# The per-position functions by name: each is registered where it is defined (``per_position``)
-DIVERGENCE_FUNCTIONS: Dict[str, Callable[..., Tensor]] = {}
+from .._names import FunctionsByName
 
-
-def per_position(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    DIVERGENCE_FUNCTIONS[function.__name__] = function
-    return function
-
-
-def divergence_function(name: str) -> Callable[..., Tensor]:
-    """The per-position function a record's ``terms()`` names."""
-    if name not in DIVERGENCE_FUNCTIONS:
-        raise ValueError(f"divergence: no per-position function {name!r} in the reference (it "
-                         f"has {', '.join(map(repr, DIVERGENCE_FUNCTIONS))})")
-    return DIVERGENCE_FUNCTIONS[name]
+# The per-position functions by name: each is registered where it is defined
+# (``per_position``); ``divergence_function``: the one a record's ``terms()`` names
+DIVERGENCE_FUNCTIONS = FunctionsByName("divergence", "per-position", "the reference")
+per_position, divergence_function = DIVERGENCE_FUNCTIONS.register, DIVERGENCE_FUNCTIONS.lookup
 
 
 def weighted(p: Tensor, x: Tensor) -> Tensor:

@@ -12,9 +12,11 @@ log-ratio under GSPO), differentiable; ``lo, hi`` the token's trust region
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import NamedTuple, Tuple
 
 import torch
+
+from .._names import FunctionsByName
 
 
 class TokenResult(NamedTuple):
@@ -25,13 +27,10 @@ class TokenResult(NamedTuple):
     overflow: torch.Tensor                  # bool: the selected value is not representable
 
 
-# The per-token functions by name: each is registered where it is defined (``per_token``)
-TOKEN_FUNCTIONS: Dict[str, Callable[..., TokenResult]] = {}
-
-
-def per_token(function: Callable[..., TokenResult]) -> Callable[..., TokenResult]:
-    TOKEN_FUNCTIONS[function.__name__] = function
-    return function
+# The per-token functions by name: each is registered where it is defined (``per_token``);
+# ``token_function``: the one a record's ``token`` names
+TOKEN_FUNCTIONS = FunctionsByName("objective", "per-token", "the reference")
+per_token, token_function = TOKEN_FUNCTIONS.register, TOKEN_FUNCTIONS.lookup
 
 
 def _result(value, mask, *flags) -> TokenResult:
@@ -162,9 +161,3 @@ def dppo_kl(log_ratio, lp, old, adv, lo, hi, mask, params, clamp) -> TokenResult
                  (kl <= delta_low) | (p >= mu))
 
 
-def token_function(name: str) -> Callable[..., TokenResult]:
-    """The per-token function a record's ``token`` names."""
-    if name not in TOKEN_FUNCTIONS:
-        raise ValueError(f"objective: no per-token function {name!r} (the reference has "
-                         f"{', '.join(map(repr, TOKEN_FUNCTIONS))})")
-    return TOKEN_FUNCTIONS[name]
