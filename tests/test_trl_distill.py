@@ -18,8 +18,8 @@ from conftest import TOL, assert_three_way, integration
 trl = integration("trl")
 transformers = integration("transformers")
 
-from rlfuse.integrations.trl_distill import (RLFuseDistillationConfig,  # noqa: E402
-                                             RLFuseDistillationTrainer)
+from rlfuse.integrations.trl import (RLFuseDistillationConfig,  # noqa: E402
+                                     RLFuseDistillationTrainer)
 from test_trl import (ENGINES, TINY, _fsdp_on_the_cpu, assert_trained_as_trl,  # noqa: E402
                       dataset, eos_model, head_model, tokenizer)
 

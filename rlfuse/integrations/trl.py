@@ -1,4 +1,6 @@
-"""rlfuse in TRL: a GRPOTrainer whose loss is rlfuse's, from the last hidden state.
+"""rlfuse in TRL: a GRPOTrainer whose loss is rlfuse's, from the last hidden state (and TRL's
+DistillationTrainer with rlfuse's distillation loss: ``RLFuseDistillationTrainer``,
+``RLFuseDistillationConfig``, ``integrations._trl_distill``).
 
     from rlfuse.integrations.trl import RLFuseGRPOConfig, RLFuseGRPOTrainer
     args = RLFuseGRPOConfig(output_dir=..., rlfuse_loss="ppo", loss_type="dapo", epsilon_high=0.28)
@@ -50,11 +52,14 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
 import rlfuse
 from rlfuse import objectives, terms
 from rlfuse.integrations._models import add_head_forward, model_head, router_loss_problems
+from rlfuse.integrations._trl_distill import (RLFuseDistillationConfig,
+                                              RLFuseDistillationTrainer)
 from rlfuse.integrations._trl_config import (TOKEN_COUNT_LOSS_TYPES, RLFuseGRPOConfig,
                                              as_rlfuse_config, unsupported_options)
 from rlfuse.shared.aggregation import clamped_feedback, masked_mean
 
-__all__ = ["RLFuseGRPOConfig", "RLFuseGRPOTrainer"]
+__all__ = ["RLFuseDistillationConfig", "RLFuseDistillationTrainer", "RLFuseGRPOConfig",
+           "RLFuseGRPOTrainer"]
 
 
 class RLFuseGRPOTrainer(GRPOTrainer):

@@ -1,7 +1,6 @@
 """rlfuse in TRL's distillation: a ``DistillationTrainer`` whose loss is rlfuse's.
 
-    from rlfuse.integrations.trl_distill import (RLFuseDistillationConfig,
-                                                 RLFuseDistillationTrainer)
+    from rlfuse.integrations.trl import RLFuseDistillationConfig, RLFuseDistillationTrainer
     args = RLFuseDistillationConfig(output_dir=..., beta=0.5, temperature=0.9)
     trainer = RLFuseDistillationTrainer(model=student, teacher_model=teacher, args=args,
                                         train_dataset=data)
