@@ -11,7 +11,7 @@ import torch
 import rlfuse
 from rlfuse.divergences import JSD
 from rlfuse.fused_losses import (distill, ggpo, gr_opd, head_logits, kl, linear_head, logprobs,
-                                 regions, surrogate)
+                                 regions, surrogate, top_k)
 
 from conftest import TOL
 from vocab_split_worker import SPLIT_OPS
@@ -84,8 +84,8 @@ STEPS = {
             *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
                                    return_entropy=True, validate=False,
                                    batch_invariant=True))),
-    "distill_top_k": (("logits",), lambda leaf, x, form: _loss(rlfuse.distill_loss(
-        rlfuse.Logits(leaf, x.targets, 0.9), rlfuse.TopK(x.targets[..., None] % 3 + torch.arange(
+    "distill_top_k": (("logits", "head"), lambda leaf, x, form: _loss(rlfuse.distill_loss(
+        policy_of(leaf, x, form), rlfuse.TopK(x.targets[..., None] % 3 + torch.arange(
             2, device=x.targets.device), torch.full((*x.targets.shape, 2), -1.5,
                                                    device=x.targets.device)),
         x.mask, rlfuse.divergences.ForwardKL(-4.0), validate=False))),
@@ -378,8 +378,17 @@ def _op_cases(device):
                         (x.logits.double().requires_grad_(), top_ids[..., :1], x.mask, 1.0, 0)],
         "logprobs_at_backward": [
             (full.detach(), top_ids, x.mask,
-             distill.logprobs_at_op(full.detach(), top_ids, x.mask, 0.9, 1)[2],
+             top_k.logprobs_at_op(full.detach(), top_ids, x.mask, 0.9, 1)[2],
              torch.randn(*top_ids.shape, device=device), 0.9, 1)],
+        "linear_logprobs_at": [
+            (hidden, weight, x.bias, top_ids, x.mask, 0.9, 0.5, 3.0, 1, 3, False, False),
+            (hidden, weight, None, top_ids[..., :1], x.mask, 1.0, 2.0, 0.0, 0, 7, True, True)],
+        "linear_logprobs_at_backward": [
+            (hidden.detach(), x.weight, x.bias, top_ids, x.mask,
+             top_k.linear_logprobs_at_op(hidden.detach(), x.weight, x.bias, top_ids, x.mask, 0.9,
+                                         0.5, 3.0, 1, 3, False, False)[2],
+             torch.randn(*top_ids.shape, device=device), 0.9, 0.5, 3.0, 1, 3, False, False,
+             [True, True, True])],
         "scale_cast": [(torch.randn(7, 5, device=device), torch.tensor(0.3, device=device),
                         torch.bfloat16),
                        (torch.randn(3, device=device, dtype=torch.float64),
@@ -404,8 +413,10 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "distill_backward": distill.distill_backward_op,
        "linear_distill": distill.linear_distill_op,
        "linear_distill_backward": distill.linear_distill_backward_op,
-       "logprobs_at": distill.logprobs_at_op,
-       "logprobs_at_backward": distill.logprobs_at_backward_op}
+       "logprobs_at": top_k.logprobs_at_op,
+       "logprobs_at_backward": top_k.logprobs_at_backward_op,
+       "linear_logprobs_at": top_k.linear_logprobs_at_op,
+       "linear_logprobs_at_backward": top_k.linear_logprobs_at_backward_op}
 ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")
 

@@ -228,27 +228,36 @@ HEAD_STYLES = {"student": dict(temperature=0.8, logit_scale=0.7, softcap=3.0),
                "teacher": dict(temperature=1.25, logit_scale=1.3, softcap=None)}
 
 
-def _head_floors(divergence, h_s, w_s, b_s, h_t, w_t, b_t, mask, dtype):
-    """The rounding floors in ``dtype`` of the loss and the gradients of hidden, weight and bias:
-    each model's logits ``y = h W^T + b`` rounded by its matmul move the loss by at most
-    ``|dL/dy|`` times that; the gradients are matmuls of ``dL/dy_s`` with W (V terms) and h (N
-    terms) and its sum over N. ``dL/dy`` from float64 autograd of the divergence's reference
-    function over the exact logits."""
-    function, params = divergence.terms()
-    ys = [(h @ w.T + b).requires_grad_() for h, w, b in ((h_s, w_s, b_s), (h_t, w_t, b_t))]
-    s, t = (torch.log_softmax(_head_z(y, style["logit_scale"], style["softcap"],
-                                      style["temperature"]), -1)
-            for y, style in zip(ys, HEAD_STYLES.values()))
-    value = reference_divergences.divergence_function(function)(s, t, params)
-    loss = torch.where(mask, value, 0.0).sum() / mask.sum()
-    dy_s, dy_t = torch.autograd.grad(loss, ys)
+def _floors(loss_of, models, dtype):
+    """The rounding floors in ``dtype`` of the loss and the gradients of the student's hidden,
+    weight and bias, for ``loss_of`` the models' log-softmaxes (``models``: each one's ``(h, W,
+    b)``, the student's first, in ``HEAD_STYLES``' order): each model's logits ``y = h W^T + b``
+    rounded by its matmul move the loss by at most ``|dL/dy|`` times that; the gradients are
+    matmuls of ``dL/dy_s`` with W (V terms) and h (N terms) and its sum over N. ``dL/dy`` from
+    float64 autograd over the exact logits."""
+    ys = [(h @ w.T + b).requires_grad_() for h, w, b in models]
+    loss = loss_of(*(torch.log_softmax(_head_z(y, style["logit_scale"], style["softcap"],
+                                                style["temperature"]), -1)
+                     for y, style in zip(ys, HEAD_STYLES.values())))
+    dys = torch.autograd.grad(loss, ys)
     loss_floor = sum((dy.abs() * matmul_rounding(h, w.T, dtype)).sum().item()
-                     for dy, h, w in ((dy_s, h_s, w_s), (dy_t, h_t, w_t)))
-    dy = dy_s.reshape(-1, V)
+                     for dy, (h, w, _) in zip(dys, models))
+    dy, (h_s, w_s, _) = dys[0].reshape(-1, V), models[0]
     u = torch.finfo(dtype).eps / 2
     return (loss_floor, matmul_rounding(dy, w_s, dtype).max().item(),
             matmul_rounding(dy.T, h_s.reshape(-1, H), dtype).max().item(),
             math.sqrt(dy.shape[0]) * u * dy.abs().sum(0).max().item())
+
+
+def _head_floors(divergence, h_s, w_s, b_s, h_t, w_t, b_t, mask, dtype):
+    """``_floors`` of a loss between two heads: the divergence's reference function."""
+    function, params = divergence.terms()
+
+    def loss_of(s, t):
+        value = reference_divergences.divergence_function(function)(s, t, params)
+        return torch.where(mask, value, 0.0).sum() / mask.sum()
+
+    return _floors(loss_of, ((h_s, w_s, b_s), (h_t, w_t, b_t)), dtype)
 
 
 def _run_heads(lib, divergence, tensors, mask, dtype, validate):
@@ -346,6 +355,58 @@ def test_top_k_against_float64(min_logprob, dtype):
                              "teacher_mass", "grad"), fused, ref, ref64, dtype)
     grad = fused[-1]
     assert (grad[:, 1:][~mask] == 0).all() and (grad[:, 0] == 0).all()
+
+
+def _run_top_k_head(lib, tensors, ids, logprobs, mask, divergence, dtype, validate):
+    leaves = [x.to(dtype).requires_grad_() for x in tensors]
+    student = rlfuse.LinearHead(leaves[0], leaves[1], _positions(), bias=leaves[2],
+                                chunk_tokens=4, **HEAD_STYLES["student"])
+    out = lib.distill_loss(student, rlfuse.TopK(ids, logprobs.to(dtype)), mask, divergence,
+                           validate=validate)
+    return (out.loss, *out.metrics.values(), *torch.autograd.grad(out.loss, leaves))
+
+
+@pytest.mark.parametrize("min_logprob", [None, -3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("validate", [True, False], ids=["actor_rows", "every_row"])
+def test_top_k_heads_against_float64(min_logprob, dtype, validate):
+    """A LinearHead student (bias, logit scale, softcap; chunks of 4 positions) with a TopK
+    teacher: loss, metrics and the gradients of hidden, weight and bias against float64 by the
+    three-way rule with the matmuls' floors; fp64 to fp64's rounding. The masked positions'
+    hidden rows (NaN with validate, never read; large without, their logits formed and given a
+    zero gradient) and the teacher's ids and log-probs there (out of range, NaN) reach
+    nothing."""
+    h_s, _, w_s, _, b_s, _ = (x.to(dtype).double() for x in _heads())
+    _, teacher, mask = _batch()
+    top = torch.log_softmax(teacher[:, 1:].double() / 0.9, -1).topk(6, -1)
+    ids, logprobs = top.indices, top.values
+    ids[~mask], logprobs[~mask] = -7, float("nan")
+    garbage = h_s.clone()
+    garbage[~mask] = float("nan") if validate else 1e3
+    divergence = ForwardKL(min_logprob)
+    fused = _run_top_k_head(rlfuse, (garbage, w_s, b_s), ids, logprobs, mask, divergence,
+                            dtype, validate)
+    ref64 = _run_top_k_head(rlfuse.reference, (h_s, w_s, b_s), ids.clamp_min(0), logprobs,
+                            mask, divergence, torch.float64, True)
+    assert (fused[-3][~mask] == 0).all()
+    names = ("loss", "entropy", "loss_min", "loss_max", "student_mass", "teacher_mass",
+             "dhidden", "dweight", "dbias")
+    if dtype == torch.float64:
+        for name, a, b in zip(names, fused, ref64):
+            torch.testing.assert_close(a, b, **TOL["fp64_chain"], msg=name)
+        return
+    ref = _run_top_k_head(rlfuse.reference, (h_s, w_s, b_s), ids.clamp_min(0), logprobs,
+                          mask, divergence, dtype, True)
+
+    def loss_of(s):
+        value, _ = rlfuse.reference.distill.top_k_divergence(
+            s.gather(-1, ids.clamp_min(0)), logprobs.nan_to_num(0.0), divergence)
+        return torch.where(mask, value, 0.0).sum() / mask.sum()
+
+    loss_floor, *grad_floors = _floors(loss_of, ((h_s, w_s, b_s),), dtype)
+    for name, a, b, b64, floor in zip(names, fused, ref, ref64,
+                                      (loss_floor, *[0.0] * 5, *grad_floors)):
+        assert_three_way(a, b, b64, name, floor=floor)
 
 
 def test_token_divergence_is_the_loss_per_token():

@@ -11,10 +11,8 @@ divergence and the student's entropy:
   dtype, into the gradients of the hidden states, weight and bias at once. No ``[N, V]``
   tensor of either model exists.
 
-- ``rlfuse::logprobs_at``, a ``Logits`` student's log-probs at a ``TopK`` teacher's ids
-  (``token_logprobs``' kernels: one read of a row forward, one read and one write backward),
-  verl's top-k forward KL then on those ``[B, T, k]`` (``reference.distill``); a
-  ``LinearHead`` student with a ``TopK`` teacher runs the reference's twin.
+- a ``TopK`` teacher: the student's log-probs at its ids (``top_k``'s ops), verl's top-k
+  forward KL on those ``[B, T, k]`` (``reference.distill``).
 """
 from __future__ import annotations
 
@@ -26,12 +24,12 @@ from torch import Tensor
 from .._types import LinearHead, Logits, TopK, compute_dtype
 from ..kernels.distill import DISTILL_STATS, distill_bwd, distill_fwd
 from ..kernels.head import HeadParams
-from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..reference import distill as twin
 from ._op import custom_op, register_autograd
 from .head_matmuls import HeadGradients, chunk_logits
 from .linear_head import (Rows, chunk_tokens_for, head_fields, head_gradients,
                           head_gradients_fake)
+from .top_k import linear_logprobs_at_op, logprobs_at_op
 
 
 def _window(logits: Tensor, offset: int, T: int) -> Tensor:
@@ -108,68 +106,6 @@ def _backward(ctx, dvalue, _dentropy, _dstats):
 
 
 register_autograd(distill_op, _backward, _setup)
-
-
-# --------------------------------------------------------------------------------------------
-# A TopK teacher: the student's log-probs at the teacher's ids
-# --------------------------------------------------------------------------------------------
-
-@custom_op("logprobs_at")
-def logprobs_at_op(logits: Tensor, ids: Tensor, mask: Tensor, temperature: float,
-                   offset: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(log-probs [B, T, k], entropy [B, T], stats [B T, 2])``: each window row's log-probs
-    at its ``ids [B, T, k]`` under the whole softmax of ``logits [B, S, V]`` (rows ``[offset,
-    offset + T)``) at ``temperature``, from one read of the row (``token_logprobs``' forward:
-    its max and log-sum, its entropy) and the k logits gathered."""
-    head = HeadParams(temperature)
-    _, stats, entropy = token_logprobs_fwd(logits, ids[..., 0], mask, head, True, offset)
-    x = _window(logits, offset, mask.shape[1]).gather(-1, ids.long()).to(stats.dtype)
-    m, log_s = (c.view(*mask.shape, 1) for c in stats.unbind(-1))
-    return (x - m) * head.inv_temp - log_s, entropy, stats
-
-
-@logprobs_at_op.register_fake
-def _(logits, ids, mask, temperature, offset):
-    acc = compute_dtype(logits.dtype)
-    return (logits.new_empty(ids.shape, dtype=acc), logits.new_empty(mask.shape, dtype=acc),
-            logits.new_empty((mask.numel(), len(STAT_COLUMNS)), dtype=acc))
-
-
-@custom_op("logprobs_at_backward")
-def logprobs_at_backward_op(logits: Tensor, ids: Tensor, mask: Tensor, stats: Tensor,
-                            dlogp: Tensor, temperature: float, offset: int) -> Tensor:
-    """The gradient of ``logprobs_at_op``'s whole ``logits`` for ``dlogp [B, T, k]``:
-    ``Σ_k g_k (1[v = id_k] − p_v) / τ``, the row kernel writing ``−(Σ_k g_k) p_v / τ`` (no
-    target) in one read and one write of the row, then the k terms added at the ids."""
-    head = HeadParams(temperature)
-    dlogp = torch.where(mask.unsqueeze(-1), dlogp.to(stats.dtype), 0.0)
-    no_target = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
-    dlogits = token_logprobs_bwd(logits, no_target, mask, head, stats, None, dlogp.sum(-1),
-                                 None, offset=offset)
-    window = dlogits[:, offset:offset + mask.shape[1]]
-    window.scatter_add_(-1, ids.long(), (dlogp * head.inv_temp).to(dlogits.dtype))
-    return dlogits
-
-
-@logprobs_at_backward_op.register_fake
-def _(logits, ids, mask, stats, dlogp, temperature, offset):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-def _logprobs_at_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs.logits, inputs.ids, inputs.mask, output[2])
-    ctx.fields = (inputs.temperature, inputs.offset)
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.set_materialize_grads(False)
-
-
-def _logprobs_at_backward(ctx, dlogp, _dentropy, _dstats):
-    if dlogp is None:
-        return None
-    return {"logits": logprobs_at_backward_op(*ctx.saved_tensors, dlogp, *ctx.fields)}
-
-
-register_autograd(logprobs_at_op, _logprobs_at_backward, _logprobs_at_setup)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,14 +234,21 @@ def _teacher_logits(teacher: LinearHead, T: int) -> Tensor:
 
 def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool = False
                      ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
-    """``reference.distill.token_divergence`` on the kernels (a ``TopK`` teacher: the twin);
+    """``reference.distill.token_divergence`` on the kernels;
     ``validate``: a ``LinearHead`` student forms the logits of the actor positions only (reads
     the mask on the host)."""
     if isinstance(teacher, TopK):
+        ids = torch.where(mask.unsqueeze(-1), teacher.ids, 0).long()   # masked: never read
         if isinstance(student, LinearHead):
-            return twin.token_divergence(student, teacher, divergence, mask)
-        s_k, entropy, _ = logprobs_at_op(student.logits, teacher.ids, mask,
-                                         float(student.temperature), int(student.offset))
+            s_k, entropy, _ = linear_logprobs_at_op(
+                student.hidden, student.weight, student.bias, ids, mask, **head_fields(student),
+                offset=int(student.offset),
+                chunk_tokens=chunk_tokens_for(student.weight, student.chunk_tokens,
+                                              mask.numel()),
+                gather=validate, batch_invariant=bool(student.batch_invariant))
+        else:
+            s_k, entropy, _ = logprobs_at_op(student.logits, ids, mask,
+                                             float(student.temperature), int(student.offset))
         value, extras = twin.top_k_divergence(s_k, teacher.logprobs.detach(), divergence)
         return twin.at_actor_positions(mask, value, entropy, extras)
     function, params = divergence.terms()
