@@ -421,6 +421,28 @@ def test_token_divergence_is_the_loss_per_token():
     assert out.metrics["loss_max"] == per_token[mask].max()
 
 
+@pytest.mark.parametrize("lib", LIBS, ids=["fused", "reference"])
+@pytest.mark.parametrize("top_k", [False, True], ids=["logits", "top_k"])
+def test_token_divergence_metrics_are_the_losses_per_token(lib, top_k):
+    """``return_metrics``: the per-token entropy (and a TopK teacher's masses), 0 at masked
+    positions, whose means over the mask are ``distill_loss``'s metrics."""
+    student, teacher, mask = _batch()
+    top = torch.log_softmax(teacher[:, :-1], -1).topk(4, -1)
+    args = (rlfuse.Logits(student, _positions()),
+            rlfuse.TopK(top.indices, top.values) if top_k else
+            rlfuse.Logits(teacher, _positions()))
+    divergence = ForwardKL(-3.0) if top_k else JSD(0.5)
+    value, metrics = lib.token_divergence(*args, divergence, mask, return_metrics=True)
+    out = lib.distill_loss(*args, mask, divergence)
+    assert set(metrics) == {"entropy"} | ({"student_mass", "teacher_mass"} if top_k else set())
+    for name, x in (("value", value), *metrics.items()):
+        assert x.shape == (B, T) and (x[~mask] == 0).all(), name
+    for name, x in metrics.items():
+        torch.testing.assert_close(x.sum() / mask.sum(), out.metrics[name], **TOL["fp32"])
+    torch.testing.assert_close(value, lib.token_divergence(*args, divergence, mask), rtol=0,
+                               atol=0)
+
+
 BAD = [
     (dict(divergence="forward_kl"), TypeError, "divergence: expected"),
     (dict(divergence=ReverseKL(), topk=True), ValueError, "divergence: a TopK teacher"),

@@ -4,6 +4,8 @@ verl's ``torch`` backend, and their gradients to every parameter, in verl's pack
 layout with each of its label conventions; verl's own actor loss (``ppo_loss``: policy loss,
 KL loss, entropy bonus) from them equals verl's from its own backend."""
 import copy
+import functools
+import types
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ from verl.utils.experimental import torch_functional  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
+import rlfuse  # noqa: E402
 from rlfuse.integrations import verl as rlfuse_verl  # noqa: E402  (installs the backend)
+from rlfuse.integrations import _verl_backend as rlfuse_backend  # noqa: E402
 
 V = 53
 TINY = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -275,3 +279,171 @@ def test_bad_calls():
         fused(hidden, net.lm_head.weight, ids[:, :4])
     with pytest.raises(ValueError, match="reduction"):
         rlfuse_verl.linear_cross_entropy(hidden, net.lm_head.weight, ids, 1.0, "max")
+
+
+# --------------------------------------------------------------------------------------------
+# Distillation in verl's FSDP engine
+# --------------------------------------------------------------------------------------------
+
+K = 5
+
+
+class OwnForward(torch.nn.Module):
+    """A model through its own forward (its logits: verl's engine without fused kernels)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, **inputs):
+        return _OWN[type(self.net)](self.net, **inputs)
+
+
+def engine_of(module):
+    """verl's FSDP engine (its ``prepare_model_inputs`` / ``prepare_model_outputs``, as its
+    ``forward_step`` runs them) around ``module``, one process, no sequence parallelism."""
+    from verl.utils import torch_functional as verl_F
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    engine = FSDPEngineWithLMHead.__new__(FSDPEngineWithLMHead)
+    engine.compute_entropy_from_logits = verl_F.entropy_from_logits
+    engine.module, engine.use_ulysses_sp, engine.pad_to_length = module, False, None
+    engine.engine_config = types.SimpleNamespace(entropy_checkpointing=False,
+                                                 entropy_from_logits_with_chunking=False)
+    return engine
+
+
+def distill_data(prompts, responses, loss_mode, dtype, fused, seed=0):
+    """verl's packed micro-batch with the teacher's outputs as its distillation pipeline hands
+    them over: top-k ids and log-probs ``[len, K]`` per sequence (``forward_kl_topk``), or the
+    sampled tokens' log-probs ``[len, 1]`` (the estimators)."""
+    from verl.utils.dataset.dataset_utils import DatasetPadMode
+
+    gen = torch.Generator().manual_seed(seed + 5)
+    seqs = [torch.cat(pair) for pair in zip(prompts, responses)]
+    top = [torch.log_softmax(3 * torch.randn(len(s), V, generator=gen, dtype=torch.float64), -1)
+           .topk(K if loss_mode == "forward_kl_topk" else 1, -1) for s in seqs]
+    data = actor_data(prompts, responses, dtype, seed)
+
+    def nested(xs):
+        return torch.nested.as_nested_tensor(xs, layout=torch.jagged)
+
+    data["input_ids"] = nested(seqs)
+    data["position_ids"] = nested([torch.arange(len(s)) for s in seqs])
+    data["teacher_ids"] = nested([t.indices for t in top])
+    data["teacher_logprobs"] = nested([t.values.to(dtype) for t in top])
+    tu.assign_non_tensor(data, use_remove_padding=True, use_fused_kernels=fused,
+                         distillation_use_topk=loss_mode == "forward_kl_topk",
+                         calculate_entropy=True, temperature=0.7,
+                         pad_mode=DatasetPadMode.NO_PADDING)
+    return data
+
+
+def distill_loss_fn(loss_mode, task_rewards, min_clamp=-4.0):
+    from verl.trainer.distillation import distillation_ppo_loss
+    from verl.workers.config import DistillationLossConfig
+
+    loss = DistillationLossConfig(loss_mode=loss_mode, topk=K, use_task_rewards=task_rewards,
+                                  use_policy_gradient=False, log_prob_min_clamp=min_clamp,
+                                  distillation_loss_coef=0.5)
+    config = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                         ppo_mini_batch_size=1, loss_agg_mode="token-mean", entropy_coeff=0.01,
+                         policy_loss={"loss_mode": "vanilla"})
+    return functools.partial(distillation_ppo_loss, config=config,
+                             distillation_config=types.SimpleNamespace(distillation_loss=loss))
+
+
+def engine_step(engine, data, loss_fn):
+    """One micro-batch through the engine as ``forward_step`` runs it: the loss, metrics and
+    the model's outputs."""
+    inputs, args = engine.prepare_model_inputs(micro_batch=data)
+    output = engine.module(**inputs, use_cache=False)
+    model_output = engine.prepare_model_outputs(output, args, data, loss_fn)
+    return (*loss_fn(model_output=model_output, data=data), model_output)
+
+
+def float64_step(net64, data, loss_fn, loss_mode):
+    """verl's loss on outputs computed in float64 from the model's own logits (the definition
+    of ``compute_forward_kl_topk``, clamped as verl clamps)."""
+    values = data["input_ids"].values()[None]
+    logits = _OWN[type(net64)](net64, input_ids=values, position_ids=data["position_ids"]
+                               .values()[None], use_cache=False).logits[0]
+    z = torch.log_softmax(logits / 0.7, -1)
+    offsets = data["input_ids"].offsets()
+
+    def nested(x):
+        return torch.nested.nested_tensor_from_jagged(x, offsets)
+
+    labels = torch.roll(values[0], -1)
+    out = {"log_probs": nested(z.gather(-1, labels[:, None])[:, 0]),
+           "entropy": nested(-(z.exp() * z).sum(-1))}
+    if loss_mode == "forward_kl_topk":
+        ids, t = data["teacher_ids"].values(), data["teacher_logprobs"].values().double()
+        s = z.gather(-1, ids)
+        out["student_mass"], out["teacher_mass"] = nested(s.exp().sum(-1)), nested(t.exp().sum(-1))
+        s, t = s.clamp_min(-4.0), t.clamp_min(-4.0)
+        out["distillation_losses"] = nested((t.exp() * (t - s)).sum(-1))
+    return (*loss_fn(model_output=out, data=data), out)
+
+
+@pytest.mark.parametrize("loss_mode, task_rewards, autocast", [
+    ("forward_kl_topk", False, False), ("forward_kl_topk", True, False), ("k3", False, False),
+    ("forward_kl_topk", False, True)])
+def test_distillation_is_verls(loss_mode, task_rewards, autocast):
+    """verl's distillation (``distillation_ppo_loss``) in its FSDP engine's packed forward:
+    with the ``rlfuse`` backend (fused kernels: the top-k divergence and its masses from the
+    head by rlfuse, the teacher's top-k handed to the model as verl's veomni engine hands it;
+    the estimators from rlfuse's log-probs) against verl's own forward from the logits (its
+    logits processor), each against float64 (three-way): the loss, every metric, every
+    parameter's gradient; with task rewards the policy loss and entropy bonus beside it; under
+    bf16 autocast (verl's default mixed precision) the fused kernels' fp32 beside verl's bf16
+    logits."""
+    base = tiny("qwen2", torch.float32)
+    prompts, responses, _, _ = packed_batch()
+    loss_fn = distill_loss_fn(loss_mode, task_rewards)
+    results = []
+    for backend, dtype in (("rlfuse", torch.float32), (None, torch.float32),
+                           (None, torch.float64)):
+        net = copy.deepcopy(base).to(dtype)
+        data = distill_data(prompts, responses, loss_mode, dtype, backend is not None)
+        if dtype == torch.float64:
+            loss, metrics, outputs = float64_step(net, data, loss_fn, loss_mode)
+        else:
+            module = patched(net, backend) if backend else OwnForward(net)
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                loss, metrics, outputs = engine_step(engine_of(module), data, loss_fn)
+        grads = torch.autograd.grad(loss, list(net.parameters()))
+        metrics = {key: float(m.aggregate()) if hasattr(m, "aggregate") else float(m)
+                   for key, m in metrics.items()}
+        per_token = {key: x.values().detach().float() for key, x in outputs.items()
+                     if key in ("distillation_losses", "student_mass", "teacher_mass")}
+        results.append((loss.detach(), metrics, grads, per_token))
+    ours, theirs, ref64 = results
+    assert_three_way(ours[0], theirs[0], ref64[0], "loss")
+    for key in ours[3]:
+        assert_three_way(*(r[3][key] for r in results), key)
+    # the top-k overlap diagnostics need the student's own top-k ids: verl's logits path only
+    # (its fused veomni path does not give them either)
+    overlap = {"distillation/overlap_ratio", "distillation/overlap_token_advantage"}
+    assert set(ours[1]) == set(theirs[1]) - overlap
+    assert ref64[1].keys() == ours[1].keys()
+    for key in ours[1] if not autocast else ():   # under autocast: the per-token values
+        assert_three_way(*(torch.tensor(r[1][key]) for r in results), key)
+    for (name, _), got, want, want64 in zip(base.named_parameters(), ours[2], theirs[2],
+                                             ref64[2]):
+        assert_three_way(got, want, want64, name)
+
+
+def test_distillation_refuses_what_it_cannot_do():
+    """Top-k distillation with fused kernels takes verl's packed rows; the outputs need the
+    distillation config the engine's loss function is bound to."""
+    prompts, responses, _, _ = packed_batch()
+    net = patched(tiny("qwen2", torch.float32), "rlfuse")
+    data = distill_data(prompts, responses, "forward_kl_topk", torch.float32, True)
+    tu.assign_non_tensor(data, use_remove_padding=False)
+    with pytest.raises(ValueError, match="use_remove_padding"):
+        engine_of(net).prepare_model_inputs(micro_batch=data)
+    teacher = rlfuse.TopK(data["teacher_ids"].values()[None],
+                          data["teacher_logprobs"].values()[None])
+    with pytest.raises(ValueError, match="logits_processor_func"):
+        rlfuse_backend.top_k_distillation(None, teacher, lambda **kw: None)

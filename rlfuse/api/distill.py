@@ -88,7 +88,7 @@ def check_distill_args(student, teacher, mask, divergence, *, validate: bool) ->
 
 
 def token_divergence(run, student, teacher, divergence, mask: Optional[torch.Tensor] = None,
-                     *, validate: bool = True) -> torch.Tensor:
+                     *, validate: bool = True, return_metrics: bool = False):
     """The divergence of each position ``[B, T]`` (fp32; fp64 for fp64 inputs) between the
     student's and the teacher's next-token distributions, with its gradient to the student
     (for a trainer's own aggregation, e.g. verl's ``agg_loss``); 0 at masked positions.
@@ -103,13 +103,20 @@ def token_divergence(run, student, teacher, divergence, mask: Optional[torch.Ten
         mask: ``[B, T]`` bool (or 0/1); None: every position.
         validate: check the mask's values and a ``TopK`` teacher's ids and log-probs (reads
             ``[B, T, k]`` data, one host sync).
+        return_metrics: also return ``{name: [B, T]}`` (no gradient, 0 at masked positions):
+            the student's ``entropy``, with a ``TopK`` teacher ``student_mass`` and
+            ``teacher_mass`` (the probability mass on the teacher's ids).
     """
     with run.on(student, teacher) as (impl, student, teacher):
         if mask is None:
             mask = torch.ones(_named("student", check_policy, student, None).shape,
                               dtype=torch.bool, device=student.targets.device)
         args = check_distill_args(student, teacher, mask, divergence, validate=validate)
-        return impl.token_divergence(student, teacher, divergence, args.mask, validate)[0]
+        value, entropy, extras = impl.token_divergence(student, teacher, divergence, args.mask,
+                                                       validate)
+        if not return_metrics:
+            return value
+        return value, {"entropy": entropy.detach(), **{k: v.detach() for k, v in extras.items()}}
 
 
 def distill_loss(run, student, teacher, mask: torch.Tensor, divergence, *,

@@ -11,24 +11,40 @@ from the model (checked against its own logits once), no ``[N, V]`` logits beyon
 ``linear_cross_entropy`` is verl's vocab-parallel ``linear_cross_entropy`` (Megatron's tensor
 parallelism) over ``rlfuse``'s vocabulary split; ``patch_megatron`` routes verl's Megatron fused
 forward through it.
+
+verl's top-k distillation (``distillation_loss.loss_mode=forward_kl_topk``) reads the
+divergence from the student's logits, which a fused forward never forms (verl's own backends
+then have no ``distillation_losses``). With ``"rlfuse"`` the engine's packed forward hands the
+model the teacher's top-k as verl's veomni engine does, and the divergence, ``student_mass`` and
+``teacher_mass`` per token come from the same head by ``rlfuse.token_divergence`` (a
+``LinearHead`` student, a ``TopK`` teacher, ``ForwardKL(log_prob_min_clamp)``), as the
+``fused_linear_aux`` verl's engine reads.
 """
 from __future__ import annotations
 
+import functools
+import types
 import warnings
 import weakref
 from typing import Optional, Tuple
 
 import torch
 from verl.models.transformers import monkey_patch
+from verl.utils import tensordict_utils as tu
 from verl.utils.experimental import torch_functional
+from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 import rlfuse
+from rlfuse.divergences import ForwardKL
 from rlfuse.scaleout.rank_rows import MeanOverRanks
 from ._models import check_head, config_head
 
 BACKEND = "rlfuse"
 _VERL_PATCH = monkey_patch.patch_forward_with_backends
 _VERL_FUSED_LINEAR = torch_functional.FusedLinearForPPO
+_VERL_MODEL_INPUTS = FSDPEngineWithLMHead.prepare_model_inputs
+_VERL_MODEL_OUTPUTS = FSDPEngineWithLMHead.prepare_model_outputs
 # each model class's own forward, kept before verl replaces it on the class
 _OWN_FORWARD = {}
 
@@ -40,6 +56,7 @@ class _Backend(str):
     def __new__(cls, model):
         backend = super().__new__(cls, BACKEND)
         backend.model = weakref.ref(model)
+        backend.student = None      # the head of the forward in progress (``_keeping_head``)
         return backend
 
     def __deepcopy__(self, memo):     # a copied model holds its copy
@@ -86,6 +103,9 @@ def patch_forward_with_backends(model, use_fused_kernels: bool = False,
                            fused_kernels_backend=fused_kernels_backend)
     fields = head_fields(model)
     _VERL_PATCH(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    cls = type(model)
+    if not hasattr(cls.forward, "__rlfuse_keeps_head__"):
+        cls.forward = _keeping_head(cls.forward)
     model._rlfuse_head = fields
     model._verl_fused_kernels_backend = _Backend(model)
     print(f"rlfuse computes the log-probs and entropy of {type(model).__name__}")
@@ -129,8 +149,87 @@ class FusedLinearForPPO(_VERL_FUSED_LINEAR):
         head = model.get_output_embeddings()
         if vocab_weights is not head.weight:
             raise ValueError("vocab_weights: expected the weight of the model's output head")
+        self.impl_backend.student = rlfuse.LinearHead(
+            hidden_states.reshape(1, -1, hidden_states.shape[-1]), vocab_weights,
+            input_ids.reshape(1, -1).long(), head.bias, temperature=temperature,
+            **model._rlfuse_head)
         return log_probs_and_entropy(hidden_states, vocab_weights, input_ids, temperature,
                                      head.bias, **model._rlfuse_head)
+
+
+def _keeping_head(verl_forward):
+    """verl's fused forward of a class, which, for a model of the ``"rlfuse"`` backend, takes
+    the teacher's top-k (``teacher_topk_ids`` / ``teacher_topk_log_probs``, as verl's veomni
+    engine passes them: ``prepare_model_inputs``) and keeps the student's head on its output
+    (``rlfuse_student``) for ``prepare_model_outputs``."""
+
+    @functools.wraps(verl_forward)
+    def forward(self, *args, teacher_topk_ids=None, teacher_topk_log_probs=None, **kwargs):
+        backend = getattr(self, "_verl_fused_kernels_backend", None)
+        if not isinstance(backend, _Backend):
+            return verl_forward(self, *args, **kwargs)
+        backend.student = None
+        output = verl_forward(self, *args, **kwargs)
+        output.rlfuse_student, backend.student = backend.student, None
+        output.rlfuse_teacher = None if teacher_topk_ids is None else \
+            rlfuse.TopK(teacher_topk_ids, teacher_topk_log_probs)
+        return output
+
+    forward.__rlfuse_keeps_head__ = True
+    return forward
+
+
+def _uses_rlfuse(engine) -> bool:
+    module = getattr(engine.module, "module", engine.module)
+    return isinstance(getattr(module, "_verl_fused_kernels_backend", None), _Backend)
+
+
+def prepare_model_inputs(self, micro_batch):
+    """The engine's ``prepare_model_inputs``; with top-k distillation on a model of the
+    ``"rlfuse"`` backend, the teacher's top-k of the packed rows (sliced for Ulysses sequence
+    parallelism as verl slices them) among the model's inputs."""
+    model_inputs, output_args = _VERL_MODEL_INPUTS(self, micro_batch)
+    if (tu.get_non_tensor_data(micro_batch, "distillation_use_topk", False)
+            and tu.get_non_tensor_data(micro_batch, "use_fused_kernels", False)
+            and _uses_rlfuse(self)):
+        if not tu.get_non_tensor_data(micro_batch, "use_remove_padding", True):
+            raise ValueError("use_remove_padding: top-k distillation with fused kernels takes "
+                             "verl's packed rows (use_remove_padding=True)")
+        teacher = [micro_batch[key].values().unsqueeze(0)
+                   for key in ("teacher_ids", "teacher_logprobs")]
+        if get_ulysses_sequence_parallel_world_size() > 1:
+            teacher = [slice_input_tensor(x, dim=1) for x in teacher]
+        model_inputs["teacher_topk_ids"], model_inputs["teacher_topk_log_probs"] = teacher
+    return model_inputs, output_args
+
+
+def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+    """The engine's ``prepare_model_outputs``; for a forward that kept the student's head and
+    the teacher's top-k (``_keeping_head``), verl's per-token top-k distillation outputs
+    computed from them first (``top_k_distillation``)."""
+    teacher = getattr(output, "rlfuse_teacher", None)
+    if teacher is not None and getattr(output, "fused_linear_aux", None) is None:
+        output.fused_linear_aux = top_k_distillation(output.rlfuse_student, teacher,
+                                                     logits_processor_func)
+    return _VERL_MODEL_OUTPUTS(self, output, output_args, micro_batch, logits_processor_func)
+
+
+def top_k_distillation(student, teacher, loss_function) -> types.SimpleNamespace:
+    """verl's ``compute_forward_kl_topk`` outputs (``distillation_losses``, ``student_mass``,
+    ``teacher_mass``, each ``[1, N]``) of a ``LinearHead`` student and a ``TopK`` teacher, with
+    ``log_prob_min_clamp`` from the distillation config ``loss_function`` (verl's
+    ``distillation_ppo_loss``) is bound to."""
+    config = getattr(loss_function, "keywords", {}).get("distillation_config")
+    if config is None:
+        raise ValueError("logits_processor_func: expected verl's distillation_ppo_loss bound to "
+                         "its distillation_config (top-k distillation)")
+    if student is None:
+        raise ValueError("rlfuse: the top-k distillation of this forward has no student head "
+                         "(the model's forward did not reach FusedLinearForPPO)")
+    divergence = ForwardKL(config.distillation_loss.log_prob_min_clamp)
+    value, metrics = rlfuse.token_divergence(student, teacher, divergence, return_metrics=True)
+    return types.SimpleNamespace(distillation_losses=value, **{
+        name: metrics[name] for name in ("student_mass", "teacher_mass")})
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -171,6 +270,9 @@ def patch_megatron() -> None:
 
 def install() -> None:
     """Makes ``"rlfuse"`` a backend of verl's ``patch_forward_with_backends`` (as
-    ``apply_monkey_patch`` calls it) and of ``FusedLinearForPPO``."""
+    ``apply_monkey_patch`` calls it) and of ``FusedLinearForPPO``, and lets verl's FSDP engine
+    hand such a model the teacher's top-k."""
     monkey_patch.patch_forward_with_backends = patch_forward_with_backends
     torch_functional.FusedLinearForPPO = FusedLinearForPPO
+    FSDPEngineWithLMHead.prepare_model_inputs = prepare_model_inputs
+    FSDPEngineWithLMHead.prepare_model_outputs = prepare_model_outputs
