@@ -122,6 +122,33 @@ def test_exp2_flush_in_the_single_pass(gpu_exp2):
 
 
 @INTERPRETER_ONLY
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_exp2_in_distillation(gpu_exp2, divergence):
+    """Distillation's kernels (each divergence's exponentials one exp2) under the GPU's exp2
+    (results below 2^-126 flushed) against float64 as their parity tests hold them: loss,
+    entropy and the student's gradient within the three-way rule."""
+    from rlfuse.divergences import JSD, ForwardKL, ReverseKL
+
+    div = {"forward_kl": ForwardKL(), "reverse_kl": ReverseKL(), "jsd": JSD(0.3)}[divergence]
+    gen = torch.Generator().manual_seed(4)
+    B, T, V = 2, 3, 700
+    student, teacher = (torch.randn(B, T, V, generator=gen) * 30 for _ in "st")
+    mask = torch.ones(B, T, dtype=torch.bool)
+    positions = torch.zeros(B, T, dtype=torch.long)
+    outs = []
+    for impl, dtype in ((rlfuse, torch.float32), (reference, torch.float32),
+                        (reference, torch.float64)):
+        leaf = student.to(dtype).clone().requires_grad_(True)
+        out = impl.distill_loss(rlfuse.Logits(leaf, positions, 0.9),
+                                rlfuse.Logits(teacher.to(dtype), positions, 1.2), mask, div)
+        out.loss.backward()
+        outs.append((out.loss.detach(), out.metrics["entropy"], leaf.grad))
+    assert gpu_exp2.flushed > 0
+    for k, name in enumerate(("loss", "entropy", "dlogits")):
+        assert_three_way(outs[0][k], outs[1][k], outs[2][k], name)
+
+
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 3.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_a_row_of_one_logit_is_exact(dtype, temperature):

@@ -371,6 +371,13 @@ def floor_of(kernel: str, constexprs: Dict[str, str]):
         return (1, 1) if constexprs.get("WRITE_DLOGITS") == "True" else (1, 0)
     if kernel == "_scale_rows_kernel":
         return 1, 1
+    # distillation, per logit of the vocabulary: the student's and the teacher's rows read
+    # (each twice forward: statistics, then terms; the second an L2 hit at best), the student's
+    # gradient written backward
+    if kernel == "_distill_fwd_kernel":
+        return 2, 0
+    if kernel == "_distill_bwd_kernel":
+        return 2, 1
     raise KeyError(f"tools/sass.py: no memory floor for {kernel}; add it to floor_of")
 
 
@@ -529,6 +536,8 @@ VARIANTS = (
     ("single pass GPPO, no grad", "gppo_logits", "no grad", ("bf16", "fp32")),
     ("GGPO fwd (log-probs)", "ggpo_logits", "fwd", ("bf16",)),
     ("GGPO bwd (dlogits)", "ggpo_logits", "bwd", ("bf16",)),
+    ("distill JSD fwd", "distill_logits", "fwd", ("bf16", "fp32")),
+    ("distill JSD bwd", "distill_logits", "bwd", ("bf16", "fp32")),
 )
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # Every GPPO cell's single pass (bf16, with the gradient), off policy, and on policy where that
@@ -675,7 +684,7 @@ def render(result: dict) -> str:
     lines += [head, "-" * len(head)]
     for r in rows:
         f = r["floor"]
-        floor = "1R" + ("+1W" if f["writes"] else "")
+        floor = f"{f['reads']}R" + (f"+{f['writes']}W" if f["writes"] else "")
         cells = []
         for g in gpus:
             m = r["model"][g.name]

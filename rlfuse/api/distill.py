@@ -157,10 +157,12 @@ def distill_loss(run, student, teacher, mask: torch.Tensor, divergence, *,
 
 def _loss(value, entropy, extras: Dict[str, torch.Tensor], mask, agg, num_tokens, scale,
           weights) -> LossOutput:
+    # the [B, T] sum in fp64, rounded once: the loss is the per-token values' exact aggregate
     dtype = value.dtype
-    row_weights = aggregation_weights(mask, agg, dtype, num_tokens=num_tokens).unsqueeze(-1)
-    per_token = value if weights is None else value * weights.to(dtype)
-    loss = scale * (torch.where(mask, per_token, 0.0) * row_weights).sum()
+    row_weights = aggregation_weights(mask, agg, torch.float64,
+                                      num_tokens=num_tokens).unsqueeze(-1)
+    per_token = value.double() if weights is None else value.double() * weights.double()
+    loss = (scale * (torch.where(mask, per_token, 0.0) * row_weights).sum()).to(dtype)
     tokens = mask.sum().clamp_min(1).to(dtype)
     detached = value.detach()
     metrics = {"entropy": entropy.sum() / tokens,

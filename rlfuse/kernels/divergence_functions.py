@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .._names import FunctionsByName
-from .utils import exp_accurate, fp64_args
+from .utils import LOG2E_HI, LOG2E_LO, fp64_args
 
 # The per-position functions by name: each is registered where it is defined
 # (``per_position``); ``divergence_function``: the one a record's ``terms()`` names
@@ -31,20 +31,22 @@ def weighted(p, x):
 
 
 @triton.jit
-def _mixture(s, t, log_a, log_b):
-    """``μ = log(e^(s + log_a) + e^(t + log_b))``, -inf where both are."""
-    u, w = s + log_a, t + log_b
-    hi = tl.maximum(u, w)
-    safe = tl.where(hi == float("-inf"), 0.0, hi)
-    return safe + tl.log(exp_accurate(u - safe) + exp_accurate(w - safe))
+def prob(x):
+    """``e^x`` of a log-prob ``x <= 0``: one ``exp2`` (MUFU.EX2 in fp32, a few units of rounding;
+    0 below 2^-126 on a GPU, where ``weighted`` gives 0) of ``x log2(e)`` formed in two parts,
+    so that the product's rounding does not move e^x by ``|x| u`` beyond x's own (``tl.exp``
+    rounds ``x log2(e)`` once); fp64: ``tl.exp``."""
+    if x.dtype == tl.float64:
+        return tl.exp(x)
+    return tl.math.exp2(tl.fma(x, LOG2E_HI, x * LOG2E_LO))
 
 
 @per_position
 @triton.jit
 def forward_kl(s, t, aux, params):
     """``KL(T ‖ S) = Σ T_v (t_v − s_v)``; ``∂/∂z_v = S_v − T_v``."""
-    p_t = exp_accurate(t)
-    return weighted(p_t, t - s), tl.zeros_like(s), exp_accurate(s) - p_t
+    p_t = prob(t)
+    return weighted(p_t, t - s), tl.zeros_like(s), prob(s) - p_t
 
 
 @per_position
@@ -52,7 +54,7 @@ def forward_kl(s, t, aux, params):
 def reverse_kl(s, t, aux, params):
     """``KL(S ‖ T) = Σ S_v (s_v − t_v)`` (aux: the same sum);
     ``∂/∂z_v = S_v ((s_v − t_v) − D)``."""
-    p_s = exp_accurate(s)
+    p_s = prob(s)
     term = weighted(p_s, s - t)
     return term, term, weighted(p_s, (s - t) - aux)
 
@@ -60,15 +62,16 @@ def reverse_kl(s, t, aux, params):
 @per_position
 @triton.jit
 def jsd(s, t, aux, params):
-    """TRL's generalized JSD, ``params = (β, log(1 − β), log β)``, 0 < β < 1:
+    """TRL's generalized JSD, ``params = (β, log(1 − β), log β)`` (β read), 0 < β < 1:
     ``β Σ T_v (t_v − μ_v) + (1 − β) Σ S_v (s_v − μ_v)``, ``μ_v = log((1 − β) S_v + β T_v)``
+    (a sum of two positive terms: no cancellation; -inf where both are 0, whose terms are 0)
     (aux: ``KL(S ‖ M)``, the second sum); the term in μ_v of the gradient cancels, leaving
     ``∂/∂z_v = (1 − β) S_v ((s_v − μ_v) − KL(S ‖ M))``."""
     beta = params[0]
-    mu = _mixture(s, t, params[1], params[2])
-    p_s = exp_accurate(s)
+    p_s, p_t = prob(s), prob(t)
+    mu = tl.log(tl.fma(1.0 - beta, p_s, beta * p_t))
     to_student = weighted(p_s, s - mu)
-    term = beta * weighted(exp_accurate(t), t - mu) + (1.0 - beta) * to_student
+    term = beta * weighted(p_t, t - mu) + (1.0 - beta) * to_student
     return term, to_student, (1.0 - beta) * weighted(p_s, (s - mu) - aux)
 
 

@@ -154,6 +154,8 @@ def token_at(x, b, t):
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E_HI = tl.constexpr(1.4426950216293335)       # log2(e) rounded to fp32
+LOG2E_LO = tl.constexpr(1.92596298909109e-08)     # log2(e) - LOG2E_HI
 _LN2_HI = tl.constexpr(0.693145751953125)          # ln 2 to 16 bits: k ln2_hi is exact
 _LN2_LO = tl.constexpr(1.4286068202862268e-06)     # ln 2 - _LN2_HI
 
