@@ -84,11 +84,12 @@ STEPS = {
             *rlfuse.token_logprobs(leaf[:, :-1], x.targets, mask=x.mask, temperature=0.9,
                                    return_entropy=True, validate=False,
                                    batch_invariant=True))),
-    "distill_top_k": (("logits", "head"), lambda leaf, x, form: _loss(rlfuse.distill_loss(
-        policy_of(leaf, x, form), rlfuse.TopK(x.targets[..., None] % 3 + torch.arange(
-            2, device=x.targets.device), torch.full((*x.targets.shape, 2), -1.5,
-                                                   device=x.targets.device)),
-        x.mask, rlfuse.divergences.ForwardKL(-4.0), validate=False))),
+    "distill_top_k": (("logits", "head", "packed_logits"), lambda leaf, x, form: _loss(
+        rlfuse.distill_loss(
+            policy_of(leaf, x, form), rlfuse.TopK(x.targets[..., None] % 3 + torch.arange(
+                2, device=x.targets.device), torch.full((*x.targets.shape, 2), -1.5,
+                                                       device=x.targets.device)),
+            x.mask, rlfuse.divergences.ForwardKL(-4.0), validate=False))),
     "distill": (("logits", "head"), lambda leaf, x, form: _loss(rlfuse.distill_loss(
         rlfuse.Logits(leaf, x.targets, 0.9) if form == "logits" else policy_of(leaf, x, form),
         rlfuse.Logits(x.logits.flip(0), x.targets, 1.25) if form == "logits" else

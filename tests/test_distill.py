@@ -540,3 +540,93 @@ def test_a_divergence_is_added_by_its_record_and_its_functions_alone(monkeypatch
     for fused, ref in zip(*results):
         torch.testing.assert_close(fused, ref, **TOL["fp64_chain"])
     assert results[0][0] > 0
+
+
+def _packed_case(seed=3):
+    """Padded rows (window offset P) of a student and a teacher, as logits and as heads, and the
+    same rows packed back to back (``rlfuse.packed_index``), sequences of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    P, lengths = 2, torch.tensor([5, 2, 4])
+    n, S = len(lengths), P + T + 1
+    mask = torch.arange(T) < lengths[:, None]
+    rows = {name: torch.randn(n, S, width, generator=g, dtype=torch.float64) * scale
+            for name, width, scale in (("s", V, 2), ("t", V, 2), ("h_s", H, 1),
+                                       ("h_t", 2 * H + 1, 1))}
+    n_rows = P + lengths + 1
+    seq = torch.repeat_interleave(torch.arange(n), n_rows)
+    pos = torch.cat([torch.arange(int(k)) for k in n_rows])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), n_rows.cumsum(0)])
+    index = rlfuse.packed_index(cu, torch.full((n,), P + 1), T)
+    top = torch.log_softmax(rows["t"][:, P:P + T], -1).topk(4, -1)
+    return dict(P=P, mask=mask, rows=rows, seq=seq, pos=pos, index=index, top=top)
+
+
+def _packed_models(case, form, teacher_form, packed, leaf):
+    """(student over ``leaf``, teacher) padded or packed."""
+    P, index, w = case["P"], case["index"], torch.Generator().manual_seed(9)
+    w_s, w_t = torch.randn(V, H, generator=w, dtype=torch.float64) / 3, \
+        torch.randn(V, 2 * H + 1, generator=w, dtype=torch.float64) / 3
+    n, S = case["mask"].shape[0], P + T + 1
+    y = torch.zeros(len(index) if packed else n * T, dtype=torch.long)
+    y = y if packed else y.view(n, T)
+    where = dict(index=index) if packed else dict(offset=P)
+
+    def rows_of(x):
+        return x[case["seq"], case["pos"]] if packed else x
+
+    student = rlfuse.Logits(leaf, y, 0.9, **where) if form == "logits" else \
+        rlfuse.LinearHead(leaf, w_s, y, chunk_tokens=3, temperature=0.9, softcap=2.5, **where)
+    if teacher_form == "top_k":
+        teacher = rlfuse.TopK(case["top"].indices, case["top"].values)
+    elif teacher_form == "logits":
+        teacher = rlfuse.Logits(rows_of(case["rows"]["t"]), y, 1.2, **where)
+    else:
+        teacher = rlfuse.LinearHead(rows_of(case["rows"]["h_t"]), w_t, y, temperature=1.2,
+                                    logit_scale=0.5, **where)
+    return student, teacher
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=["fused", "reference"])
+@pytest.mark.parametrize("form", ["logits", "head"])
+@pytest.mark.parametrize("teacher_form", ["logits", "head", "top_k"])
+def test_packed_rows_equal_padded(lib, form, teacher_form):
+    """Packed rows (``index``; a TopK teacher at the ``[B, T]`` positions) give the padded
+    layout's loss, metrics and per-token divergence, and each row the gradient of its padded
+    row (float64)."""
+    case = _packed_case()
+    divergence = ForwardKL(-5.0) if teacher_form == "top_k" else JSD(0.3)
+    results = []
+    for packed in (False, True):
+        full = case["rows"]["s" if form == "logits" else "h_s"]
+        leaf = (full[case["seq"], case["pos"]] if packed else full).clone().requires_grad_()
+        student, teacher = _packed_models(case, form, teacher_form, packed, leaf)
+        out = lib.distill_loss(student, teacher, case["mask"], divergence,
+                               agg="seq-mean-token-mean")
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        per_token = lib.token_divergence(student, teacher, divergence, case["mask"])
+        results.append((out.loss, out.metrics, per_token.detach(),
+                        grad if packed else grad[case["seq"], case["pos"]]))
+    (loss, metrics, per_token, grad), packed = results
+    torch.testing.assert_close(packed[0], loss, **TOL["fp64_chain"])
+    assert packed[1].keys() == metrics.keys()
+    for name, value in metrics.items():
+        torch.testing.assert_close(packed[1][name], value, **TOL["fp64_chain"], msg=name)
+    torch.testing.assert_close(packed[2], per_token, **TOL["fp64_chain"])
+    torch.testing.assert_close(packed[3], grad, **TOL["fp64_chain"])
+    assert grad.abs().sum() > 0
+
+
+def test_packed_rows_bad_input():
+    case = _packed_case()
+    leaf = case["rows"]["s"][case["seq"], case["pos"]]
+    student, teacher = _packed_models(case, "logits", "logits", True, leaf)
+    with pytest.raises(ValueError, match="mask: packed rows"):
+        rlfuse.token_divergence(student, teacher, JSD(0.5))
+    padded = rlfuse.Logits(case["rows"]["t"], torch.zeros(3, T, dtype=torch.long), offset=2)
+    with pytest.raises(ValueError, match="teacher.index"):
+        rlfuse.distill_loss(student, padded, case["mask"], JSD(0.5))
+    with pytest.raises(ValueError, match="teacher.index"):
+        rlfuse.distill_loss(student, teacher._replace(index=case["index"].flip(0)),
+                            case["mask"], JSD(0.5))
+    with pytest.raises(ValueError, match="teacher.index"):
+        rlfuse.distill_loss(padded, teacher, case["mask"], JSD(0.5))

@@ -2,6 +2,7 @@
 (``rlfuse.divergences``), per token (``token_divergence``) and as a loss (``distill_loss``)."""
 from __future__ import annotations
 
+import functools
 from typing import Dict, NamedTuple, Optional
 
 import torch
@@ -12,6 +13,7 @@ from ..checks.policy import PolicyInfo, check_policy, check_policy_targets, voca
 from ..checks.values import (check_choice, check_count, check_loss_scale, check_tensor,
                              check_token_tensors)
 from ..divergences import check_divergence
+from ..scaleout import layout
 from ..shared.aggregation import aggregation_weights
 from .args import check_weights
 
@@ -36,12 +38,26 @@ def _check_model(name: str, model, loss_shape) -> PolicyInfo:
         raise TypeError(f"{name}: expected rlfuse.Logits or rlfuse.LinearHead"
                         f"{' or rlfuse.TopK' if name == 'teacher' else ''}, got "
                         f"{type(model).__name__}")
-    for field in ("index", "vocab_parallel_group"):
-        if getattr(model, field) is not None:
-            raise ValueError(f"{name}.{field}: distillation takes padded rows [B, S, ...] over "
-                             f"the whole vocabulary (packed rows and a split vocabulary are "
-                             f"not supported yet)")
+    if model.vocab_parallel_group is not None:
+        raise ValueError(f"{name}.vocab_parallel_group: distillation takes the whole "
+                         f"vocabulary (a split vocabulary is not supported yet)")
     return _named(name, check_policy, model, loss_shape)
+
+
+def _check_packed(student, teacher, mask, validate: bool) -> None:
+    """Packed rows: the student's and a ``Logits`` / ``LinearHead`` teacher's with the same
+    ``index`` (compared with ``validate``: one host sync), the mask giving the ``[B, T]``."""
+    if mask is None:
+        raise ValueError("mask: packed rows (student.index) need the mask [B, T] their index "
+                         "points into")
+    if isinstance(teacher, TopK):
+        return
+    if teacher.index is None or teacher.index.shape != student.index.shape:
+        raise ValueError("teacher.index: expected the student's packed rows (the same index), "
+                         f"got {'none' if teacher.index is None else tuple(teacher.index.shape)}")
+    if validate and teacher.index is not student.index and \
+            not torch.equal(teacher.index, student.index.to(teacher.index.device)):
+        raise ValueError("teacher.index: expected the student's index (the same packed rows)")
 
 
 def _check_top_k(teacher: TopK, info: PolicyInfo, vocab: int, mask, validate: bool) -> None:
@@ -68,7 +84,12 @@ def check_distill_args(student, teacher, mask, divergence, *, validate: bool) ->
     """The checks every distillation makes: the two models (the vocabularies equal, the same
     ``[B, T]``), the mask, the divergence."""
     check_divergence(divergence, isinstance(teacher, TopK))
-    info = _check_model("student", student, None)
+    packed = isinstance(student, (Logits, LinearHead)) and student.index is not None
+    if packed:
+        _check_packed(student, teacher, mask, validate)
+    elif isinstance(teacher, (Logits, LinearHead)) and teacher.index is not None:
+        raise ValueError("teacher.index: packed rows need the student's packed too")
+    info = _check_model("student", student, getattr(mask, "shape", None) if packed else None)
     mask = check_token_tensors(mask, {}, shape=info.shape, device=info.device,
                                validate=validate)
     _named("student", check_policy_targets, student, mask, info.shape, False)
@@ -76,7 +97,7 @@ def check_distill_args(student, teacher, mask, divergence, *, validate: bool) ->
     if isinstance(teacher, TopK):
         _check_top_k(teacher, info, vocab, mask, validate)
     else:
-        t_info = _check_model("teacher", teacher, None)
+        t_info = _check_model("teacher", teacher, mask.shape if packed else None)
         _named("teacher", check_policy_targets, teacher, mask, t_info.shape, False)
         if t_info.shape != info.shape or t_info.device != info.device:
             raise ValueError(f"teacher: expected the student's positions {info.shape} on "
@@ -108,12 +129,15 @@ def token_divergence(run, student, teacher, divergence, mask: Optional[torch.Ten
             ``teacher_mass`` (the probability mass on the teacher's ids).
     """
     with run.on(student, teacher) as (impl, student, teacher):
+        if mask is None and getattr(student, "index", None) is not None:
+            raise ValueError("mask: packed rows (student.index) need the mask [B, T] their "
+                             "index points into")
         if mask is None:
             mask = torch.ones(_named("student", check_policy, student, None).shape,
                               dtype=torch.bool, device=student.targets.device)
         args = check_distill_args(student, teacher, mask, divergence, validate=validate)
-        value, entropy, extras = impl.token_divergence(student, teacher, divergence, args.mask,
-                                                       validate)
+        value, entropy, extras = _divergence(impl, student, teacher, divergence, args.mask,
+                                             validate)
         if not return_metrics:
             return value
         return value, {"entropy": entropy.detach(), **{k: v.detach() for k, v in extras.items()}}
@@ -150,9 +174,27 @@ def distill_loss(run, student, teacher, mask: torch.Tensor, divergence, *,
         num_tokens = check_count("num_tokens", num_tokens, args.info.device, validate)
         scale = check_loss_scale(loss_scale)
         weights = check_weights(weights, args.info, args.mask, validate)
-        value, entropy, extras = impl.token_divergence(student, teacher, divergence, args.mask,
-                                                       validate)
+        value, entropy, extras = _divergence(impl, student, teacher, divergence, args.mask,
+                                             validate)
         return _loss(value, entropy, extras, args.mask, agg, num_tokens, scale, weights)
+
+
+def _divergence(impl, student, teacher, divergence, mask, validate: bool):
+    """``impl.token_divergence`` at the ``[B, T]`` positions; packed rows worked on as one batch
+    of N rows (``layout.as_rows``, a ``TopK`` teacher's ``[B, T, k]`` read at each row's
+    position) and placed at their positions after."""
+    if student.index is None:
+        return impl.token_divergence(student, teacher, divergence, mask, validate)
+    if isinstance(teacher, TopK):
+        at = student.index.clamp_min(0)
+        teacher = TopK(*(x.reshape(-1, x.shape[-1])[at].unsqueeze(0)
+                         for x in (teacher.ids, teacher.logprobs)))
+    else:
+        teacher = layout.as_rows(teacher)
+    value, entropy, extras = impl.token_divergence(
+        layout.as_rows(student), teacher, divergence, layout.row_mask(student, mask), validate)
+    place = functools.partial(layout.to_loss_layout, student, mask=mask)
+    return place(value), place(entropy), {name: place(x) for name, x in extras.items()}
 
 
 def _loss(value, entropy, extras: Dict[str, torch.Tensor], mask, agg, num_tokens, scale,
