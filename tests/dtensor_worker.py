@@ -3,7 +3,7 @@
 sharded on the vocabulary (``Logits`` ``Shard(-1)``, a ``LinearHead`` weight and bias
 ``Shard(0)`` with replicated hidden states), each rank's own batch through a head sharded on
 its rows (plain hidden states: FSDP2's layout; an FSDP2 ``fully_shard`` head against FSDP2's own
-forward), and verl's Megatron-style ``linear_cross_entropy`` over a tensor-parallel group,
+forward), distillation from a sharded student and teacher, and verl's Megatron-style ``linear_cross_entropy`` over a tensor-parallel group,
 against the same calls on whole tensors in this process — values, metrics and gradients, each
 gradient in its DTensor's layout; bad layouts raised on every rank.
 
@@ -237,6 +237,41 @@ def check_linear_cross_entropy(d, group, rank, world):
             close(g, w, f"log_probs_and_entropy {head} {what} (rank {rank})")
 
 
+def check_distill(d, mesh, rank):
+    """Distillation from DTensors sharded on the vocabulary: a Logits student (``Shard(-1)``)
+    beside a Logits teacher (``Shard(-1)``) and a LinearHead teacher (its weight ``Shard(0)``),
+    each against the whole tensors: the loss, metrics and the student's gradient, in its
+    DTensor's layout."""
+    from rlfuse.divergences import JSD, ReverseKL
+
+    g = torch.Generator().manual_seed(11)
+    t_logits = 2 * torch.randn(d["logits"].shape, generator=g, dtype=DTYPE)
+    y = d["targets"]
+    for form, divergence in (("logits", JSD(0.3)), ("head", ReverseKL())):
+        whole = leaf(d["logits"])
+        shard = dleaf(d["logits"], mesh, [Shard(2)])
+        if form == "logits":
+            teachers = (rlfuse.Logits(t_logits, y, 1.2),
+                        rlfuse.Logits(distribute_tensor(t_logits, mesh, [Shard(2)]), y, 1.2))
+        else:
+            teachers = (rlfuse.LinearHead(d["hidden"], d["weight"], y, d["bias"], 1.2,
+                                          softcap=2.0),
+                        rlfuse.LinearHead(distribute_tensor(d["hidden"], mesh, [Replicate()]),
+                                          distribute_tensor(d["weight"], mesh, [Shard(0)]), y,
+                                          distribute_tensor(d["bias"], mesh, [Shard(0)]), 1.2,
+                                          softcap=2.0))
+        want, got = (rlfuse.distill_loss(rlfuse.Logits(x, y, 0.9), t, d["mask"], divergence)
+                     for x, t in zip((whole, shard), teachers))
+        what = f"distill {form} (rank {rank})"
+        close(got.loss, want.loss, what)
+        for key in want.metrics:
+            close(got.metrics[key], want.metrics[key], f"{what} {key}")
+        want.loss.backward()
+        got.loss.backward()
+        assert isinstance(shard.grad, DTensor) and shard.grad.placements == shard.placements
+        close(shard.grad, whole.grad, f"{what} gradient", GRAD_TOL)
+
+
 def raises(fn, match, rank):
     try:
         fn()
@@ -285,6 +320,7 @@ def main():
             if form in ("logits", "head") or name != "gspo":
                 check_call(name, form, d, mesh, rank)
         check_rank_rows(name, d, mesh, rank, world)
+    check_distill(d, mesh, rank)
     check_fsdp2_head(d, rank, world)
     check_linear_cross_entropy(d, mesh.get_group(0), rank, world)
     check_bad_layouts(d, mesh, mesh.get_group(0), rank, world)

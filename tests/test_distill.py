@@ -452,7 +452,7 @@ BAD = [
     (dict(topk=True, ids_shift=V), ValueError, r"teacher.ids: ids must lie in \[0, 37\)"),
     (dict(topk=True, logprob_shift=1.5), ValueError, "teacher.logprobs: expected log-probs"),
     (dict(student="logprobs"), TypeError, "student: expected rlfuse.Logits"),
-    (dict(packed=True), ValueError, "student.index: distillation takes padded rows"),
+    (dict(packed=True), ValueError, "teacher.index: expected the student.s packed rows"),
 ]
 
 

@@ -29,7 +29,8 @@ import rlfuse  # noqa: E402
 from conftest import SPLIT_GRAD_TOL, SPLIT_TOL  # noqa: E402  (this script's folder)
 
 # The custom ops of the split, opchecked here (``tests/test_compile.py`` opchecks the others).
-SPLIT_OPS = ("vocab_split_logprobs", "vocab_split_linear_logprobs", "gather_rows")
+SPLIT_OPS = ("vocab_split_logprobs", "vocab_split_linear_logprobs", "gather_rows",
+             "vocab_split_distill")
 B, T, P, V_LOCAL, H, GROUP = 4, 5, 2, 7, 6, 2   # P prompt rows before the window (offset)
 TOL, GRAD_TOL = SPLIT_TOL, SPLIT_GRAD_TOL
 
@@ -176,6 +177,81 @@ def check_case(lib, form, name, d, group, rank, world, dtype):
         torch.testing.assert_close(b.double(), a.double(), rtol=0,
                                    atol=GRAD_TOL[dtype] * scale,
                                    msg=lambda m: f"{where} gradient {i}: {m}")
+
+
+def check_distill(d, group, rank, world, dtype, impls):
+    """Distillation over the split (both models' vocabularies split alike) against the whole
+    vocabulary in this process: the loss, metrics, per-token divergence and the shard's
+    gradient; a Logits student beside a Logits and a LinearHead teacher (the fused path and the
+    reference), a LinearHead student and a TopK teacher (the reference; the fused path refuses
+    them by name)."""
+    from rlfuse.divergences import JSD, ForwardKL, ReverseKL
+
+    g = torch.Generator().manual_seed(99)
+    V = d["V"]
+    lo, hi = rank * V_LOCAL, (rank + 1) * V_LOCAL
+    t_logits = (2 * torch.randn(B, P + T, V, generator=g, dtype=torch.float64)).to(dtype)
+    t_hidden = torch.randn(B, T, H + 1, generator=g, dtype=torch.float64).to(dtype)
+    t_weight = torch.randn(V, H + 1, generator=g, dtype=torch.float64).to(dtype)
+    top = torch.log_softmax(t_logits[:, P:].double(), -1).topk(3, -1)
+
+    def teacher(form, split):
+        kw = dict(vocab_parallel_group=group) if split else {}
+        cols = slice(lo, hi) if split else slice(None)
+        if form == "logits":
+            return rlfuse.Logits(t_logits[..., cols], d["targets"], 1.2, offset=P, **kw)
+        if form == "head":
+            return rlfuse.LinearHead(t_hidden, t_weight[cols], d["targets"], temperature=1.2,
+                                     logit_scale=0.5, softcap=2.0, **kw)
+        return rlfuse.TopK(top.indices, top.values.to(dtype))
+
+    libs = {"fused": rlfuse, "reference": rlfuse.reference}
+    cases = [(s_form, t_form, div) for s_form in ("logits", "head")
+             for t_form, div in (("logits", JSD(0.3)), ("head", ReverseKL()),
+                                 ("top_k", ForwardKL(-4.0)))]
+    for impl in impls:
+        lib = libs[impl]
+        for s_form, t_form, div in cases:
+            where = f"rank {rank}/{world} {impl} distill {s_form}/{t_form}"
+            whole, shard, cols = leaves_of(s_form, d, rank, world)
+            s_whole, s_shard = (policy(lib, s_form, d, leaves, grp)
+                                for leaves, grp in ((whole, None), (shard, group)))
+            if lib is rlfuse and (s_form == "head" or t_form == "top_k"):
+                try:
+                    lib.distill_loss(s_shard, teacher(t_form, True), d["mask"], div)
+                except ValueError as e:
+                    assert "over a split vocabulary the fused" in str(e), (where, e)
+                else:
+                    raise AssertionError(f"{where}: not refused")
+                continue
+            outs = [lib.distill_loss(s, teacher(t_form, split), d["mask"], div)
+                    for s, split in ((s_whole, False), (s_shard, True))]
+            per_token = [lib.token_divergence(s, teacher(t_form, split), div, d["mask"])
+                         for s, split in ((s_whole, False), (s_shard, True))]
+            tol = TOL[dtype]
+            for a, b in zip((outs[0].loss, *outs[0].metrics.values(), per_token[0]),
+                            (outs[1].loss, *outs[1].metrics.values(), per_token[1])):
+                torch.testing.assert_close(b, a, rtol=tol, atol=tol,
+                                           msg=lambda m: f"{where}: {m}")
+            grads_w = torch.autograd.grad(outs[0].loss, whole)
+            grads_s = torch.autograd.grad(outs[1].loss, shard)
+            expected = [grads_w[0][..., cols]] if len(whole) == 1 else \
+                [grads_w[0], grads_w[1][cols], grads_w[2][cols]]
+            for i, (a, b) in enumerate(zip(expected, grads_s)):
+                scale = max(1.0, a.double().abs().max().item())
+                torch.testing.assert_close(b.double(), a.double(), rtol=0,
+                                           atol=GRAD_TOL[dtype] * scale,
+                                           msg=lambda m: f"{where} gradient {i}: {m}")
+    # a teacher split over no group, or another group's, is refused on every rank
+    s_shard = policy(rlfuse, "logits", d, leaves_of("logits", d, rank, world)[1], group)
+    for bad in (teacher("logits", False), teacher("logits", True)._replace(
+            vocab_parallel_group=dist.new_group(list(range(world))))):
+        try:
+            rlfuse.distill_loss(s_shard, bad, d["mask"], JSD(0.5))
+        except ValueError as e:
+            assert "teacher.vocab_parallel_group" in str(e), e
+        else:
+            raise AssertionError(f"rank {rank}: a teacher not split alike is not refused")
 
 
 def check_random_heads(group, rank, world, draws: int):
@@ -428,6 +504,13 @@ def check_opcheck(d, group, rank, world):
     cases["gather_rows"] = [(own_rows("sp_head", hidden, rank, world), 1, name),
                             (own_rows("sp_packed_head", d["sp_packed_hidden"], rank, world)
                              .clone().requires_grad_(), 0, name)]
+    # distillation between two Logits over the split
+    t_logits = torch.randn_like(logits.detach()) * 2
+    ops["vocab_split_distill"] = vocab_op.vocab_split_distill_op
+    cases["vocab_split_distill"] = [
+        (logits, t_logits, d["mask"], 0.9, 1.2, P, P, "jsd", [0.3, math.log(0.7), math.log(0.3)],
+         name),
+        (logits, t_logits, d["mask"], 1.0, 1.0, P, 0, "reverse_kl", [], name, 0.5, 2.0)]
     assert set(SPLIT_OPS) <= set(cases)
     for op_name, arguments in cases.items():
         for args in arguments:
@@ -542,6 +625,7 @@ def main():
             for name in args.calls.split(","):
                 if name in CALLS_OF.get(form, (name,)):
                     check_case(libs[impl], form, name, d, group, rank, world, dtype)
+    check_distill(d, group, rank, world, dtype, args.impls.split(","))
     check_random_heads(group, rank, world, args.random_heads)
     check_collectives(d, group, rank, world)
     check_traffic(d, group, rank, world)

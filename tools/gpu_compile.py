@@ -48,7 +48,10 @@ import rlfuse.kernels  # noqa: E402
 from bench import cases, measure  # noqa: E402
 from rlfuse import divergences  # noqa: E402
 from rlfuse._names import GEOMETRIES, TOPOLOGIES  # noqa: E402
+from rlfuse._types import compute_dtype  # noqa: E402
+from rlfuse.divergences import JSD  # noqa: E402
 from rlfuse.kernels import single_pass, surrogate  # noqa: E402
+from rlfuse.kernels.distill import DISTILL_STATS, distill_fwd  # noqa: E402
 from rlfuse.fused_losses.linear_head import chunk_tokens_for  # noqa: E402
 from rlfuse.kernels.head import HeadParams  # noqa: E402
 from rlfuse.kernels.single_pass import single_pass_config  # noqa: E402
@@ -168,6 +171,10 @@ def _drive():
             backward(rlfuse.distill_loss(rlfuse.Logits(logits_of(dtype), targets, 0.7),
                                          rlfuse.Logits(logits_of(teacher_dtype).detach(),
                                                        targets), mask, divergence).loss)
+        # a split vocabulary's pass of the divergence terms (the whole rows' statistics given)
+        rows = logits_of(dtype).detach()
+        distill_fwd(rows, rows, mask, HeadParams(0.7), HeadParams(), JSD(0.5).terms(),
+                    stats=torch.zeros(B * T, len(DISTILL_STATS), dtype=compute_dtype(dtype)))
 
     for dtype in (torch.float32, torch.float64):
         lp = old.to(dtype).clone().requires_grad_()

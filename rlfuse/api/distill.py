@@ -9,11 +9,13 @@ import torch
 
 from .._names import AGGREGATIONS
 from .._types import LinearHead, Logits, LossOutput, TopK
-from ..checks.policy import PolicyInfo, check_policy, check_policy_targets, vocab_size
+from ..checks.policy import (PolicyInfo, check_policy, check_policy_targets, policy_device,
+                             vocab_size)
 from ..checks.values import (check_choice, check_count, check_loss_scale, check_tensor,
                              check_token_tensors)
 from ..divergences import check_divergence
-from ..scaleout import layout
+from ..scaleout import layout, vocab
+from ..scaleout.vocab import vocab_group_size
 from ..shared.aggregation import aggregation_weights
 from .args import check_weights
 
@@ -38,10 +40,20 @@ def _check_model(name: str, model, loss_shape) -> PolicyInfo:
         raise TypeError(f"{name}: expected rlfuse.Logits or rlfuse.LinearHead"
                         f"{' or rlfuse.TopK' if name == 'teacher' else ''}, got "
                         f"{type(model).__name__}")
-    if model.vocab_parallel_group is not None:
-        raise ValueError(f"{name}.vocab_parallel_group: distillation takes the whole "
-                         f"vocabulary (a split vocabulary is not supported yet)")
     return _named(name, check_policy, model, loss_shape)
+
+
+def _check_split(student, teacher, validate: bool) -> None:
+    """A split vocabulary: a ``Logits`` / ``LinearHead`` teacher split over the student's group
+    (a ``TopK`` teacher's ids are global), the shard sizes compared with ``validate``."""
+    group = student.vocab_parallel_group
+    if isinstance(teacher, (Logits, LinearHead)):
+        other = teacher.vocab_parallel_group
+        if other is None or other.group_name != getattr(group, "group_name", None):
+            raise ValueError("teacher.vocab_parallel_group: expected the student's group (both "
+                             "models' vocabularies split alike)")
+    if validate and group is not None:
+        vocab.check_shard_sizes(group, vocab_size(student), policy_device(student))
 
 
 def _check_packed(student, teacher, mask, validate: bool) -> None:
@@ -90,12 +102,19 @@ def check_distill_args(student, teacher, mask, divergence, *, validate: bool) ->
     elif isinstance(teacher, (Logits, LinearHead)) and teacher.index is not None:
         raise ValueError("teacher.index: packed rows need the student's packed too")
     info = _check_model("student", student, getattr(mask, "shape", None) if packed else None)
+    if student.vocab_parallel_group is not None:
+        _check_split(student, teacher, validate)
+    elif isinstance(teacher, (Logits, LinearHead)) and teacher.vocab_parallel_group is not None:
+        raise ValueError("teacher.vocab_parallel_group: a split teacher needs the student split "
+                         "over the same group")
     mask = check_token_tensors(mask, {}, shape=info.shape, device=info.device,
                                validate=validate)
     _named("student", check_policy_targets, student, mask, info.shape, False)
     vocab = vocab_size(student)
-    if isinstance(teacher, TopK):
-        _check_top_k(teacher, info, vocab, mask, validate)
+    if isinstance(teacher, TopK):       # global ids, over a split vocabulary too
+        group = student.vocab_parallel_group
+        _check_top_k(teacher, info, vocab * (1 if group is None else vocab_group_size(group)),
+                     mask, validate)
     else:
         t_info = _check_model("teacher", teacher, mask.shape if packed else None)
         _named("teacher", check_policy_targets, teacher, mask, t_info.shape, False)

@@ -32,12 +32,14 @@ from .linear_head import (Rows, chunk_tokens_for, head_fields, head_gradients,
 from .top_k import linear_logprobs_at_op, logprobs_at_op
 
 
-def _window(logits: Tensor, offset: int, T: int) -> Tensor:
+def window_rows(logits: Tensor, offset: int, T: int) -> Tensor:
+    """The rows ``[offset, offset + T)`` of ``logits [B, S, V]`` as the kernels read them."""
     window = logits[:, offset:offset + T]
     return window if window.stride(-1) == 1 else window.contiguous()
 
 
-def _stats_fake(student: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def distill_stats_fake(student: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """The fake ``(value, entropy, stats)`` of a distillation op."""
     acc = compute_dtype(student.dtype)
     return (student.new_empty(mask.shape, dtype=acc), student.new_empty(mask.shape, dtype=acc),
             student.new_empty((mask.numel(), len(DISTILL_STATS)), dtype=acc))
@@ -59,8 +61,8 @@ def distill_op(student: Tensor, teacher: Tensor, mask: Tensor, temperature: floa
     ``teacher_logit_scale`` and ``teacher_softcap``); the gradient is the whole student
     logits'."""
     T = mask.shape[1]
-    return distill_fwd(_window(student, offset, T), _window(teacher, teacher_offset, T), mask,
-                       HeadParams(temperature),
+    return distill_fwd(window_rows(student, offset, T), window_rows(teacher, teacher_offset, T),
+                       mask, HeadParams(temperature),
                        HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap),
                        (function, params))
 
@@ -68,7 +70,7 @@ def distill_op(student: Tensor, teacher: Tensor, mask: Tensor, temperature: floa
 @distill_op.register_fake
 def _(student, teacher, mask, temperature, teacher_temperature, offset, teacher_offset,
       function, params, teacher_logit_scale=1.0, teacher_softcap=0.0):
-    return _stats_fake(student, mask)
+    return distill_stats_fake(student, mask)
 
 
 def _setup(ctx, inputs, output):
@@ -87,8 +89,8 @@ def distill_backward_op(student: Tensor, teacher: Tensor, mask: Tensor, stats: T
                         teacher_logit_scale: float = 1.0,
                         teacher_softcap: float = 0.0) -> Tensor:
     """The gradient of ``distill_op``'s whole ``student`` logits for ``dvalue [B, T]``."""
-    return distill_bwd(student, offset, _window(teacher, teacher_offset, mask.shape[1]), mask,
-                       stats, dvalue, HeadParams(temperature),
+    return distill_bwd(student, offset, window_rows(teacher, teacher_offset, mask.shape[1]),
+                       mask, stats, dvalue, HeadParams(temperature),
                        HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap),
                        (function, params))
 
@@ -163,7 +165,7 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
 
 @linear_distill_op.register_fake
 def _(hidden, weight, bias, teacher, teacher_weight, teacher_bias, mask, *args):
-    return _stats_fake(hidden, mask)
+    return distill_stats_fake(hidden, mask)
 
 
 @custom_op("linear_distill_backward")
@@ -225,6 +227,36 @@ def _linear_backward(ctx, dvalue, _dentropy, _dstats):
 register_autograd(linear_distill_op, _linear_backward, _linear_setup)
 
 
+def _split_divergence(student, teacher, divergence, mask: Tensor
+                      ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
+    """Over a split vocabulary (``vocab_split.vocab_split_distill_op``): a ``Logits`` student
+    beside a ``Logits`` or ``LinearHead`` teacher (its shard's logits formed once)."""
+    from .vocab_split import vocab_split_distill_op
+
+    if not isinstance(student, Logits) or isinstance(teacher, TopK):
+        raise ValueError("student.vocab_parallel_group: over a split vocabulary the fused "
+                         "distillation takes a Logits student and a Logits or LinearHead "
+                         "teacher (a LinearHead student or a TopK teacher: rlfuse.reference)")
+    T = mask.shape[1]
+    teacher = _detached(teacher)
+    t_head = HeadParams.of(teacher)
+    t_logits, t_offset = (teacher.logits, int(teacher.offset)) if isinstance(teacher, Logits) \
+        else (_teacher_logits(teacher, T), 0)
+    function, params = divergence.terms()
+    value, entropy, _ = vocab_split_distill_op(
+        student.logits, t_logits, mask, float(student.temperature), t_head.temperature,
+        int(student.offset), t_offset, function, list(params),
+        student.vocab_parallel_group.group_name, t_head.logit_scale, t_head.softcap)
+    return value, entropy, {}
+
+
+def _detached(teacher):
+    """The teacher with its tensors detached (it is never differentiated)."""
+    return teacher._replace(**{f: getattr(teacher, f).detach() for f in
+                               ("logits", "hidden", "weight", "bias")
+                               if isinstance(getattr(teacher, f, None), Tensor)})
+
+
 def _teacher_logits(teacher: LinearHead, T: int) -> Tensor:
     """A teacher head's raw logits of its window ``[B, T, V]``, formed once."""
     window = teacher.hidden[:, int(teacher.offset):int(teacher.offset) + T]
@@ -237,6 +269,8 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
     """``reference.distill.token_divergence`` on the kernels;
     ``validate``: a ``LinearHead`` student forms the logits of the actor positions only (reads
     the mask on the host)."""
+    if student.vocab_parallel_group is not None:
+        return _split_divergence(student, teacher, divergence, mask)
     if isinstance(teacher, TopK):
         ids = torch.where(mask.unsqueeze(-1), teacher.ids, 0).long()   # masked: never read
         if isinstance(student, LinearHead):
@@ -252,9 +286,7 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
         value, extras = twin.top_k_divergence(s_k, teacher.logprobs.detach(), divergence)
         return twin.at_actor_positions(mask, value, entropy, extras)
     function, params = divergence.terms()
-    teacher = teacher._replace(**{f: getattr(teacher, f).detach() for f in
-                                  ("logits", "hidden", "weight", "bias")
-                                  if isinstance(getattr(teacher, f, None), Tensor)})
+    teacher = _detached(teacher)
     t_head = HeadParams.of(teacher)
     if isinstance(student, LinearHead):
         t_rows, t_weight, t_bias = (teacher.logits, None, None) if isinstance(teacher, Logits) \

@@ -46,7 +46,10 @@ def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_p
                         stride_sb, stride_st, stride_tb, stride_tt, stride_mb, stride_mt,
                         T, V, s_head_args, t_head_args, hyper,
                         DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr,
-                        S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+                        S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+                        GIVEN_STATS: tl.constexpr = False):
+    # GIVEN_STATS: the rows' statistics read from ``stats`` (a split vocabulary's whole rows),
+    # the terms of this shard summed into value and aux (no entropy)
     token, b, t, _, _, is_actor = program_token(tl.program_id(0), mask_ptr, T, T, 0, stride_mb,
                                                 stride_mt, HAS_MASK)
     s_head = fp64_values(s_head_args, ACC)
@@ -62,12 +65,19 @@ def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_p
     if is_actor:
         s_row = student_ptr + at(b, stride_sb, t, stride_st)
         t_row = teacher_ptr + at(b, stride_tb, t, stride_tt)
-        m_s, log_s_s, entropy = row_logsumexp(s_row, V, s_head[0], s_head[1], s_head[2],
-                                              BLOCK_V, True, S_SOFTCAP, ACC, False,
-                                              COMPILER_STAGES)
-        m_t, log_s_t, no_entropy = row_logsumexp(t_row, V, t_head[0], t_head[1], t_head[2],
-                                                 BLOCK_V, False, T_SOFTCAP, ACC, False,
-                                                 COMPILER_STAGES)
+        if GIVEN_STATS:
+            given = stats_ptr + N_STATS * token
+            m_s = tl.load(given).to(ACC)
+            log_s_s = tl.load(given + 1).to(ACC)
+            m_t = tl.load(given + 2).to(ACC)
+            log_s_t = tl.load(given + 3).to(ACC)
+        else:
+            m_s, log_s_s, entropy = row_logsumexp(s_row, V, s_head[0], s_head[1], s_head[2],
+                                                  BLOCK_V, True, S_SOFTCAP, ACC, False,
+                                                  COMPILER_STAGES)
+            m_t, log_s_t, no_entropy = row_logsumexp(t_row, V, t_head[0], t_head[1],
+                                                     t_head[2], BLOCK_V, False, T_SOFTCAP, ACC,
+                                                     False, COMPILER_STAGES)
         acc = tl.zeros((BLOCK_V,), ACC)
         acc_aux = tl.zeros((BLOCK_V,), ACC)
         for start in range(0, V, BLOCK_V):
@@ -80,12 +90,13 @@ def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_p
         value = tl.sum(acc, 0)
         aux = tl.sum(acc_aux, 0)
     tl.store(value_ptr + token, value)
-    tl.store(entropy_ptr + token, entropy)
     stats = stats_ptr + N_STATS * token
-    tl.store(stats, m_s)
-    tl.store(stats + 1, log_s_s)
-    tl.store(stats + 2, m_t)
-    tl.store(stats + 3, log_s_t)
+    if not GIVEN_STATS:
+        tl.store(entropy_ptr + token, entropy)
+        tl.store(stats, m_s)
+        tl.store(stats + 1, log_s_s)
+        tl.store(stats + 2, m_t)
+        tl.store(stats + 3, log_s_t)
     tl.store(stats + 4, aux)
 
 
@@ -128,17 +139,21 @@ def _distill_bwd_kernel(student_ptr, teacher_ptr, mask_ptr, stats_ptr, dvalue_pt
 
 
 def distill_fwd(student: torch.Tensor, teacher: torch.Tensor, mask, student_head: HeadParams,
-                teacher_head: HeadParams, terms):
+                teacher_head: HeadParams, terms, stats: Optional[torch.Tensor] = None):
     """``(value [B, T], student entropy [B, T], stats [B T, DISTILL_STATS])`` of the window rows
     ``student [B, T, V]`` and ``teacher [B, T, V]`` (views, ``stride(-1) == 1``) of the heads
     ``student_head`` and ``teacher_head`` (``HeadParams``; a ``Logits``: its temperature) for a
     divergence's ``terms`` (``rlfuse.divergences.DivergenceTerms`` or its fields), in the
-    student's compute dtype; masked positions 0."""
+    student's compute dtype; masked positions 0. With ``stats`` (a split vocabulary: its first
+    four columns the whole rows' statistics) the terms of these rows' columns only, their aux
+    written into its last column; the entropy is not formed (its values unspecified)."""
     B, T, V = student.shape
     acc = torch.float64 if student.dtype == torch.float64 else torch.float32
     value = empty((B, T), dtype=acc, device=student.device)
     entropy = empty((B, T), dtype=acc, device=student.device)
-    stats = empty((B * T, len(DISTILL_STATS)), dtype=acc, device=student.device)
+    given = stats is not None
+    if not given:
+        stats = empty((B * T, len(DISTILL_STATS)), dtype=acc, device=student.device)
     if B * T == 0:
         return value, entropy, stats
     block_v, num_warps = vocab_launch_config(V, max(student.element_size(),
@@ -152,7 +167,7 @@ def distill_fwd(student: torch.Tensor, teacher: torch.Tensor, mask, student_head
         student.stride(0), student.stride(1), teacher.stride(0), teacher.stride(1),
         stride_mb, stride_mt, T, V, s_head, t_head, hyper, DIVERGENCE=function,
         BLOCK_V=block_v, HAS_MASK=mask is not None, S_SOFTCAP=s_softcap, T_SOFTCAP=t_softcap,
-        ACC=tl_compute_dtype(student.dtype), num_warps=num_warps)
+        ACC=tl_compute_dtype(student.dtype), GIVEN_STATS=given, num_warps=num_warps)
     return value, entropy, stats
 
 

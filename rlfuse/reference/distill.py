@@ -12,6 +12,7 @@ from torch import Tensor
 from .._types import TopK, compute_dtype
 from ..divergences import ForwardKL
 from .divergence_functions import divergence_function, weighted
+from ..scaleout import vocab
 from .logprobs import as_logits
 
 
@@ -22,6 +23,8 @@ def window_log_softmax(policy, mask: Tensor) -> Tensor:
     rows = as_logits(policy)
     T = rows.targets.shape[1]
     z = rows.logits[:, rows.offset:rows.offset + T]
+    if rows.vocab_parallel_group is not None:     # a split vocabulary: the whole rows
+        z = vocab.GatherVocab.apply(z, rows.vocab_parallel_group)
     z = torch.where(mask.unsqueeze(-1), z.to(compute_dtype(z.dtype)), 0.0)
     return torch.log_softmax(z / rows.temperature, dim=-1)
 
