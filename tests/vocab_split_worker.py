@@ -182,9 +182,9 @@ def check_case(lib, form, name, d, group, rank, world, dtype):
 def check_distill(d, group, rank, world, dtype, impls):
     """Distillation over the split (both models' vocabularies split alike) against the whole
     vocabulary in this process: the loss, metrics, per-token divergence and the shard's
-    gradient; a Logits student beside a Logits and a LinearHead teacher (the fused path and the
-    reference), a LinearHead student and a TopK teacher (the reference; the fused path refuses
-    them by name)."""
+    gradient; a Logits and a LinearHead student beside a TopK teacher, a Logits student beside a
+    Logits and a LinearHead teacher (the fused path and the reference), a LinearHead student
+    beside them (the reference; the fused path refuses it by name)."""
     from rlfuse.divergences import JSD, ForwardKL, ReverseKL
 
     g = torch.Generator().manual_seed(99)
@@ -216,7 +216,7 @@ def check_distill(d, group, rank, world, dtype, impls):
             whole, shard, cols = leaves_of(s_form, d, rank, world)
             s_whole, s_shard = (policy(lib, s_form, d, leaves, grp)
                                 for leaves, grp in ((whole, None), (shard, group)))
-            if lib is rlfuse and (s_form == "head" or t_form == "top_k"):
+            if lib is rlfuse and s_form == "head" and t_form != "top_k":
                 try:
                     lib.distill_loss(s_shard, teacher(t_form, True), d["mask"], div)
                 except ValueError as e:
@@ -511,6 +511,15 @@ def check_opcheck(d, group, rank, world):
         (logits, t_logits, d["mask"], 0.9, 1.2, P, P, "jsd", [0.3, math.log(0.7), math.log(0.3)],
          name),
         (logits, t_logits, d["mask"], 1.0, 1.0, P, 0, "reverse_kl", [], name, 0.5, 2.0)]
+    # a TopK teacher's ids (global) over the split, both student forms
+    from rlfuse.fused_losses import top_k
+
+    ids = torch.randint(0, d["V"], (B, T, 3), generator=torch.Generator().manual_seed(5))
+    ops["logprobs_at"], ops["linear_logprobs_at"] = top_k.logprobs_at_op, \
+        top_k.linear_logprobs_at_op
+    cases["logprobs_at"] = [(logits, ids, d["mask"], 0.9, P, name)]
+    cases["linear_logprobs_at"] = [(hidden, weight, bias, ids, d["mask"], 0.9, 0.5, 3.0, P, 3,
+                                    False, False, name)]
     assert set(SPLIT_OPS) <= set(cases)
     for op_name, arguments in cases.items():
         for args in arguments:

@@ -227,16 +227,38 @@ def _linear_backward(ctx, dvalue, _dentropy, _dstats):
 register_autograd(linear_distill_op, _linear_backward, _linear_setup)
 
 
+def _top_k_divergence(student, teacher: TopK, divergence, mask: Tensor, validate: bool
+                      ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
+    """A ``TopK`` teacher: the student's log-probs at its ids (``top_k``'s ops, over a split
+    vocabulary too), then verl's top-k forward KL on those ``[B, T, k]``."""
+    ids = torch.where(mask.unsqueeze(-1), teacher.ids, 0).long()   # masked: never read
+    group = student.vocab_parallel_group
+    group_name = "" if group is None else group.group_name
+    if isinstance(student, LinearHead):
+        s_k, entropy, _ = linear_logprobs_at_op(
+            student.hidden, student.weight, student.bias, ids, mask, **head_fields(student),
+            offset=int(student.offset),
+            chunk_tokens=chunk_tokens_for(student.weight, student.chunk_tokens, mask.numel()),
+            gather=validate, batch_invariant=bool(student.batch_invariant),
+            group_name=group_name)
+    else:
+        s_k, entropy, _ = logprobs_at_op(student.logits, ids, mask, float(student.temperature),
+                                         int(student.offset), group_name)
+    value, extras = twin.top_k_divergence(s_k, teacher.logprobs.detach(), divergence)
+    return twin.at_actor_positions(mask, value, entropy, extras)
+
+
 def _split_divergence(student, teacher, divergence, mask: Tensor
                       ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
     """Over a split vocabulary (``vocab_split.vocab_split_distill_op``): a ``Logits`` student
     beside a ``Logits`` or ``LinearHead`` teacher (its shard's logits formed once)."""
     from .vocab_split import vocab_split_distill_op
 
-    if not isinstance(student, Logits) or isinstance(teacher, TopK):
+    if not isinstance(student, Logits):
         raise ValueError("student.vocab_parallel_group: over a split vocabulary the fused "
-                         "distillation takes a Logits student and a Logits or LinearHead "
-                         "teacher (a LinearHead student or a TopK teacher: rlfuse.reference)")
+                         "distillation takes a Logits student beside a Logits or LinearHead "
+                         "teacher, or a TopK teacher (a LinearHead student beside a whole "
+                         "model's teacher: rlfuse.reference)")
     T = mask.shape[1]
     teacher = _detached(teacher)
     t_head = HeadParams.of(teacher)
@@ -269,22 +291,10 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
     """``reference.distill.token_divergence`` on the kernels;
     ``validate``: a ``LinearHead`` student forms the logits of the actor positions only (reads
     the mask on the host)."""
+    if isinstance(teacher, TopK):
+        return _top_k_divergence(student, teacher, divergence, mask, validate)
     if student.vocab_parallel_group is not None:
         return _split_divergence(student, teacher, divergence, mask)
-    if isinstance(teacher, TopK):
-        ids = torch.where(mask.unsqueeze(-1), teacher.ids, 0).long()   # masked: never read
-        if isinstance(student, LinearHead):
-            s_k, entropy, _ = linear_logprobs_at_op(
-                student.hidden, student.weight, student.bias, ids, mask, **head_fields(student),
-                offset=int(student.offset),
-                chunk_tokens=chunk_tokens_for(student.weight, student.chunk_tokens,
-                                              mask.numel()),
-                gather=validate, batch_invariant=bool(student.batch_invariant))
-        else:
-            s_k, entropy, _ = logprobs_at_op(student.logits, ids, mask,
-                                             float(student.temperature), int(student.offset))
-        value, extras = twin.top_k_divergence(s_k, teacher.logprobs.detach(), divergence)
-        return twin.at_actor_positions(mask, value, entropy, extras)
     function, params = divergence.terms()
     teacher = _detached(teacher)
     t_head = HeadParams.of(teacher)

@@ -22,21 +22,25 @@ from torch import Tensor
 from .._types import compute_dtype
 from ..kernels.head import HeadParams
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
+from ..scaleout.vocab import combine_shards, group_of, group_sum, shard_targets
 from ..shared.head import scaled_logits
 from ._op import custom_op, register_autograd
 from .head_matmuls import HeadGradients, chunk_logits
 from .linear_head import Rows, head_gradients, head_gradients_fake
 
 
-def _at_ids(rows: Tensor, ids: Tensor, stats: Tensor, head: HeadParams) -> Tensor:
-    """The log-probs ``[..., k]`` at ``ids [..., k]`` of the raw logits ``rows [..., V]`` whose
-    statistics (``STAT_COLUMNS``, in the units of ``HeadParams.inv_temp``) are ``stats [...,
-    2]``."""
+def _logits_at(rows: Tensor, ids: Tensor, head: HeadParams, dtype: torch.dtype) -> Tensor:
+    """The logits ``[..., k]`` at ``ids [..., k]`` of the raw logits ``rows [..., V]`` in the
+    units the row statistics keep them in (``HeadParams.inv_temp``: a head's softcap applied),
+    in ``dtype``."""
     x = rows.gather(-1, ids)
-    x = scaled_logits(x, head.logit_scale, head.softcap) if head.softcap \
-        else x.to(stats.dtype)
-    m, log_s = stats[..., :1], stats[..., 1:]
-    return (x - m) * head.inv_temp - log_s
+    return scaled_logits(x, head.logit_scale, head.softcap) if head.softcap else x.to(dtype)
+
+
+def _log_probs_at(x: Tensor, stats: Tensor, head: HeadParams) -> Tensor:
+    """The log-probs of the logits ``x [..., k]`` (``_logits_at``) of rows whose statistics
+    (``STAT_COLUMNS``) are ``stats [..., 2]``."""
+    return (x - stats[..., :1]) * head.inv_temp - stats[..., 1:]
 
 
 def _add_at_ids(dlogits: Tensor, raw: Optional[Tensor], ids: Tensor, dlogp: Tensor,
@@ -56,6 +60,38 @@ def _stats_fake(like: Tensor, ids: Tensor, mask: Tensor):
             like.new_empty((mask.numel(), len(STAT_COLUMNS)), dtype=acc))
 
 
+def _owned_ids(ids: Tensor, vocab_local: int, group_name: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(the ids within this rank's shard, 0 for another rank's; which ids are this rank's, or
+    None for the whole vocabulary)`` (``scaleout.vocab``'s split)."""
+    if not group_name:
+        return ids, None
+    local, _ = shard_targets(ids, vocab_local, group_name)
+    return local.clamp_min(0), local >= 0
+
+
+def _whole_rows(stats: Tensor, entropy: Tensor, head: HeadParams, group_name: str
+                ) -> Tuple[Tensor, Tensor]:
+    """``(stats [N, 2], entropy [N])`` of the whole rows from this shard's (one all-gather,
+    ``vocab.combine_shards``); unchanged without a group."""
+    if not group_name:
+        return stats, entropy
+    shard = torch.stack([torch.zeros_like(stats[:, 0]), stats[:, 0], stats[:, 1],
+                         entropy.reshape(-1)], -1)
+    no_owner = torch.zeros(stats.shape[0], dtype=torch.long, device=stats.device)
+    _, m, log_s, whole = combine_shards(shard, no_owner, head.inv_temp, group_of(group_name))
+    return torch.stack([m, log_s], -1), whole
+
+
+def _at_owned_ids(x: Tensor, owned: Optional[Tensor], group_name: str) -> Tensor:
+    """The log-probs at the ids from their owners' shards (0 elsewhere), summed over the group
+    (one all-reduce); unchanged without a group."""
+    if owned is None:
+        return x
+    x = torch.where(owned, x, 0.0)
+    group_sum(x, group_name)
+    return x
+
+
 def _upstream(dlogp: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
     """The upstream gradient, 0 in masked rows (whatever the teacher's log-probs held there)."""
     return torch.where(mask.unsqueeze(-1), dlogp.to(dtype), 0.0)
@@ -66,45 +102,55 @@ def _upstream(dlogp: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 @custom_op("logprobs_at")
-def logprobs_at_op(logits: Tensor, ids: Tensor, mask: Tensor, temperature: float,
-                   offset: int) -> Tuple[Tensor, Tensor, Tensor]:
+def logprobs_at_op(logits: Tensor, ids: Tensor, mask: Tensor, temperature: float, offset: int,
+                   group_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     """``(log-probs [B, T, k], entropy [B, T], stats [B T, 2])``: each window row's log-probs
     at its ``ids [B, T, k]`` (int64) under the whole softmax of ``logits [B, S, V]`` (rows
-    ``[offset, offset + T)``) at ``temperature``."""
+    ``[offset, offset + T)``) at ``temperature``; ``group_name``: ``logits`` is this rank's
+    shard of a vocabulary split over that group (``ids`` global; the statistics all-gathered,
+    the log-probs all-reduced from the ids' owners)."""
     head = HeadParams(temperature)
-    _, stats, entropy = token_logprobs_fwd(logits, ids[..., 0], mask, head, True, offset)
+    local, owned = _owned_ids(ids, logits.shape[-1], group_name)
+    _, stats, entropy = token_logprobs_fwd(logits, local[..., 0], mask, head, True, offset)
+    stats, entropy = _whole_rows(stats, entropy, head, group_name)
     window = logits[:, offset:offset + mask.shape[1]]
-    return _at_ids(window, ids, stats.view(*mask.shape, 2), head), entropy, stats
+    x = _logits_at(window, local, head, stats.dtype)
+    logp = _at_owned_ids(_log_probs_at(x, stats.view(*mask.shape, 2), head), owned, group_name)
+    return logp, torch.where(mask, entropy.view(mask.shape), 0.0), stats
 
 
 @logprobs_at_op.register_fake
-def _(logits, ids, mask, temperature, offset):
+def _(logits, ids, mask, temperature, offset, group_name=""):
     return _stats_fake(logits, ids, mask)
 
 
 @custom_op("logprobs_at_backward")
 def logprobs_at_backward_op(logits: Tensor, ids: Tensor, mask: Tensor, stats: Tensor,
-                            dlogp: Tensor, temperature: float, offset: int) -> Tensor:
-    """The gradient of ``logprobs_at_op``'s whole ``logits`` for ``dlogp [B, T, k]``:
-    ``Σ_k g_k (1[v = id_k] − p_v) ∂z/∂x``, the row kernel writing the ``p_v`` term (no
-    target) in one read and one write of the row, then the k terms added at the ids."""
+                            dlogp: Tensor, temperature: float, offset: int,
+                            group_name: str = "") -> Tensor:
+    """The gradient of ``logprobs_at_op``'s whole ``logits`` (a shard's, with ``group_name``:
+    no collective) for ``dlogp [B, T, k]``: ``Σ_k g_k (1[v = id_k] − p_v) ∂z/∂x``, the row
+    kernel writing the ``p_v`` term (no target) in one read and one write of the row, then the
+    k terms added at the ids (this shard's)."""
     head = HeadParams(temperature)
     dlogp = _upstream(dlogp, mask, stats.dtype)
+    local, owned = _owned_ids(ids, logits.shape[-1], group_name)
     no_target = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
     dlogits = token_logprobs_bwd(logits, no_target, mask, head, stats, None, dlogp.sum(-1),
                                  None, offset=offset)
-    _add_at_ids(dlogits[:, offset:offset + mask.shape[1]], None, ids, dlogp, head)
+    _add_at_ids(dlogits[:, offset:offset + mask.shape[1]], None, local,
+                dlogp if owned is None else torch.where(owned, dlogp, 0.0), head)
     return dlogits
 
 
 @logprobs_at_backward_op.register_fake
-def _(logits, ids, mask, stats, dlogp, temperature, offset):
+def _(logits, ids, mask, stats, dlogp, temperature, offset, group_name=""):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _logprobs_at_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs.logits, inputs.ids, inputs.mask, output[2])
-    ctx.fields = (inputs.temperature, inputs.offset)
+    ctx.fields = (inputs.temperature, inputs.offset, inputs.group_name)
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)
 
@@ -125,18 +171,20 @@ register_autograd(logprobs_at_op, _logprobs_at_backward, _logprobs_at_setup)
 @custom_op("linear_logprobs_at")
 def linear_logprobs_at_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor,
                           mask: Tensor, temperature: float, logit_scale: float, softcap: float,
-                          offset: int, chunk_tokens: int, gather: bool,
-                          batch_invariant: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                          offset: int, chunk_tokens: int, gather: bool, batch_invariant: bool,
+                          group_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     """``logprobs_at_op``'s outputs for a head (``hidden [B, S, H]``, ``weight [V, H]``,
     ``bias``; its logit scale and softcap, 0: none) over chunks of ``chunk_tokens`` positions
-    (with ``gather``: the actor positions only); ``batch_invariant``: the fixed-order
-    matmul."""
+    (with ``gather``: the actor positions only); ``batch_invariant``: the fixed-order matmul;
+    ``group_name``: ``weight`` is this rank's shard of a vocabulary split over that group (the
+    chunks' statistics combined once after them)."""
     acc = compute_dtype(hidden.dtype)
     B, T, k = ids.shape
-    logp = torch.zeros((B * T, k), dtype=acc, device=hidden.device)
+    x = torch.zeros((B * T, k), dtype=acc, device=hidden.device)
     entropy = torch.zeros(B * T, dtype=acc, device=hidden.device)
     stats = torch.zeros((B * T, len(STAT_COLUMNS)), dtype=acc, device=hidden.device)
-    h_flat, ids_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), ids.view(-1, k), \
+    local, owned = _owned_ids(ids, weight.shape[0], group_name)
+    h_flat, ids_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), local.view(-1, k), \
         mask.reshape(-1)
     head = HeadParams(temperature, logit_scale, softcap)
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
@@ -144,9 +192,11 @@ def linear_logprobs_at_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
         ids_c = ids_flat[tokens]
         _, stats_c, entropy_c = token_logprobs_fwd(logits, ids_c[:, :1], m_flat[tokens, None],
                                                    head, True)
-        logp[tokens] = _at_ids(logits[:, 0], ids_c, stats_c, head)
+        x[tokens] = _logits_at(logits[:, 0], ids_c, head, acc)
         stats[tokens], entropy[tokens] = stats_c, entropy_c[:, 0]
-    return logp.view(B, T, k), entropy.view(B, T), stats
+    stats, entropy = _whole_rows(stats, entropy, head, group_name)
+    logp = _at_owned_ids(_log_probs_at(x, stats, head).view(B, T, k), owned, group_name)
+    return logp, torch.where(mask, entropy.view(B, T), 0.0), stats
 
 
 @linear_logprobs_at_op.register_fake
@@ -159,25 +209,29 @@ def linear_logprobs_at_backward_op(hidden: Tensor, weight: Tensor, bias: Optiona
                                    ids: Tensor, mask: Tensor, stats: Tensor, dlogp: Tensor,
                                    temperature: float, logit_scale: float, softcap: float,
                                    offset: int, chunk_tokens: int, gather: bool,
-                                   batch_invariant: bool, needs: List[bool]
+                                   batch_invariant: bool, group_name: str, needs: List[bool]
                                    ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)`` (empty where not needed) of ``linear_logprobs_at_op`` for
-    ``dlogp [B, T, k]``: each chunk's logits formed again, their gradient written in place."""
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), batch_invariant=batch_invariant)
+    ``dlogp [B, T, k]``: each chunk's logits formed again, their gradient written in place
+    (with ``group_name``: this shard's, the hidden states' summed over the group)."""
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant)
     k = ids.shape[-1]
-    h_flat, ids_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), ids.view(-1, k), \
+    local, owned = _owned_ids(ids, weight.shape[0], group_name)
+    h_flat, ids_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), local.view(-1, k), \
         mask.reshape(-1)
-    dlogp = _upstream(dlogp, mask, stats.dtype).view(-1, k)
+    dlogp = _upstream(dlogp, mask, stats.dtype)
+    totals = dlogp.sum(-1).view(-1)        # the p_v term: every id's, whichever rank owns it
+    dlogp = (dlogp if owned is None else torch.where(owned, dlogp, 0.0)).view(-1, k)
     head = HeadParams(temperature, logit_scale, softcap)
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
         logits = chunk_logits(h_rows, weight, bias, batch_invariant, fp32=True)
-        ids_c, g = ids_flat[tokens], dlogp[tokens]
+        ids_c = ids_flat[tokens]
         raw = logits[:, 0].gather(-1, ids_c) if softcap else None
         no_target = torch.full((len(tokens), 1), -1, dtype=torch.long, device=mask.device)
         token_logprobs_bwd(logits, no_target, m_flat[tokens, None], head, stats[tokens], None,
-                           g.sum(-1, keepdim=True), None, logits)
-        _add_at_ids(logits[:, 0], raw, ids_c, g, head)
+                           totals[tokens, None], None, logits)
+        _add_at_ids(logits[:, 0], raw, ids_c, dlogp[tokens], head)
         grads.add(logits.to(weight.dtype), h_rows, rows)
     return grads.results(hidden, weight)
 
@@ -188,7 +242,7 @@ def _(hidden, weight, bias, ids, mask, stats, dlogp, *args):
 
 
 _LINEAR_FIELDS = ("temperature", "logit_scale", "softcap", "offset", "chunk_tokens", "gather",
-                  "batch_invariant")
+                  "batch_invariant", "group_name")
 
 
 def _linear_setup(ctx, inputs, output):
