@@ -15,6 +15,7 @@ rank.
 import argparse
 import datetime
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")       # before triton is imported
 
@@ -275,6 +276,10 @@ def main():
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {ranks.rank}: ok", flush=True)
+    # every check passed: leave before the interpreter's teardown, where background threads
+    # (gloo's, torch.compile's workers') can abort a finished process under load
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

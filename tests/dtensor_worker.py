@@ -327,6 +327,10 @@ def main():
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: ok", flush=True)
+    # every check passed: leave before the interpreter's teardown, where background threads
+    # (gloo's, torch.compile's workers') can abort a finished process under load
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
