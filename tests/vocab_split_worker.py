@@ -182,9 +182,8 @@ def check_case(lib, form, name, d, group, rank, world, dtype):
 def check_distill(d, group, rank, world, dtype, impls):
     """Distillation over the split (both models' vocabularies split alike) against the whole
     vocabulary in this process: the loss, metrics, per-token divergence and the shard's
-    gradient; a Logits and a LinearHead student beside a TopK teacher, a Logits student beside a
-    Logits and a LinearHead teacher (the fused path and the reference), a LinearHead student
-    beside them (the reference; the fused path refuses it by name)."""
+    gradient; a Logits and a LinearHead student beside a Logits, a LinearHead and a TopK
+    teacher, the fused path and the reference."""
     from rlfuse.divergences import JSD, ForwardKL, ReverseKL
 
     g = torch.Generator().manual_seed(99)
@@ -216,14 +215,6 @@ def check_distill(d, group, rank, world, dtype, impls):
             whole, shard, cols = leaves_of(s_form, d, rank, world)
             s_whole, s_shard = (policy(lib, s_form, d, leaves, grp)
                                 for leaves, grp in ((whole, None), (shard, group)))
-            if lib is rlfuse and s_form == "head" and t_form != "top_k":
-                try:
-                    lib.distill_loss(s_shard, teacher(t_form, True), d["mask"], div)
-                except ValueError as e:
-                    assert "over a split vocabulary the fused" in str(e), (where, e)
-                else:
-                    raise AssertionError(f"{where}: not refused")
-                continue
             outs = [lib.distill_loss(s, teacher(t_form, split), d["mask"], div)
                     for s, split in ((s_whole, False), (s_shard, True))]
             per_token = [lib.token_divergence(s, teacher(t_form, split), div, d["mask"])
@@ -520,6 +511,13 @@ def check_opcheck(d, group, rank, world):
     cases["logprobs_at"] = [(logits, ids, d["mask"], 0.9, P, name)]
     cases["linear_logprobs_at"] = [(hidden, weight, bias, ids, d["mask"], 0.9, 0.5, 3.0, P, 3,
                                     False, False, name)]
+    # a LinearHead student beside a LinearHead teacher over the split
+    from rlfuse.fused_losses import distill
+
+    ops["linear_distill"] = distill.linear_distill_op
+    cases["linear_distill"] = [(hidden, weight, bias, hidden.detach().flip(0), weight.detach(),
+                                None, d["mask"], 0.9, 0.5, 3.0, 1.2, 1.0, 0.0, P, P,
+                                "reverse_kl", [], 3, False, False, name)]
     assert set(SPLIT_OPS) <= set(cases)
     for op_name, arguments in cases.items():
         for args in arguments:

@@ -29,7 +29,9 @@ from ._op import custom_op, register_autograd
 from .head_matmuls import HeadGradients, chunk_logits
 from .linear_head import (Rows, chunk_tokens_for, head_fields, head_gradients,
                           head_gradients_fake)
-from .top_k import linear_logprobs_at_op, logprobs_at_op
+from .top_k import linear_logprobs_at_op, logprobs_at_op, whole_rows
+from ..kernels.logprobs import token_logprobs_fwd
+from ..scaleout.vocab import group_sum
 
 
 def window_rows(logits: Tensor, offset: int, T: int) -> Tensor:
@@ -138,13 +140,14 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
                       teacher_temperature: float, teacher_logit_scale: float,
                       teacher_softcap: float, offset: int, teacher_offset: int, function: str,
                       params: List[float], chunk_tokens: int, gather: bool,
-                      batch_invariant: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                      batch_invariant: bool,
+                      group_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     """``distill_op``'s outputs for a student head (``hidden [B, S, H]``, ``weight [V, H]``,
     ``bias``; its logit scale and softcap, 0: none) and a teacher head (``teacher [B, S_t,
     H_t]``, ``teacher_weight``) or the teacher's logits (``teacher [B, S_t, V]``,
     ``teacher_weight`` None), over chunks of ``chunk_tokens`` positions (with ``gather``: the
-    actor positions only); ``batch_invariant``: both heads' logits by the fixed-order
-    matmul."""
+    actor positions only); ``batch_invariant``: both heads' logits by the fixed-order matmul;
+    ``group_name``: both models' vocabularies split over that group (``_split_heads``)."""
     acc = compute_dtype(hidden.dtype)
     B, T = mask.shape
     value = torch.zeros(B * T, dtype=acc, device=hidden.device)
@@ -154,13 +157,48 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
     rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, T, batch_invariant)
     heads = (HeadParams(temperature, logit_scale, softcap),
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
-    for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
-        value_c, entropy_c, stats_c = distill_fwd(
-            chunk_logits(h_flat[rows], weight, bias, batch_invariant, fp32=True),
-            rows_of.chunk(tokens),
-            m_flat[tokens, None], *heads, (function, params))
-        value[tokens], entropy[tokens], stats[tokens] = value_c[:, 0], entropy_c[:, 0], stats_c
+    chunks = Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens)
+
+    def both(tokens, rows):
+        return (chunk_logits(h_flat[rows], weight, bias, batch_invariant, fp32=True),
+                rows_of.chunk(tokens), m_flat[tokens, None])
+
+    if group_name:
+        entropy, stats = _split_heads(chunks, both, heads, stats, group_name)
+    for tokens, rows in chunks:
+        value_c, entropy_c, stats_c = distill_fwd(*both(tokens, rows), *heads,
+                                                  (function, params),
+                                                  stats[tokens] if group_name else None)
+        value[tokens], stats[tokens] = value_c[:, 0], stats_c
+        if not group_name:
+            entropy[tokens] = entropy_c[:, 0]
+    if group_name:
+        sums = torch.stack([value, stats[:, -1]], -1)
+        group_sum(sums, group_name)
+        value, stats[:, -1] = sums[:, 0].contiguous(), sums[:, 1]
+        entropy = torch.where(m_flat, entropy, 0.0)
     return value.view(B, T), entropy.view(B, T), stats
+
+
+def _split_heads(chunks, both, heads, stats: Tensor, group_name: str
+                 ) -> Tuple[Tensor, Tensor]:
+    """Over a split vocabulary: each chunk's shards of both models reduced to their statistics
+    (a first pass over the chunks, each formed once more for the divergence after it), one
+    all-gather of each model's (``top_k.whole_rows``): ``(the student's entropy, stats)`` with
+    the whole rows' statistics in its first four columns."""
+    entropy = torch.zeros(stats.shape[0], dtype=stats.dtype, device=stats.device)
+    shard = [torch.zeros_like(stats[:, :2]), torch.zeros_like(stats[:, :2])]
+    for tokens, rows in chunks:
+        s_logits, t_logits, m = both(tokens, rows)
+        no_target = torch.zeros(m.shape, dtype=torch.long, device=m.device)
+        _, shard[0][tokens], entropy_c = token_logprobs_fwd(s_logits, no_target, m, heads[0],
+                                                            True)
+        _, shard[1][tokens], _ = token_logprobs_fwd(t_logits, no_target, m, heads[1], False)
+        entropy[tokens] = entropy_c[:, 0]
+    s_stats, entropy = whole_rows(shard[0], entropy, heads[0], group_name)
+    t_stats, _ = whole_rows(shard[1], torch.zeros_like(entropy), heads[1], group_name)
+    stats[:, :2], stats[:, 2:4] = s_stats, t_stats
+    return entropy, stats
 
 
 @linear_distill_op.register_fake
@@ -177,11 +215,12 @@ def linear_distill_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Te
                                teacher_logit_scale: float, teacher_softcap: float, offset: int,
                                teacher_offset: int, function: str, params: List[float],
                                chunk_tokens: int, gather: bool, batch_invariant: bool,
-                               needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+                               group_name: str, needs: List[bool]
+                               ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)`` (empty where not needed) of ``linear_distill_op`` for the
     upstream ``dvalue [B, T]``: each chunk's logits formed again, the student's gradient
     written in place into its chunk."""
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), batch_invariant=batch_invariant)
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant)
     T = mask.shape[1]
     h_flat, m_flat, dvalue = hidden.reshape(-1, hidden.shape[-1]), mask.reshape(-1), \
         dvalue.reshape(-1)
@@ -204,7 +243,8 @@ def _(hidden, weight, bias, teacher, teacher_weight, teacher_bias, mask, stats, 
 
 _LINEAR_FIELDS = ("temperature", "logit_scale", "softcap", "teacher_temperature",
                   "teacher_logit_scale", "teacher_softcap", "offset", "teacher_offset",
-                  "function", "params", "chunk_tokens", "gather", "batch_invariant")
+                  "function", "params", "chunk_tokens", "gather", "batch_invariant",
+                  "group_name")
 
 
 def _linear_setup(ctx, inputs, output):
@@ -254,11 +294,6 @@ def _split_divergence(student, teacher, divergence, mask: Tensor
     beside a ``Logits`` or ``LinearHead`` teacher (its shard's logits formed once)."""
     from .vocab_split import vocab_split_distill_op
 
-    if not isinstance(student, Logits):
-        raise ValueError("student.vocab_parallel_group: over a split vocabulary the fused "
-                         "distillation takes a Logits student beside a Logits or LinearHead "
-                         "teacher, or a TopK teacher (a LinearHead student beside a whole "
-                         "model's teacher: rlfuse.reference)")
     T = mask.shape[1]
     teacher = _detached(teacher)
     t_head = HeadParams.of(teacher)
@@ -293,7 +328,8 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
     the mask on the host)."""
     if isinstance(teacher, TopK):
         return _top_k_divergence(student, teacher, divergence, mask, validate)
-    if student.vocab_parallel_group is not None:
+    group = student.vocab_parallel_group
+    if group is not None and isinstance(student, Logits):
         return _split_divergence(student, teacher, divergence, mask)
     function, params = divergence.terms()
     teacher = _detached(teacher)
@@ -308,7 +344,8 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
             teacher_logit_scale=t_head.logit_scale, teacher_softcap=t_head.softcap,
             offset=int(student.offset), teacher_offset=int(teacher.offset), function=function,
             params=list(params), chunk_tokens=chunk, gather=validate,
-            batch_invariant=bool(student.batch_invariant))
+            batch_invariant=bool(student.batch_invariant),
+            group_name="" if group is None else group.group_name)
         return value, entropy, {}
     T = mask.shape[1]
     t_logits, t_offset = (teacher.logits, int(teacher.offset)) if isinstance(teacher, Logits) \

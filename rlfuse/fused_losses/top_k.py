@@ -69,7 +69,7 @@ def _owned_ids(ids: Tensor, vocab_local: int, group_name: str) -> Tuple[Tensor, 
     return local.clamp_min(0), local >= 0
 
 
-def _whole_rows(stats: Tensor, entropy: Tensor, head: HeadParams, group_name: str
+def whole_rows(stats: Tensor, entropy: Tensor, head: HeadParams, group_name: str
                 ) -> Tuple[Tensor, Tensor]:
     """``(stats [N, 2], entropy [N])`` of the whole rows from this shard's (one all-gather,
     ``vocab.combine_shards``); unchanged without a group."""
@@ -112,7 +112,7 @@ def logprobs_at_op(logits: Tensor, ids: Tensor, mask: Tensor, temperature: float
     head = HeadParams(temperature)
     local, owned = _owned_ids(ids, logits.shape[-1], group_name)
     _, stats, entropy = token_logprobs_fwd(logits, local[..., 0], mask, head, True, offset)
-    stats, entropy = _whole_rows(stats, entropy, head, group_name)
+    stats, entropy = whole_rows(stats, entropy, head, group_name)
     window = logits[:, offset:offset + mask.shape[1]]
     x = _logits_at(window, local, head, stats.dtype)
     logp = _at_owned_ids(_log_probs_at(x, stats.view(*mask.shape, 2), head), owned, group_name)
@@ -194,7 +194,7 @@ def linear_logprobs_at_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                                                    head, True)
         x[tokens] = _logits_at(logits[:, 0], ids_c, head, acc)
         stats[tokens], entropy[tokens] = stats_c, entropy_c[:, 0]
-    stats, entropy = _whole_rows(stats, entropy, head, group_name)
+    stats, entropy = whole_rows(stats, entropy, head, group_name)
     logp = _at_owned_ids(_log_probs_at(x, stats, head).view(B, T, k), owned, group_name)
     return logp, torch.where(mask, entropy.view(B, T), 0.0), stats
 
