@@ -388,7 +388,7 @@ def _op_cases(device):
             (hidden.detach(), x.weight, x.bias, top_ids, x.mask,
              top_k.linear_logprobs_at_op(hidden.detach(), x.weight, x.bias, top_ids, x.mask, 0.9,
                                          0.5, 3.0, 1, 3, False, False)[2],
-             torch.randn(*top_ids.shape, device=device), 0.9, 0.5, 3.0, 1, 3, False, False,
+             torch.randn(*top_ids.shape, device=device), 0.9, 0.5, 3.0, 1, 3, False, False, "",
              [True, True, True])],
         "scale_cast": [(torch.randn(7, 5, device=device), torch.tensor(0.3, device=device),
                         torch.bfloat16),

@@ -74,6 +74,27 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
     op.register_autograd(backward_all, setup_context=setup)
 
 
+def register_backward_op(op, backward_op, saved: Sequence[str], fields: Sequence[str],
+                         gradients: Callable) -> None:
+    """The autograd of an op whose outputs are ``(differentiable, no gradient, stats)`` and
+    whose gradient is ``backward_op(*saved inputs, stats, upstream, *fields, *extra)``:
+    ``gradients(ctx, call)`` calls it (``call(*extra)``) and returns ``{input name:
+    gradient}``; None where no gradient came."""
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*(getattr(inputs, name) for name in saved), output[2])
+        ctx.fields = tuple(getattr(inputs, name) for name in fields)
+        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, upstream, *_):
+        if upstream is None:
+            return None
+        return gradients(ctx, lambda *extra: backward_op(*ctx.saved_tensors, upstream,
+                                                         *ctx.fields, *extra))
+
+    register_autograd(op, backward, setup)
+
+
 def surrogate_fields(surrogate: TokenSurrogate) -> dict:
     """A ``TokenSurrogate`` as a surrogate op's flat inputs (an op's schema takes no tuples)."""
     function, geometry, topology, delta_low, delta_high, params, clamp = surrogate

@@ -25,10 +25,10 @@ from .._types import LinearHead, Logits, TopK, compute_dtype
 from ..kernels.distill import DISTILL_STATS, distill_bwd, distill_fwd
 from ..kernels.head import HeadParams
 from ..reference import distill as twin
-from ._op import custom_op, register_autograd
+from ._op import custom_op, register_backward_op
 from .head_matmuls import HeadGradients, chunk_logits
-from .linear_head import (Rows, chunk_tokens_for, head_fields, head_gradients,
-                          head_gradients_fake)
+from .linear_head import (Rows, chunk_tokens_for, head_fields, head_gradients_fake,
+                          register_head_autograd)
 from .top_k import linear_logprobs_at_op, logprobs_at_op, whole_rows
 from ..kernels.logprobs import token_logprobs_fwd
 from ..scaleout.vocab import group_sum
@@ -75,15 +75,6 @@ def _(student, teacher, mask, temperature, teacher_temperature, offset, teacher_
     return distill_stats_fake(student, mask)
 
 
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs.student, inputs.teacher, inputs.mask, output[2])
-    ctx.fields = (inputs.temperature, inputs.teacher_temperature, inputs.offset,
-                  inputs.teacher_offset, inputs.function, inputs.params,
-                  inputs.teacher_logit_scale, inputs.teacher_softcap)
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.set_materialize_grads(False)
-
-
 @custom_op("distill_backward")
 def distill_backward_op(student: Tensor, teacher: Tensor, mask: Tensor, stats: Tensor,
                         dvalue: Tensor, temperature: float, teacher_temperature: float,
@@ -103,13 +94,19 @@ def _(student, teacher, mask, stats, dvalue, temperature, teacher_temperature, o
     return torch.empty_like(student, memory_format=torch.contiguous_format)
 
 
-def _backward(ctx, dvalue, _dentropy, _dstats):
-    if dvalue is None:
-        return None
-    return {"student": distill_backward_op(*ctx.saved_tensors, dvalue, *ctx.fields)}
+# the inputs distill_backward_op takes besides the saved tensors and the upstream gradient
+DISTILL_FIELDS = ("temperature", "teacher_temperature", "offset", "teacher_offset", "function",
+                  "params", "teacher_logit_scale", "teacher_softcap")
 
 
-register_autograd(distill_op, _backward, _setup)
+def register_distill_autograd(op) -> None:
+    """The autograd of a distillation op between two rows of logits (``distill_op``'s inputs):
+    the student's gradient by ``distill_backward_op``."""
+    register_backward_op(op, distill_backward_op, ("student", "teacher", "mask"),
+                         DISTILL_FIELDS, lambda ctx, call: {"student": call()})
+
+
+register_distill_autograd(distill_op)
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,24 +244,9 @@ _LINEAR_FIELDS = ("temperature", "logit_scale", "softcap", "teacher_temperature"
                   "group_name")
 
 
-def _linear_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.bias, inputs.teacher,
-                          inputs.teacher_weight, inputs.teacher_bias, inputs.mask, output[2])
-    ctx.fields = tuple(getattr(inputs, name) for name in _LINEAR_FIELDS)
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.set_materialize_grads(False)
-
-
-def _linear_backward(ctx, dvalue, _dentropy, _dstats):
-    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-    if dvalue is None or not any(needs):
-        return None
-    saved = ctx.saved_tensors
-    dh, dw, db = linear_distill_backward_op(*saved, dvalue, *ctx.fields, needs)
-    return head_gradients(needs, saved[2] is not None, dh, dw, db)
-
-
-register_autograd(linear_distill_op, _linear_backward, _linear_setup)
+register_head_autograd(linear_distill_op, linear_distill_backward_op,
+                       ("hidden", "weight", "bias", "teacher", "teacher_weight", "teacher_bias",
+                        "mask"), _LINEAR_FIELDS)
 
 
 def _top_k_divergence(student, teacher: TopK, divergence, mask: Tensor, validate: bool

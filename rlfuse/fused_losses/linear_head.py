@@ -18,7 +18,7 @@ multiplied (no host read) and the kernels give the masked ones zero gradient.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from ..kernels.token_functions import SUM_COLUMNS
 from ..kernels.head import HeadParams
 from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
-from ._op import custom_op, kl_of, register_autograd
+from ._op import custom_op, kl_of, register_autograd, register_backward_op
 from .head_matmuls import HeadGradients, chunk_logits
 from .vocab_blocks import block_row_stats, logit_at_targets
 
@@ -240,6 +240,21 @@ def head_gradients(needs, has_bias: bool, dhidden, dweight, dbias) -> dict:
 
 
 register_autograd(linear_logprobs_op, _logprobs_backward, _logprobs_setup)
+
+
+def register_head_autograd(op, backward_op, saved: Sequence[str],
+                           fields: Sequence[str]) -> None:
+    """``register_backward_op`` for a head op (its first three inputs hidden, weight, bias)
+    whose backward op takes the inputs needed last and returns ``(dhidden, dweight,
+    dbias)``."""
+    def gradients(ctx, call):
+        needs = [bool(n) for n in ctx.needs_input_grad[:3]]
+        if not any(needs):
+            return None
+        has_bias = ctx.saved_tensors[2] is not None
+        return head_gradients(needs, has_bias, *call(needs))
+
+    register_backward_op(op, backward_op, saved, fields, gradients)
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ from ..kernels.head import HeadParams
 from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..scaleout.vocab import combine_shards, group_of, group_sum, shard_targets
 from ..shared.head import scaled_logits
-from ._op import custom_op, register_autograd
+from ._op import custom_op, register_backward_op
 from .head_matmuls import HeadGradients, chunk_logits
-from .linear_head import Rows, head_gradients, head_gradients_fake
+from .linear_head import Rows, head_gradients_fake, register_head_autograd
 
 
 def _logits_at(rows: Tensor, ids: Tensor, head: HeadParams, dtype: torch.dtype) -> Tensor:
@@ -148,20 +148,9 @@ def _(logits, ids, mask, stats, dlogp, temperature, offset, group_name=""):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-def _logprobs_at_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs.logits, inputs.ids, inputs.mask, output[2])
-    ctx.fields = (inputs.temperature, inputs.offset, inputs.group_name)
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.set_materialize_grads(False)
-
-
-def _logprobs_at_backward(ctx, dlogp, _dentropy, _dstats):
-    if dlogp is None:
-        return None
-    return {"logits": logprobs_at_backward_op(*ctx.saved_tensors, dlogp, *ctx.fields)}
-
-
-register_autograd(logprobs_at_op, _logprobs_at_backward, _logprobs_at_setup)
+register_backward_op(logprobs_at_op, logprobs_at_backward_op, ("logits", "ids", "mask"),
+                     ("temperature", "offset", "group_name"),
+                     lambda ctx, call: {"logits": call()})
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,21 +234,5 @@ _LINEAR_FIELDS = ("temperature", "logit_scale", "softcap", "offset", "chunk_toke
                   "batch_invariant", "group_name")
 
 
-def _linear_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.bias, inputs.ids, inputs.mask,
-                          output[2])
-    ctx.fields = tuple(getattr(inputs, name) for name in _LINEAR_FIELDS)
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.set_materialize_grads(False)
-
-
-def _linear_backward(ctx, dlogp, _dentropy, _dstats):
-    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-    if dlogp is None or not any(needs):
-        return None
-    saved = ctx.saved_tensors
-    dh, dw, db = linear_logprobs_at_backward_op(*saved, dlogp, *ctx.fields, needs)
-    return head_gradients(needs, saved[2] is not None, dh, dw, db)
-
-
-register_autograd(linear_logprobs_at_op, _linear_backward, _linear_setup)
+register_head_autograd(linear_logprobs_at_op, linear_logprobs_at_backward_op,
+                       ("hidden", "weight", "bias", "ids", "mask"), _LINEAR_FIELDS)

@@ -28,7 +28,7 @@ from .vocab_blocks import window_block_logprobs
 from ..scaleout.vocab import combine_shards, group_of, group_sum, shard_targets, whole_rows
 from ..kernels.distill import distill_fwd
 from ..kernels.logprobs import token_logprobs_fwd
-from .distill import distill_backward_op, distill_stats_fake, window_rows
+from .distill import distill_stats_fake, register_distill_autograd, window_rows
 
 
 def _fake_outputs(like: Tensor, targets: Tensor, with_entropy: bool):
@@ -218,22 +218,7 @@ def _(student, teacher, mask, *args, **kwargs):
     return distill_stats_fake(student, mask)
 
 
-def _distill_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs.student, inputs.teacher, inputs.mask, output[2])
-    ctx.fields = (inputs.temperature, inputs.teacher_temperature, inputs.offset,
-                  inputs.teacher_offset, inputs.function, inputs.params,
-                  inputs.teacher_logit_scale, inputs.teacher_softcap)
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.set_materialize_grads(False)
-
-
-def _distill_backward(ctx, dvalue, _dentropy, _dstats):
-    if dvalue is None:
-        return None
-    return {"student": distill_backward_op(*ctx.saved_tensors, dvalue, *ctx.fields)}
-
-
-register_autograd(vocab_split_distill_op, _distill_backward, _distill_setup)
+register_distill_autograd(vocab_split_distill_op)
 
 
 def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
