@@ -25,6 +25,7 @@ import torch
 import rlfuse
 
 from . import distill_cases
+from .distill_cases import TOP_K
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 IMPLS = ("fused", "reference", "compiled", "liger", "trl")
@@ -289,6 +290,14 @@ _FLOORS = {
     # single pass for the scalar loss alone, 2 reads + 1 write, is not built).
     "distill_logits": {"fwd": (2, 0, MSK + 2 * F32), "bwd": (2, 1, MSK + 5 * F32),
                        "fwd+bwd": (4, 1, 2 * MSK + 7 * F32)},
+    # Distillation from a teacher's top-k (the student's rows only): fwd one read + mask, the k
+    # ids and log-probs, the student's log-probs at them, its entropy and row statistics; bwd
+    # one read + one write + mask, the ids, the upstream gradient at them, the statistics;
+    # fwd+bwd both
+    "distill_top_k_logits": {
+        "fwd": (1, 0, MSK + TOP_K * (TGT + 2 * F32) + 3 * F32),
+        "bwd": (1, 1, MSK + TOP_K * (TGT + F32) + 2 * F32),
+        "fwd+bwd": (2, 1, 2 * MSK + TOP_K * (2 * TGT + 3 * F32) + 5 * F32)},
 }
 
 
@@ -466,6 +475,11 @@ def _ops():
                   liger=distill_cases.liger_head, liger_modes=("fwd+bwd",),
                   trl=distill_cases.trl_head, fused_modes=("fwd+bwd",), modes=("fwd+bwd",),
                   matmuls=_DISTILL_HEAD_MATMULS))
+    # verl's top-k forward KL: the student's log-probs at a teacher's top-k ids
+    ops.append(Op("distill_top_k_logits", True, distill_cases.run_top_k_logits,
+                  _FLOORS["distill_top_k_logits"]))
+    ops.append(Op("distill_top_k_head", True, distill_cases.run_top_k_head, _HEAD_FLOOR,
+                  fused_modes=("fwd+bwd",), modes=("fwd+bwd",), matmuls=_HEAD_MATMULS))
     return {op.name: op for op in ops}
 
 

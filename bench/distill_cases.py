@@ -1,15 +1,20 @@
 """The distillation cases of the benchmark (``cases.OPS``: ``distill_logits``,
-``distill_head``): TRL's default divergence, ``JSD(0.5)``, between the policy and a teacher of
-the same vocabulary, from logits and from both models' heads, with the peers a TRL user runs
-today for the heads: TRL 1.16's ``ChunkedDivergenceFunction`` (its DistillationTrainer's loss)
-and Liger's ``LigerFusedLinearJSDLoss``."""
+``distill_head``, ``distill_top_k_logits``, ``distill_top_k_head``): TRL's default divergence,
+``JSD(0.5)``, between the policy and a teacher of the same vocabulary, from logits and from
+both models' heads, with the peers a TRL user runs today for the heads: TRL 1.16's
+``ChunkedDivergenceFunction`` (its DistillationTrainer's loss) and Liger's
+``LigerFusedLinearJSDLoss``; and verl's top-k forward KL (``forward_kl_topk`` with its default
+``log_prob_min_clamp``) from a teacher server's top-k, beside verl's own
+``compute_forward_kl_topk`` from the logits."""
 from __future__ import annotations
 
 import torch
 
-from rlfuse.divergences import JSD
+from rlfuse.divergences import JSD, ForwardKL
 
 BETA = 0.5            # TRL's DistillationConfig default
+TOP_K = 64            # a teacher server's top-k
+MIN_LOGPROB = -10.0   # verl's DistillationLossConfig.log_prob_min_clamp default
 TRL_DIVERGENCE_MODULE = "trl.kernels.chunked_divergence"
 
 
@@ -28,6 +33,9 @@ def add_teacher(x, shape, device, seed: int) -> None:
     x.teacher_logits = randn(B, T, V).mul_(2.0)
     x.teacher_hidden = randn(B, T + 1, H)
     x.teacher_weight = randn(V, H).mul_(2.0 / H ** 0.5)
+    x.teacher_ids = torch.randint(0, V, (B, T, TOP_K), generator=g, device=device)
+    x.teacher_top_logprobs = torch.log_softmax(
+        torch.randn(B, T, TOP_K, generator=g, device=device).mul_(2.0), -1)
 
 
 def run_logits(lib, x):
@@ -40,6 +48,18 @@ def run_head(lib, x):
     student = lib.LinearHead(x.hidden, x.weight, x.targets)
     teacher = lib.LinearHead(x.teacher_hidden, x.teacher_weight, x.targets)
     return lib.distill_loss(student, teacher, x.mask, JSD(BETA), validate=x.validate).loss
+
+
+def run_top_k_logits(lib, x):
+    return lib.distill_loss(lib.Logits(x.logits, x.targets),
+                            lib.TopK(x.teacher_ids, x.teacher_top_logprobs), x.mask,
+                            ForwardKL(MIN_LOGPROB), validate=x.validate).loss
+
+
+def run_top_k_head(lib, x):
+    return lib.distill_loss(lib.LinearHead(x.hidden, x.weight, x.targets),
+                            lib.TopK(x.teacher_ids, x.teacher_top_logprobs), x.mask,
+                            ForwardKL(MIN_LOGPROB), validate=x.validate).loss
 
 
 def trl_head(_module, x):

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
+from bench import distill_cases
 from tools import traffic
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -80,6 +81,8 @@ def _expected(name, op, mode):
     per actor row; and the logits-sized allocations per row of the [B, T] window."""
     if not op.from_logits:
         return {}, {}, 0.0
+    if name.startswith("distill_top_k"):
+        return _expected_top_k(op, mode)
     if name.startswith("distill"):
         return _expected_distill(op, mode)
     target = 1 / V      # z[y], read once by a forward kernel
@@ -146,6 +149,32 @@ def _expected_distill(op, mode):
     return {"actor": actor, "masked": (0, 0, writes)}, {}, float(writes)
 
 
+def _expected_top_k(op, mode):
+    """A teacher's top-k (the student's rows only): the forward reads each actor row once
+    (``token_logprobs``' kernel, its first id's logit once more) and torch gathers the k logits
+    at the ids; the backward reads each row once and writes it once (zeros at a masked row),
+    then adds the k terms at the ids. From a head, the student's chunk is formed twice in fp32
+    (its k logits gathered and added to in fp32: two bf16 rows' bytes per logit) and read by
+    the two products, as the other heads'."""
+    fwd, bwd = (1 + 1 / V, 1, 0), (1, 1, 1)
+    k = distill_cases.TOP_K / V     # the k ids' share of a row
+    if op.matmuls is not None:
+        return ({"actor": (0, 0, 0), "masked": (0, 0, 0),
+                 "chunk": tuple(a + b for a, b in zip(fwd, bwd))},
+                {"matmul": (1, 2 * 2), "gather": (2 * k, 0), "scatter_add_": (2 * k, 2 * k),
+                 "to": (2 + 1, 1 + 2), "addmm_": (2, 0)}, 0.0)
+
+    def per_actor(share):   # torch's ops run over every row of the window
+        return lambda x: share * x.mask.numel() / float(x.mask.sum())
+
+    actor = {"fwd": fwd, "bwd": bwd, "fwd+bwd": tuple(a + b for a, b in zip(fwd, bwd))}[mode]
+    writes = 0 if mode == "fwd" else 1
+    torch_ops = {"gather": (per_actor(k), per_actor(0))} if mode != "bwd" else {}
+    if mode != "fwd":
+        torch_ops["scatter_add_"] = (per_actor(k), per_actor(k))
+    return {"actor": actor, "masked": (0, 0, writes)}, torch_ops, float(writes)
+
+
 CASES = [(name, mode) for name, op in traffic.cases().items() for mode in traffic.modes_of(op)]
 
 
@@ -171,7 +200,8 @@ def test_bytes_per_row_are_pinned(inputs, name, mode):
     actor = int(x.mask.sum())
     assert set(ops) == set(torch_ops)
     for torch_op, (read, written) in ops.items():
-        assert (read / actor, written / actor) == pytest.approx(torch_ops[torch_op]), torch_op
+        expected = tuple(e(x) if callable(e) else e for e in torch_ops[torch_op])
+        assert (read / actor, written / actor) == pytest.approx(expected), torch_op
     window = x.shape.batch * x.shape.T
     if callable(allocated):
         allocated = allocated(x)

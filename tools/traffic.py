@@ -150,6 +150,8 @@ class TorchPasses(TorchDispatchMode):
         read = self._rows(torch.utils._pytree.tree_leaves((args, kwargs)))
         if name == "gather" and read:   # the indexed elements only
             read = args[2].numel() * args[0].element_size() / self.row_bytes
+        if name in ("scatter_add", "scatter_add_") and (read or written):   # and here written
+            read = written = args[2].numel() * args[0].element_size() / self.row_bytes
         if read or written:
             self.passes.append((name, read, written))
         return out
