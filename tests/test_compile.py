@@ -10,8 +10,8 @@ import torch
 
 import rlfuse
 from rlfuse.divergences import JSD
-from rlfuse.fused_losses import (distill, ggpo, gr_opd, head_logits, kl, linear_head, logprobs,
-                                 regions, surrogate, top_k)
+from rlfuse.fused_losses import (distill, ggpo, gr_opd, head_logits, kl, linear_distill,
+                                 linear_head, logprobs, regions, surrogate, top_k)
 
 from conftest import TOL
 from vocab_split_worker import SPLIT_OPS
@@ -366,7 +366,7 @@ def _op_cases(device):
              2.0, 4.0, 0, 1, "forward_kl", [], 5, False, True)],
         "linear_distill_backward": [
             (hidden.detach(), x.weight, x.bias, x.hidden.flip(0), x.weight, None, x.mask,
-             distill.linear_distill_op(hidden.detach(), x.weight, x.bias, x.hidden.flip(0),
+             linear_distill.linear_distill_op(hidden.detach(), x.weight, x.bias, x.hidden.flip(0),
                                        x.weight, None, x.mask, 0.9, 0.5, 3.0, 1.25, 1.0, 0.0,
                                        1, 1, *jsd, 3, False, False)[2],
              torch.randn(B, T, device=device), 0.9, 0.5, 3.0, 1.25, 1.0, 0.0, 1, 1, *jsd, 3,
@@ -375,6 +375,13 @@ def _op_cases(device):
              torch.zeros(B * T, 5, device=device), torch.randn(B, T, device=device), 1.0, 1.0,
              0.0, 1.0, 1.0, 0.0, 1, 0, "forward_kl", [], 7, True, False, "",
              [False, True, False])],
+        "linear_distill_loss": [
+            (hidden, weight, x.bias, x.hidden.flip(0), x.weight, None, x.mask,
+             x.mask * 0.25, 0.9, 0.5, 3.0, 1.25, 1.0, 0.0, 1, 1, *jsd, 3, False, False,
+             [True, True, True]),
+            (hidden, weight, None, x.logits.double(), None, None, x.mask, x.mask * 0.5, 1.0,
+             1.0, 0.0, 0.8, 1.0, 0.0, 1, 0, "reverse_kl", [], 7, True, True,
+             [True, False, False])],
         "logprobs_at": [(full, top_ids, x.mask, 0.9, 1),
                         (x.logits.double().requires_grad_(), top_ids[..., :1], x.mask, 1.0, 0)],
         "logprobs_at_backward": [
@@ -412,8 +419,9 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "scale_cast": linear_head.scale_cast_op, "kl_penalty": kl.kl_penalty_op,
        "kl_penalty_backward": kl.kl_penalty_backward_op, "distill": distill.distill_op,
        "distill_backward": distill.distill_backward_op,
-       "linear_distill": distill.linear_distill_op,
-       "linear_distill_backward": distill.linear_distill_backward_op,
+       "linear_distill": linear_distill.linear_distill_op,
+       "linear_distill_backward": linear_distill.linear_distill_backward_op,
+       "linear_distill_loss": linear_distill.linear_distill_loss_op,
        "logprobs_at": top_k.logprobs_at_op,
        "logprobs_at_backward": top_k.logprobs_at_backward_op,
        "linear_logprobs_at": top_k.linear_logprobs_at_op,

@@ -302,6 +302,41 @@ def test_heads_against_float64(divergence, dtype, validate):
         assert_three_way(a, b, b64, name, floor=floor)
 
 
+@pytest.mark.parametrize("agg, loss_scale, weighted", [
+    ("token-mean", 1.0, False), ("seq-mean-token-mean", 2.5, True), ("token-sum", 0.5, False)])
+@pytest.mark.parametrize("frozen_weight", [False, True], ids=["weight", "frozen_weight"])
+def test_head_loss_single_pass_is_the_two_passes(agg, loss_scale, weighted, frozen_weight):
+    """distill_loss from a LinearHead student forms each chunk once (the aggregation's weights
+    are each position's upstream gradient, known before the kernels): its loss and gradients
+    equal those of the per-token divergence (two passes: its backward forms the chunks again)
+    aggregated by hand, float64; a frozen weight (LoRA) gets no gradient, no bias none."""
+    h_s, h_t, w_s, w_t, b_s, b_t = (x.double() for x in _heads())
+    _, _, mask = _batch()
+    weights = torch.rand(B, T, generator=torch.Generator().manual_seed(3),
+                         dtype=torch.float64) if weighted else None
+    results = []
+    for single_pass in (True, False):
+        hidden = h_s.clone().requires_grad_()
+        weight = w_s.clone().requires_grad_(not frozen_weight)
+        student = rlfuse.LinearHead(hidden, weight, _positions(), chunk_tokens=4,
+                                    **HEAD_STYLES["student"])
+        teacher = rlfuse.LinearHead(h_t, w_t, _positions(), bias=b_t, **HEAD_STYLES["teacher"])
+        if single_pass:
+            loss = rlfuse.distill_loss(student, teacher, mask, JSD(0.3), agg=agg,
+                                       loss_scale=loss_scale, weights=weights).loss
+        else:
+            value = rlfuse.token_divergence(student, teacher, JSD(0.3), mask)
+            rows = mask.sum(-1, keepdim=True).clamp_min(1).double()
+            row_w = {"token-mean": 1 / mask.sum().double(), "token-sum": 1.0,
+                     "seq-mean-token-mean": 1 / (rows * B)}[agg]
+            per_token = value * (1.0 if weights is None else weights)
+            loss = loss_scale * (torch.where(mask, per_token, 0.0) * row_w).sum()
+        leaves = [hidden] + ([] if frozen_weight else [weight])
+        results.append((loss, *torch.autograd.grad(loss, leaves)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **TOL["fp64_chain"])
+
+
 @pytest.mark.parametrize("teacher_form", ["head", "logits"])
 def test_mixed_forms_against_float64(teacher_form):
     """A Logits student beside a LinearHead teacher (its window's logits formed once), and a

@@ -132,18 +132,18 @@ def _expected(name, op, mode):
 def _expected_distill(op, mode):
     """Distillation, both models' rows counted: the forward reads each model's row twice (its
     max and log-sum, then the divergence's terms), the backward each once and writes the
-    student's gradient once (zeros at a masked row). From heads (the training step) each
-    model's chunk is formed by a matmul in the forward and again in the backward, whose
-    gradient is written into the student's chunk and read by the two products."""
+    student's gradient once (zeros at a masked row). From heads (the loss's single pass) each
+    model's chunk is formed once by a matmul, reduced, the student's gradient written into its
+    chunk after the divergence and read by the two products."""
     fwd, bwd = (4, 2, 0), (2, 2, 1)
     if op.matmuls is not None:
         chunk = tuple(a + b for a, b in zip(fwd, bwd))
-        # each model's chunk formed in fp32 twice (here the inputs cast, a matmul writing two
+        # each model's chunk formed in fp32 once (here the inputs cast, a matmul writing two
         # rows' bytes; on CUDA one matmul with an fp32 output), dhidden's matmul reads the
         # student's gradient cast to the head's dtype (two rows' bytes read, one written), the
         # weight's addmm_ that cast again to fp32 (on CUDA: an fp32 output instead)
         return ({"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": chunk},
-                {"matmul": (1, 4 * 2), "to": (2 + 1, 1 + 2), "addmm_": (2, 0)}, 0.0)
+                {"matmul": (1, 2 * 2), "to": (2 + 1, 1 + 2), "addmm_": (2, 0)}, 0.0)
     actor = {"fwd": fwd, "bwd": bwd, "fwd+bwd": tuple(a + b for a, b in zip(fwd, bwd))}[mode]
     writes = 0 if mode == "fwd" else 1
     return {"actor": actor, "masked": (0, 0, writes)}, {}, float(writes)

@@ -512,9 +512,9 @@ def check_opcheck(d, group, rank, world):
     cases["linear_logprobs_at"] = [(hidden, weight, bias, ids, d["mask"], 0.9, 0.5, 3.0, P, 3,
                                     False, False, name)]
     # a LinearHead student beside a LinearHead teacher over the split
-    from rlfuse.fused_losses import distill
+    from rlfuse.fused_losses import linear_distill
 
-    ops["linear_distill"] = distill.linear_distill_op
+    ops["linear_distill"] = linear_distill.linear_distill_op
     cases["linear_distill"] = [(hidden, weight, bias, hidden.detach().flip(0), weight.detach(),
                                 None, d["mask"], 0.9, 0.5, 3.0, 1.2, 1.0, 0.0, P, P,
                                 "reverse_kl", [], 3, False, False, name)]

@@ -155,8 +155,8 @@ def token_divergence(run, student, teacher, divergence, mask: Optional[torch.Ten
             mask = torch.ones(_named("student", check_policy, student, None).shape,
                               dtype=torch.bool, device=student.targets.device)
         args = check_distill_args(student, teacher, mask, divergence, validate=validate)
-        value, entropy, extras = _divergence(impl, student, teacher, divergence, args.mask,
-                                             validate)
+        value, entropy, extras, _ = _divergence(impl, student, teacher, divergence, args.mask,
+                                                validate)
         if not return_metrics:
             return value
         return value, {"entropy": entropy.detach(), **{k: v.detach() for k, v in extras.items()}}
@@ -193,38 +193,47 @@ def distill_loss(run, student, teacher, mask: torch.Tensor, divergence, *,
         num_tokens = check_count("num_tokens", num_tokens, args.info.device, validate)
         scale = check_loss_scale(loss_scale)
         weights = check_weights(weights, args.info, args.mask, validate)
-        value, entropy, extras = _divergence(impl, student, teacher, divergence, args.mask,
-                                             validate)
-        return _loss(value, entropy, extras, args.mask, agg, num_tokens, scale, weights)
+        token_weights = _token_weights(args.mask, agg, num_tokens, scale, weights)
+        value, entropy, extras, loss = _divergence(impl, student, teacher, divergence,
+                                                   args.mask, validate, token_weights)
+        if loss is None:
+            loss = (torch.where(args.mask, value.double(), 0.0) * token_weights).sum() \
+                .to(value.dtype)
+        return _loss(loss, value, entropy, extras, args.mask)
 
 
-def _divergence(impl, student, teacher, divergence, mask, validate: bool):
-    """``impl.token_divergence`` at the ``[B, T]`` positions; packed rows worked on as one batch
-    of N rows (``layout.as_rows``, a ``TopK`` teacher's ``[B, T, k]`` read at each row's
-    position) and placed at their positions after."""
+def _token_weights(mask, agg, num_tokens, scale, weights) -> torch.Tensor:
+    """Each position's weight in the loss ``sum w value`` (fp64, 0 at masked positions): the
+    aggregation's, the loss scale, the per-token weights. The loss is summed in fp64 and
+    rounded once: the per-token values' exact aggregate."""
+    w = aggregation_weights(mask, agg, torch.float64, num_tokens=num_tokens).unsqueeze(-1)
+    w = scale * (w if weights is None else w * weights.double())
+    return torch.where(mask, w, 0.0)
+
+
+def _divergence(impl, student, teacher, divergence, mask, validate: bool,
+                token_weights: Optional[torch.Tensor] = None):
+    """``impl.token_divergence`` at the ``[B, T]`` positions, with the loss it gave for
+    ``token_weights`` (or None); packed rows worked on as one batch of N rows
+    (``layout.as_rows``, a ``TopK`` teacher's ``[B, T, k]`` read at each row's position) and
+    placed at their positions after."""
     if student.index is None:
-        return impl.token_divergence(student, teacher, divergence, mask, validate)
+        return impl.token_divergence(student, teacher, divergence, mask, validate,
+                                     token_weights)
     if isinstance(teacher, TopK):
         at = student.index.clamp_min(0)
         teacher = TopK(*(x.reshape(-1, x.shape[-1])[at].unsqueeze(0)
                          for x in (teacher.ids, teacher.logprobs)))
     else:
         teacher = layout.as_rows(teacher)
-    value, entropy, extras = impl.token_divergence(
+    value, entropy, extras, _ = impl.token_divergence(
         layout.as_rows(student), teacher, divergence, layout.row_mask(student, mask), validate)
     place = functools.partial(layout.to_loss_layout, student, mask=mask)
-    return place(value), place(entropy), {name: place(x) for name, x in extras.items()}
+    return place(value), place(entropy), {name: place(x) for name, x in extras.items()}, None
 
 
-def _loss(value, entropy, extras: Dict[str, torch.Tensor], mask, agg, num_tokens, scale,
-          weights) -> LossOutput:
-    # the [B, T] sum in fp64, rounded once: the loss is the per-token values' exact aggregate
-    dtype = value.dtype
-    row_weights = aggregation_weights(mask, agg, torch.float64,
-                                      num_tokens=num_tokens).unsqueeze(-1)
-    per_token = value.double() if weights is None else value.double() * weights.double()
-    loss = (scale * (torch.where(mask, per_token, 0.0) * row_weights).sum()).to(dtype)
-    tokens = mask.sum().clamp_min(1).to(dtype)
+def _loss(loss, value, entropy, extras: Dict[str, torch.Tensor], mask) -> LossOutput:
+    tokens = mask.sum().clamp_min(1).to(value.dtype)
     detached = value.detach()
     metrics = {"entropy": entropy.sum() / tokens,
                "loss_min": torch.where(mask, detached, torch.inf).amin(),

@@ -349,16 +349,21 @@ def _(x, scale, dtype):
     return x.new_empty(x.shape, dtype=dtype)
 
 
-def _surrogate_setup(ctx, inputs, output):
-    _, sums, dh, dw, db = output
-    ctx.save_for_backward(dh, dw, db)
-    ctx.needs, ctx.has_bias = inputs.needs, inputs.bias is not None
-    ctx.weight_dtype = inputs.weight.dtype
-    ctx.mark_non_differentiable(sums, dh, dw, db)
-    ctx.set_materialize_grads(False)
+def register_single_pass_autograd(op) -> None:
+    """The autograd of a head's single pass: its first output the scalar loss, its last three
+    the loss's ``(dhidden, dweight, dbias)`` formed in the forward (the weight's and bias's
+    accumulated in fp32); the backward scales them by the loss's upstream gradient."""
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*output[-3:])
+        ctx.needs, ctx.has_bias = inputs.needs, inputs.bias is not None
+        ctx.weight_dtype = inputs.weight.dtype
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+
+    register_autograd(op, _single_pass_backward, setup)
 
 
-def _surrogate_backward(ctx, grad_loss, *_):
+def _single_pass_backward(ctx, grad_loss, *_):
     if grad_loss is None:
         return None
     needs = head_gradients(ctx.needs, ctx.has_bias, *ctx.saved_tensors)
@@ -368,4 +373,4 @@ def _surrogate_backward(ctx, grad_loss, *_):
             scale_cast_op(grad, grad_loss, ctx.weight_dtype) for name, grad in needs.items()}
 
 
-register_autograd(linear_surrogate_op, _surrogate_backward, _surrogate_setup)
+register_single_pass_autograd(linear_surrogate_op)

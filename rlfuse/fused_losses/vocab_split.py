@@ -28,7 +28,8 @@ from .vocab_blocks import window_block_logprobs
 from ..scaleout.vocab import combine_shards, group_of, group_sum, shard_targets, whole_rows
 from ..kernels.distill import distill_fwd
 from ..kernels.logprobs import token_logprobs_fwd
-from .distill import distill_stats_fake, register_distill_autograd, window_rows
+from .distill import register_distill_autograd, window_rows
+from .linear_distill import distill_stats_fake
 
 
 def _fake_outputs(like: Tensor, targets: Tensor, with_entropy: bool):

@@ -4,7 +4,7 @@ models' whole next-token distributions: the definition of ``distill_loss`` and
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -50,11 +50,13 @@ def top_k_divergence(s_k: Tensor, t_k: Tensor, divergence: ForwardKL
     return (t_k.exp() * (t_k - s_k)).sum(-1).clamp_min(0.0), masses
 
 
-def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool = False
-                     ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
-    """``(divergence [B, T], the student's entropy [B, T], {name: [B, T]})`` (the extras: a
-    ``TopK`` teacher's ``student_mass`` and ``teacher_mass``), 0 at masked positions, on
-    checked arguments (``validate`` changes nothing here)."""
+def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool = False,
+                     token_weights: Optional[Tensor] = None
+                     ) -> Tuple[Tensor, Tensor, Dict[str, Tensor], None]:
+    """``(divergence [B, T], the student's entropy [B, T], {name: [B, T]}, None)`` (the extras:
+    a ``TopK`` teacher's ``student_mass`` and ``teacher_mass``), 0 at masked positions, on
+    checked arguments (``validate`` and ``token_weights`` change nothing here: the loss is
+    the caller's)."""
     s = window_log_softmax(student, mask)
     entropy = -weighted(s.exp(), s)
     if isinstance(teacher, TopK):
@@ -65,4 +67,4 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
             t = window_log_softmax(teacher, mask).to(s.dtype)
         function, params = divergence.terms()
         value, extras = divergence_function(function)(s, t, params), {}
-    return at_actor_positions(mask, value, entropy, extras)
+    return (*at_actor_positions(mask, value, entropy, extras), None)
