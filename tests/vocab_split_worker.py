@@ -496,8 +496,10 @@ def check_opcheck(d, group, rank, world):
                             (own_rows("sp_packed_head", d["sp_packed_hidden"], rank, world)
                              .clone().requires_grad_(), 0, name)]
     # distillation between two Logits over the split
+    from rlfuse.fused_losses import distill
+
     t_logits = torch.randn_like(logits.detach()) * 2
-    ops["vocab_split_distill"] = vocab_op.vocab_split_distill_op
+    ops["vocab_split_distill"] = distill.vocab_split_distill_op
     cases["vocab_split_distill"] = [
         (logits, t_logits, d["mask"], 0.9, 1.2, P, P, "jsd", [0.3, math.log(0.7), math.log(0.3)],
          name),

@@ -4,6 +4,7 @@ divergence and the student's entropy:
 - ``rlfuse::distill``, between two ``Logits`` (a ``LinearHead`` teacher beside them: its
   window's logits formed once, never differentiated): the forward reads each model's window
   rows twice, the backward once and writes the student's gradient once;
+  ``rlfuse::vocab_split_distill`` the same over a split vocabulary;
 - a ``LinearHead`` student: ``linear_distill``'s ops, chunk by chunk;
 - a ``TopK`` teacher: the student's log-probs at its ids (``top_k``'s ops), verl's top-k
   forward KL on those ``[B, T, k]`` (``reference.distill``).
@@ -18,6 +19,8 @@ from torch import Tensor
 from .._types import LinearHead, Logits, TopK
 from ..kernels.distill import distill_bwd, distill_fwd
 from ..kernels.head import HeadParams
+from ..kernels.logprobs import token_logprobs_fwd
+from ..scaleout.vocab import combine_shards, group_of, group_sum
 from ..reference import distill as twin
 from ._op import custom_op, register_backward_op
 from .head_matmuls import chunk_logits
@@ -94,6 +97,53 @@ def register_distill_autograd(op) -> None:
 register_distill_autograd(distill_op)
 
 
+# --------------------------------------------------------------------------------------------
+# Two Logits over a split vocabulary
+# --------------------------------------------------------------------------------------------
+
+@custom_op("vocab_split_distill")
+def vocab_split_distill_op(student: Tensor, teacher: Tensor, mask: Tensor, temperature: float,
+                           teacher_temperature: float, offset: int, teacher_offset: int,
+                           function: str, params: List[float], group_name: str,
+                           teacher_logit_scale: float = 1.0,
+                           teacher_softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+    """``distill.distill_op``'s outputs from this rank's shards ``[B, S, V_l]`` of both models'
+    rows: each shard reduced to its statistics (``token_logprobs``' forward: one read), one
+    all-gather of each model's (``vocab.combine_shards``: the whole rows' max, log-sum and the
+    student's entropy), the divergence's terms of the shard from the whole rows' statistics
+    (a second read), one all-reduce of the value and aux. The backward is the shard's own
+    (``distill_backward_op``: no collective)."""
+    B, T = mask.shape
+    heads = (HeadParams(temperature),
+             HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
+    group, no_target = group_of(group_name), torch.zeros(mask.shape, dtype=torch.long,
+                                                         device=mask.device)
+    whole = []
+    for rows, rows_offset, head in ((student, offset, heads[0]),
+                                    (teacher, teacher_offset, heads[1])):
+        _, stats, entropy = token_logprobs_fwd(rows, no_target, mask, head, True, rows_offset)
+        shard = torch.stack([torch.zeros_like(stats[:, 0]), stats[:, 0], stats[:, 1],
+                             entropy.reshape(-1)], -1)
+        whole.append(combine_shards(shard, no_target.reshape(-1), head.inv_temp, group)[1:])
+    (m_s, log_s_s, entropy), (m_t, log_s_t, _) = whole
+    stats = torch.stack([m_s, log_s_s, m_t, log_s_t, torch.zeros_like(m_s)], -1)
+    value, _, stats = distill_fwd(window_rows(student, offset, T),
+                                  window_rows(teacher, teacher_offset, T), mask, *heads,
+                                  (function, params), stats=stats)
+    sums = torch.stack([value.reshape(-1), stats[:, -1]], -1)
+    group_sum(sums, group_name)
+    stats[:, -1] = sums[:, 1]
+    return sums[:, 0].contiguous().view(B, T), torch.where(mask, entropy.view(B, T), 0.0), stats
+
+
+@vocab_split_distill_op.register_fake
+def _(student, teacher, mask, *args, **kwargs):
+    return distill_stats_fake(student, mask)
+
+
+register_distill_autograd(vocab_split_distill_op)
+
+
 def _top_k_divergence(student, teacher: TopK, divergence, mask: Tensor, validate: bool
                       ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
     """A ``TopK`` teacher: the student's log-probs at its ids (``top_k``'s ops, over a split
@@ -117,10 +167,8 @@ def _top_k_divergence(student, teacher: TopK, divergence, mask: Tensor, validate
 
 def _split_divergence(student, teacher, divergence, mask: Tensor
                       ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
-    """Over a split vocabulary (``vocab_split.vocab_split_distill_op``): a ``Logits`` student
+    """Over a split vocabulary (``vocab_split_distill_op``): a ``Logits`` student
     beside a ``Logits`` or ``LinearHead`` teacher (its shard's logits formed once)."""
-    from .vocab_split import vocab_split_distill_op
-
     T = mask.shape[1]
     teacher = _detached(teacher)
     t_head = HeadParams.of(teacher)

@@ -25,11 +25,7 @@ from ..kernels.logprobs import STAT_COLUMNS
 from ..kernels.head import HeadParams
 from ..scaleout.sequence import row_blocks
 from .vocab_blocks import window_block_logprobs
-from ..scaleout.vocab import combine_shards, group_of, group_sum, shard_targets, whole_rows
-from ..kernels.distill import distill_fwd
-from ..kernels.logprobs import token_logprobs_fwd
-from .distill import register_distill_autograd, window_rows
-from .linear_distill import distill_stats_fake
+from ..scaleout.vocab import shard_targets, whole_rows
 
 
 def _fake_outputs(like: Tensor, targets: Tensor, with_entropy: bool):
@@ -173,53 +169,6 @@ def _head_backward(ctx, dlogp, dentropy, _dstats):
 
 
 register_autograd(vocab_split_linear_logprobs_op, _head_backward, _head_setup)
-
-
-# --------------------------------------------------------------------------------------------
-# Distillation between two Logits
-# --------------------------------------------------------------------------------------------
-
-@custom_op("vocab_split_distill")
-def vocab_split_distill_op(student: Tensor, teacher: Tensor, mask: Tensor, temperature: float,
-                           teacher_temperature: float, offset: int, teacher_offset: int,
-                           function: str, params: List[float], group_name: str,
-                           teacher_logit_scale: float = 1.0,
-                           teacher_softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
-    """``distill.distill_op``'s outputs from this rank's shards ``[B, S, V_l]`` of both models'
-    rows: each shard reduced to its statistics (``token_logprobs``' forward: one read), one
-    all-gather of each model's (``vocab.combine_shards``: the whole rows' max, log-sum and the
-    student's entropy), the divergence's terms of the shard from the whole rows' statistics
-    (a second read), one all-reduce of the value and aux. The backward is the shard's own
-    (``distill_backward_op``: no collective)."""
-    B, T = mask.shape
-    heads = (HeadParams(temperature),
-             HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
-    group, no_target = group_of(group_name), torch.zeros(mask.shape, dtype=torch.long,
-                                                         device=mask.device)
-    whole = []
-    for rows, rows_offset, head in ((student, offset, heads[0]),
-                                    (teacher, teacher_offset, heads[1])):
-        _, stats, entropy = token_logprobs_fwd(rows, no_target, mask, head, True, rows_offset)
-        shard = torch.stack([torch.zeros_like(stats[:, 0]), stats[:, 0], stats[:, 1],
-                             entropy.reshape(-1)], -1)
-        whole.append(combine_shards(shard, no_target.reshape(-1), head.inv_temp, group)[1:])
-    (m_s, log_s_s, entropy), (m_t, log_s_t, _) = whole
-    stats = torch.stack([m_s, log_s_s, m_t, log_s_t, torch.zeros_like(m_s)], -1)
-    value, _, stats = distill_fwd(window_rows(student, offset, T),
-                                  window_rows(teacher, teacher_offset, T), mask, *heads,
-                                  (function, params), stats=stats)
-    sums = torch.stack([value.reshape(-1), stats[:, -1]], -1)
-    group_sum(sums, group_name)
-    stats[:, -1] = sums[:, 1]
-    return sums[:, 0].contiguous().view(B, T), torch.where(mask, entropy.view(B, T), 0.0), stats
-
-
-@vocab_split_distill_op.register_fake
-def _(student, teacher, mask, *args, **kwargs):
-    return distill_stats_fake(student, mask)
-
-
-register_distill_autograd(vocab_split_distill_op)
 
 
 def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
