@@ -20,13 +20,13 @@ from .._types import LinearHead, Logits, TopK
 from ..kernels.distill import distill_bwd, distill_fwd
 from ..kernels.head import HeadParams
 from ..kernels.logprobs import token_logprobs_fwd
-from ..scaleout.vocab import combine_shards, group_of, group_sum
+from ..scaleout.vocab import group_sum
 from ..reference import distill as twin
 from ._op import custom_op, register_backward_op
 from .head_matmuls import chunk_logits
 from .linear_distill import distill_stats_fake, linear_distill_loss_op, linear_distill_op
 from .linear_head import chunk_tokens_for, head_fields
-from .top_k import linear_logprobs_at_op, logprobs_at_op
+from .top_k import linear_logprobs_at_op, logprobs_at_op, whole_rows
 
 
 def window_rows(logits: Tensor, offset: int, T: int) -> Tensor:
@@ -109,24 +109,21 @@ def vocab_split_distill_op(student: Tensor, teacher: Tensor, mask: Tensor, tempe
                            teacher_softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
     """``distill.distill_op``'s outputs from this rank's shards ``[B, S, V_l]`` of both models'
     rows: each shard reduced to its statistics (``token_logprobs``' forward: one read), one
-    all-gather of each model's (``vocab.combine_shards``: the whole rows' max, log-sum and the
+    all-gather of each model's (``top_k.whole_rows``: the whole rows' max, log-sum and the
     student's entropy), the divergence's terms of the shard from the whole rows' statistics
     (a second read), one all-reduce of the value and aux. The backward is the shard's own
     (``distill_backward_op``: no collective)."""
     B, T = mask.shape
     heads = (HeadParams(temperature),
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
-    group, no_target = group_of(group_name), torch.zeros(mask.shape, dtype=torch.long,
-                                                         device=mask.device)
+    no_target = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
     whole = []
     for rows, rows_offset, head in ((student, offset, heads[0]),
                                     (teacher, teacher_offset, heads[1])):
         _, stats, entropy = token_logprobs_fwd(rows, no_target, mask, head, True, rows_offset)
-        shard = torch.stack([torch.zeros_like(stats[:, 0]), stats[:, 0], stats[:, 1],
-                             entropy.reshape(-1)], -1)
-        whole.append(combine_shards(shard, no_target.reshape(-1), head.inv_temp, group)[1:])
-    (m_s, log_s_s, entropy), (m_t, log_s_t, _) = whole
-    stats = torch.stack([m_s, log_s_s, m_t, log_s_t, torch.zeros_like(m_s)], -1)
+        whole.append(whole_rows(stats, entropy, head, group_name))
+    (s_stats, entropy), (t_stats, _) = whole
+    stats = torch.cat([s_stats, t_stats, torch.zeros_like(s_stats[:, :1])], -1)
     value, _, stats = distill_fwd(window_rows(student, offset, T),
                                   window_rows(teacher, teacher_offset, T), mask, *heads,
                                   (function, params), stats=stats)
