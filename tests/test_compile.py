@@ -11,7 +11,7 @@ import torch
 import rlfuse
 from rlfuse.divergences import JSD
 from rlfuse.fused_losses import (distill, ggpo, gr_opd, head_logits, kl, linear_distill,
-                                 linear_head, logprobs, regions, surrogate, top_k)
+                                 linear_head, logprobs, regions, scale_rows, surrogate, top_k)
 
 from conftest import TOL
 from vocab_split_worker import SPLIT_OPS
@@ -357,6 +357,9 @@ def _op_cases(device):
              distill.distill_op(full.detach(), x.logits.flip(0), x.mask, 0.9, 1.25, 1, 0,
                                 *jsd)[2],
              torch.randn(B, T, device=device), 0.9, 1.25, 1, 0, *jsd)],
+        "distill_loss": [(full, x.logits.flip(0), x.mask, x.mask * 0.25, 0.9, 1.25, 1, 0, *jsd),
+                         (logits.double().detach().requires_grad_(), x.logits, x.mask,
+                          x.mask * 0.5, 1.0, 0.5, 0, 1, "reverse_kl", [], 1.5, 2.0)],
         "linear_distill": [
             (hidden, weight, x.bias, x.hidden.flip(0), x.weight, None, x.mask, 0.9, 0.5, 3.0,
              1.25, 1.0, 0.0, 1, 1, *jsd, 3, False, False),
@@ -408,7 +411,7 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "surrogate": surrogate.surrogate_op, "surrogate_backward": surrogate.surrogate_backward_op,
        "surrogate_logits": surrogate.surrogate_logits_op,
        "surrogate_logits_": surrogate.surrogate_logits_inplace_op,
-       "scale_rows_": surrogate.scale_rows_op,
+       "scale_rows_": scale_rows.scale_rows_op,
        "ggpo": ggpo.ggpo_op, "ggpo_backward": ggpo.ggpo_backward_op,
        "gppo_bounds": regions.gppo_bounds_op, "gr_opd_advantages": gr_opd.gr_opd_advantages_op,
        "linear_logprobs": linear_head.linear_logprobs_op,
@@ -418,7 +421,7 @@ OPS = {"token_logprobs": logprobs.token_logprobs_op, "logits_grad_": logprobs.lo
        "linear_surrogate": linear_head.linear_surrogate_op,
        "scale_cast": linear_head.scale_cast_op, "kl_penalty": kl.kl_penalty_op,
        "kl_penalty_backward": kl.kl_penalty_backward_op, "distill": distill.distill_op,
-       "distill_backward": distill.distill_backward_op,
+       "distill_backward": distill.distill_backward_op, "distill_loss": distill.distill_loss_op,
        "linear_distill": linear_distill.linear_distill_op,
        "linear_distill_backward": linear_distill.linear_distill_backward_op,
        "linear_distill_loss": linear_distill.linear_distill_loss_op,
@@ -439,24 +442,29 @@ def test_every_registered_op_is_opchecked(device):
     assert registered == set(OPS) | set(SPLIT_OPS)
 
 
+# The single passes from logits: their last output, the gradient, goes to their own backward
+SINGLE_PASSES = {"surrogate_logits": 2, "distill_loss": 3}
+
+
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_opcheck(name, device):
     """torch.library.opcheck: schema (declared mutations), autograd registration, the fake
     implementation against the real one, and AOT dispatch with dynamic shapes.
 
-    rlfuse::surrogate_logits hands its dlogits output to its own backward, which rescales it in
-    place (no copy, no host sync): opcheck's AOT test returns every output to the caller, a use
-    the functional API never makes, so that one test runs with the gradient output dropped."""
+    The single passes from logits (``SINGLE_PASSES``) hand their gradient output to their own
+    backward, which rescales it in place (no copy, no host sync): opcheck's AOT test returns
+    every output to the caller, a use the functional API never makes, so that one test runs
+    with the gradient output dropped."""
     for args in _op_cases(device)[name]:
-        tests = ALL_TESTS[:3] if name == "surrogate_logits" else ALL_TESTS
+        tests = ALL_TESTS[:3] if name in SINGLE_PASSES else ALL_TESTS
         torch.library.opcheck(OPS[name], args, test_utils=tests)
-    if name == "surrogate_logits":
+    if name in SINGLE_PASSES:
         for args in _op_cases(device)[name]:
-            def loss_and_sums(*a):
-                return OPS[name](*a)[:2]
+            def without_gradient(*a):
+                return OPS[name](*a)[:SINGLE_PASSES[name]]
 
-            eager = loss_and_sums(*args)
-            aot = torch.compile(loss_and_sums, backend="aot_eager", dynamic=True,
+            eager = without_gradient(*args)
+            aot = torch.compile(without_gradient, backend="aot_eager", dynamic=True,
                                 fullgraph=True)(*args)
             for a, b in zip(eager, aot):
                 torch.testing.assert_close(b, a, **TOL["exact"])

@@ -337,6 +337,109 @@ def test_head_loss_single_pass_is_the_two_passes(agg, loss_scale, weighted, froz
         torch.testing.assert_close(a, b, **TOL["fp64_chain"])
 
 
+def _by_hand(value, mask, agg, loss_scale, weights):
+    """The loss of per-token divergences ``value`` aggregated by hand (``agg``'s weights)."""
+    rows = mask.sum(-1, keepdim=True).clamp_min(1).double()
+    row_w = {"token-mean": 1 / mask.sum().double(), "token-sum": 1.0,
+             "seq-mean-token-mean": 1 / (rows * B)}[agg]
+    per_token = value * (1.0 if weights is None else weights)
+    return loss_scale * (torch.where(mask, per_token, 0.0) * row_w).sum()
+
+
+class _Counted:
+    """A function wrapped to count its calls."""
+
+    def __init__(self, function):
+        self.function, self.calls = function, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.function(*args, **kwargs)
+
+
+@pytest.mark.parametrize("agg, loss_scale, weighted", [
+    ("token-mean", 1.0, False), ("seq-mean-token-mean", 2.5, True), ("token-sum", 0.5, False)])
+@pytest.mark.parametrize("teacher_form", ["logits", "head"])
+def test_logits_loss_single_pass_is_the_two_passes(monkeypatch, agg, loss_scale, weighted,
+                                                   teacher_form):
+    """distill_loss from a Logits student whose gradient is wanted runs in one launch
+    (``kernels.distill.distill_single_pass``: each position's upstream gradient is its weight
+    in the loss): its loss, metrics and gradient for an upstream gradient of 3 (the gradient
+    rescaled in place) equal those of the per-token divergence (two passes) aggregated by
+    hand, float64; the student a model's whole output (offset 1): the row before the window
+    and masked rows get zeros."""
+    from rlfuse.fused_losses import distill as fused_distill
+
+    single = _Counted(fused_distill.distill_single_pass)
+    monkeypatch.setattr(fused_distill, "distill_single_pass", single)
+    student, teacher, mask = (x.double() if x.is_floating_point() else x for x in _batch())
+    h_t, w_t, b_t = (x.double() for x in _heads()[1::2])
+    teacher = rlfuse.Logits(teacher, _positions(), 1.25) if teacher_form == "logits" else \
+        rlfuse.LinearHead(h_t, w_t, _positions(), bias=b_t, **HEAD_STYLES["teacher"])
+    weights = torch.rand(B, T, generator=torch.Generator().manual_seed(3),
+                         dtype=torch.float64) if weighted else None
+    results = []
+    for one_launch in (True, False):
+        leaf = student.clone().requires_grad_()
+        model = rlfuse.Logits(leaf, _positions(), 0.9, offset=1)
+        if one_launch:
+            out = rlfuse.distill_loss(model, teacher, mask, JSD(0.3), agg=agg,
+                                      loss_scale=loss_scale, weights=weights)
+            loss, entropy = out.loss, out.metrics["entropy"]
+            assert single.calls == 1
+        else:
+            value, metrics = rlfuse.token_divergence(model, teacher, JSD(0.3), mask,
+                                                     return_metrics=True)
+            loss = _by_hand(value, mask, agg, loss_scale, weights)
+            entropy = metrics["entropy"].sum() / mask.sum()
+            assert single.calls == 1
+        (grad,) = torch.autograd.grad(3.0 * loss, leaf)
+        results.append((loss, entropy, grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **TOL["fp64_chain"])
+    grad = results[0][-1]
+    assert (grad[:, 0] == 0).all() and (grad[:, 1:][~mask] == 0).all()
+    assert (grad[:, 1:][mask] != 0).any(dim=-1).all()
+
+
+def test_logits_loss_single_pass_only_where_it_serves(monkeypatch):
+    """The single pass runs only when the student's gradient is wanted, and not for fp16
+    logits (a gradient rounded to fp16 at upstream 1 would lose what a loss scaler keeps):
+    there the two passes give the same loss and gradient as float64 (the three-way rule);
+    its gradient is handed out once (a second backward raises)."""
+    from rlfuse.fused_losses import distill as fused_distill
+
+    single = _Counted(fused_distill.distill_single_pass)
+    monkeypatch.setattr(fused_distill, "distill_single_pass", single)
+    student, teacher, mask = _batch(seed=4)
+
+    def loss_of(lib, logits, dtype=None):
+        dtype = dtype or logits.dtype
+        return lib.distill_loss(rlfuse.Logits(logits, _positions(), 0.9),
+                                rlfuse.Logits(teacher.to(dtype), _positions()), mask,
+                                ReverseKL()).loss
+
+    with torch.no_grad():
+        no_grad = loss_of(rlfuse, student.clone().requires_grad_())
+    assert single.calls == 0
+    results = []
+    for lib, dtype in ((rlfuse, torch.float16), (rlfuse.reference, torch.float16),
+                       (rlfuse.reference, torch.float64)):
+        leaf = student.to(dtype).requires_grad_()
+        loss = loss_of(lib, leaf, torch.float64 if dtype == torch.float64 else torch.float32)
+        results.append((loss, *torch.autograd.grad(loss * 1024.0, leaf)))
+    assert single.calls == 0
+    for name, got, ref, ref64 in zip(("loss", "grad"), *results):
+        assert_three_way(got, ref, ref64, name)
+    leaf = student.clone().requires_grad_()
+    loss = loss_of(rlfuse, leaf)
+    assert single.calls == 1
+    torch.testing.assert_close(loss, no_grad, **TOL["exact"])
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated twice"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("teacher_form", ["head", "logits"])
 def test_mixed_forms_against_float64(teacher_form):
     """A Logits student beside a LinearHead teacher (its window's logits formed once), and a

@@ -3,7 +3,10 @@ divergence and the student's entropy:
 
 - ``rlfuse::distill``, between two ``Logits`` (a ``LinearHead`` teacher beside them: its
   window's logits formed once, never differentiated): the forward reads each model's window
-  rows twice, the backward once and writes the student's gradient once;
+  rows twice, the backward once and writes the student's gradient once; ``rlfuse::distill_loss``
+  the loss in a single pass (each position's upstream gradient is its weight in the loss,
+  known before the kernels: one launch reads the rows and writes the gradient, which the
+  backward rescales by the loss's upstream gradient);
   ``rlfuse::vocab_split_distill`` the same over a split vocabulary;
 - a ``LinearHead`` student: ``linear_distill``'s ops, chunk by chunk;
 - a ``TopK`` teacher: the student's log-probs at its ids (``top_k``'s ops), verl's top-k
@@ -17,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .._types import LinearHead, Logits, TopK
-from ..kernels.distill import distill_bwd, distill_fwd
+from ..kernels.distill import distill_bwd, distill_fwd, distill_single_pass
 from ..kernels.head import HeadParams
 from ..kernels.logprobs import token_logprobs_fwd
 from ..scaleout.vocab import group_sum
@@ -26,6 +29,7 @@ from ._op import custom_op, register_backward_op
 from .head_matmuls import chunk_logits
 from .linear_distill import distill_stats_fake, linear_distill_loss_op, linear_distill_op
 from .linear_head import chunk_tokens_for, head_fields
+from .scale_rows import register_single_pass_autograd
 from .top_k import linear_logprobs_at_op, logprobs_at_op, whole_rows
 
 
@@ -95,6 +99,36 @@ def register_distill_autograd(op) -> None:
 
 
 register_distill_autograd(distill_op)
+
+
+@custom_op("distill_loss")
+def distill_loss_op(student: Tensor, teacher: Tensor, mask: Tensor, token_weights: Tensor,
+                    temperature: float, teacher_temperature: float, offset: int,
+                    teacher_offset: int, function: str, params: List[float],
+                    teacher_logit_scale: float = 1.0, teacher_softcap: float = 0.0
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, divergence [B, T], entropy [B, T], dlogits [B, S, V])``: ``distill_op``'s
+    divergence and the loss ``sum token_weights * divergence`` (``token_weights [B, T]``, 0 at
+    masked positions; summed in fp64, rounded once) in a single pass, the gradient of the whole
+    ``student`` logits for an upstream gradient of 1 written in the forward."""
+    T = mask.shape[1]
+    value, entropy, dlogits = distill_single_pass(
+        student, offset, window_rows(teacher, teacher_offset, T), mask, token_weights,
+        HeadParams(temperature),
+        HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap),
+        (function, params))
+    loss = (value.double() * token_weights.double()).sum().to(value.dtype)
+    return loss, value, entropy, dlogits
+
+
+@distill_loss_op.register_fake
+def _(student, teacher, mask, token_weights, *args):
+    value, entropy, _ = distill_stats_fake(student, mask)
+    return (value.new_empty(()), value, entropy,
+            torch.empty_like(student, memory_format=torch.contiguous_format))
+
+
+register_single_pass_autograd(distill_loss_op, "student")
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +233,11 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
     """``reference.distill.token_divergence`` on the kernels; ``validate``: a ``LinearHead``
     student forms the logits of the actor positions only (reads the mask on the host). With
     ``token_weights`` (each position's weight in a loss) a ``LinearHead`` student beside a
-    whole model's teacher gives that loss from its single pass (``linear_distill_loss``)."""
+    whole model's teacher gives that loss from its single pass (``linear_distill_loss``), and a
+    ``Logits`` student with a gradient from its single pass (``distill_loss_op``)."""
+    if isinstance(student, Logits) and student.logits.stride(-1) != 1:
+        # the kernels read a row's logits at unit stride (the gradient flows through the copy)
+        student = student._replace(logits=student.logits.contiguous())
     if isinstance(teacher, TopK):
         return (*_top_k_divergence(student, teacher, divergence, mask, validate), None)
     group = student.vocab_parallel_group
@@ -231,7 +269,20 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
     T = mask.shape[1]
     t_logits, t_offset = (teacher.logits, int(teacher.offset)) if isinstance(teacher, Logits) \
         else (_teacher_logits(teacher, T), 0)
+    if token_weights is not None and _single_pass(student.logits):
+        loss, value, entropy, _ = distill_loss_op(
+            student.logits, t_logits, mask, token_weights, float(student.temperature),
+            t_head.temperature, int(student.offset), t_offset, function, list(params),
+            t_head.logit_scale, t_head.softcap)
+        return value, entropy, {}, loss
     value, entropy, _ = distill_op(student.logits, t_logits, mask, float(student.temperature),
                                    t_head.temperature, int(student.offset), t_offset, function,
                                    list(params), t_head.logit_scale, t_head.softcap)
     return value, entropy, {}, None
+
+
+def _single_pass(logits: Tensor) -> bool:
+    """Whether a loss from the student's ``logits`` runs as a single pass: when their gradient
+    is wanted, and not in fp16, whose range would lose the small gradients a loss scaler's
+    upstream 2^16 is meant to keep (the two passes form them at the true upstream scale)."""
+    return logits.requires_grad and torch.is_grad_enabled() and logits.dtype != torch.float16

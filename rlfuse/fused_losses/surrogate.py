@@ -30,7 +30,6 @@ from .._types import LinearHead, Logits
 from ..checks.values import raise_on_overflow
 from ..kernels.token_functions import SUM_COLUMNS
 from ..kernels.head import HeadParams
-from ..kernels.scale_rows import scale_rows
 from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd
 from ..scaleout.layout import as_one_token_rows
 from ..scaleout.rank_rows import RankRowsHead
@@ -45,6 +44,7 @@ from .kl import kl_penalty_op
 from .linear_head import chunk_tokens_for, head_fields, linear_surrogate_op
 from .logprobs import batched_rows
 from .policy import learner_logprobs
+from .scale_rows import hand_out, register_single_pass_autograd
 
 
 def _loss(sums: Tensor) -> Tensor:
@@ -165,40 +165,7 @@ def _(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale, 
             logits.new_empty(logits.shape if write_dlogits else (0,)))
 
 
-def _surrogate_logits_setup(ctx, inputs, output):
-    _, sums, dlogits = output
-    ctx.save_for_backward(dlogits, inputs.mask)
-    ctx.mark_non_differentiable(sums, dlogits)
-    ctx.set_materialize_grads(False)   # no zero-filled [B, S, V] "gradient" of dlogits
-    ctx.offset = inputs.offset
-    ctx.backward_done = False
-
-
-def _hand_out(ctx, grad_loss: Tensor) -> Tensor:
-    """The single pass's gradient buffer (saved with the mask) rescaled by the upstream
-    gradient, once: it is handed out, so a second backward (``retain_graph``) would rescale
-    what the caller holds. Checked before the saved tensors are read: the first backward's
-    rescale moved their version."""
-    if ctx.backward_done:
-        raise RuntimeError(
-            "rlfuse: a surrogate loss (GPPO, GR-OPD, PPO) from Logits writes its gradient in the "
-            "forward and hands that buffer out in the first backward; it cannot be "
-            "backpropagated twice (retain_graph=True). Compute the loss again for a second "
-            "backward.")
-    ctx.backward_done = True
-    dlogits, mask = ctx.saved_tensors
-    scale_rows_op(dlogits, mask, grad_loss, ctx.offset)
-    return dlogits
-
-
-def _surrogate_logits_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
-    if grad_loss is None:
-        return None
-    dlogits = _hand_out(ctx, grad_loss)
-    return {"logits": dlogits.view(dlogits.shape)}
-
-
-register_autograd(surrogate_logits_op, _surrogate_logits_backward, _surrogate_logits_setup)
+register_single_pass_autograd(surrogate_logits_op, "logits")
 
 
 @custom_op("surrogate_logits_", mutates_args=("logits",))
@@ -229,8 +196,8 @@ def _(logits, targets, *rest):
 
 class InPlaceSinglePass(torch.autograd.Function):
     """``surrogate_logits_inplace_op`` with its gradient: the logits' own buffer, which holds
-    the gradient after the forward, rescaled by the upstream gradient (``_hand_out``). The
-    op's declared write moves the logits' version, so a consumer that saved them before raises
+    the gradient after the forward, rescaled by the upstream gradient (``scale_rows.hand_out``).
+    The op's declared write moves the logits' version, so a consumer that saved them before raises
     in its backward rather than differentiate through overwritten values."""
 
     @staticmethod
@@ -243,20 +210,7 @@ class InPlaceSinglePass(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_sums):
-        return (_hand_out(ctx, grad_loss),) + (None,) * (ctx.inputs - 1)
-
-
-@custom_op("scale_rows_", mutates_args=("x",))
-def scale_rows_op(x: Tensor, mask: Tensor, scale: Tensor, offset: int) -> None:
-    """``x[b, s] *= scale`` at the actor rows of ``x [B, S, V]`` (rows ``[offset, offset + T)``
-    go with ``mask [B, T]``), in place; ``scale`` (0-dim) is read on the device, and a scale of
-    1 reads and writes nothing."""
-    scale_rows(x, mask, scale, offset)
-
-
-@scale_rows_op.register_fake
-def _(x, mask, scale, offset):
-    return None
+        return (hand_out(ctx, grad_loss),) + (None,) * (ctx.inputs - 1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ Forward: each model's row reduced to its (m, log s) (``rows.row_logsumexp``; the
 entropy beside it), then both rows read once more to sum the function's terms from the exact
 log-probs ``s_v = (x_v − m_s) / τ_s − log s_s`` and ``t_v``. Backward: both rows read once,
 the student's gradient ``g ∂D/∂z_v / τ_s`` written once for an upstream gradient g of the
-position's divergence D. Rows outside the window and masked rows get a gradient of zeros,
-never read.
+position's divergence D. The single pass of a loss, whose upstream gradients (each position's
+weight in it) are known before the kernels, runs both in one program per row. Rows outside the
+window and masked rows get a gradient of zeros, never read.
 """
 from __future__ import annotations
 
@@ -42,6 +43,54 @@ def _log_probs(row_ptr, cols, V, m, log_s, head, SOFTCAP: tl.constexpr, ACC: tl.
 
 
 @triton.jit
+def _divergence_sums(s_row, t_row, V, m_s, log_s_s, m_t, log_s_t, s_head, t_head, div_params,
+                     DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, S_SOFTCAP: tl.constexpr,
+                     T_SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """``(D, aux)`` of a position: its rows read once more, the terms summed from the rows'
+    statistics."""
+    acc = tl.zeros((BLOCK_V,), ACC)
+    acc_aux = tl.zeros((BLOCK_V,), ACC)
+    no_aux = tl.zeros((), ACC)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        s, unused_ds = _log_probs(s_row, cols, V, m_s, log_s_s, s_head, S_SOFTCAP, ACC)
+        lt, unused_dt = _log_probs(t_row, cols, V, m_t, log_s_t, t_head, T_SOFTCAP, ACC)
+        term, aux_term, unused = DIVERGENCE(s, lt, no_aux, div_params)
+        acc += term
+        acc_aux += aux_term
+    return tl.sum(acc, 0), tl.sum(acc_aux, 0)
+
+
+@triton.jit
+def _write_gradient(s_row, t_row, drow, V, m_s, log_s_s, m_t, log_s_t, aux, g, s_head, t_head,
+                    div_params, DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr,
+                    S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """The student's gradient ``g ∂D/∂z_v / τ_s`` of a position (times the softcap's
+    derivative) written into ``drow``, for an upstream gradient g of its divergence D."""
+    # dD/dlogit = dD/dz inv_temp (times the softcap's derivative cap cap_in dx)
+    g = g * s_head[0]
+    if S_SOFTCAP:
+        g = g * s_head[1] * s_head[2]
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        s, ds = _log_probs(s_row, cols, V, m_s, log_s_s, s_head, S_SOFTCAP, ACC)
+        lt, unused_dt = _log_probs(t_row, cols, V, m_t, log_s_t, t_head, T_SOFTCAP, ACC)
+        unused_term, unused_aux, d = DIVERGENCE(s, lt, aux, div_params)
+        tl.store(drow + cols, (g * d * ds).to(drow.dtype.element_ty), mask=cols < V)
+
+
+@triton.jit
+def _both_statistics(s_row, t_row, V, s_head, t_head, BLOCK_V: tl.constexpr,
+                     S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """``(m_s, log s_s, the student's entropy, m_t, log s_t)``: each row read once."""
+    m_s, log_s_s, entropy = row_logsumexp(s_row, V, s_head[0], s_head[1], s_head[2], BLOCK_V,
+                                          True, S_SOFTCAP, ACC, False, COMPILER_STAGES)
+    m_t, log_s_t, no_entropy = row_logsumexp(t_row, V, t_head[0], t_head[1], t_head[2], BLOCK_V,
+                                             False, T_SOFTCAP, ACC, False, COMPILER_STAGES)
+    return m_s, log_s_s, entropy, m_t, log_s_t
+
+
+@triton.jit
 def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_ptr, stats_ptr,
                         stride_sb, stride_st, stride_tb, stride_tt, stride_mb, stride_mt,
                         T, V, s_head_args, t_head_args, hyper,
@@ -72,23 +121,11 @@ def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_p
             m_t = tl.load(given + 2).to(ACC)
             log_s_t = tl.load(given + 3).to(ACC)
         else:
-            m_s, log_s_s, entropy = row_logsumexp(s_row, V, s_head[0], s_head[1], s_head[2],
-                                                  BLOCK_V, True, S_SOFTCAP, ACC, False,
-                                                  COMPILER_STAGES)
-            m_t, log_s_t, no_entropy = row_logsumexp(t_row, V, t_head[0], t_head[1],
-                                                     t_head[2], BLOCK_V, False, T_SOFTCAP, ACC,
-                                                     False, COMPILER_STAGES)
-        acc = tl.zeros((BLOCK_V,), ACC)
-        acc_aux = tl.zeros((BLOCK_V,), ACC)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            s, unused_ds = _log_probs(s_row, cols, V, m_s, log_s_s, s_head, S_SOFTCAP, ACC)
-            lt, unused_dt = _log_probs(t_row, cols, V, m_t, log_s_t, t_head, T_SOFTCAP, ACC)
-            term, aux_term, unused = DIVERGENCE(s, lt, aux, div_params)
-            acc += term
-            acc_aux += aux_term
-        value = tl.sum(acc, 0)
-        aux = tl.sum(acc_aux, 0)
+            m_s, log_s_s, entropy, m_t, log_s_t = _both_statistics(
+                s_row, t_row, V, s_head, t_head, BLOCK_V, S_SOFTCAP, T_SOFTCAP, ACC)
+        value, aux = _divergence_sums(s_row, t_row, V, m_s, log_s_s, m_t, log_s_t, s_head,
+                                      t_head, div_params, DIVERGENCE, BLOCK_V, S_SOFTCAP,
+                                      T_SOFTCAP, ACC)
     tl.store(value_ptr + token, value)
     stats = stats_ptr + N_STATS * token
     if not GIVEN_STATS:
@@ -113,28 +150,54 @@ def _distill_bwd_kernel(student_ptr, teacher_ptr, mask_ptr, stats_ptr, dvalue_pt
                                                           HAS_MASK)
     drow = dlogits_ptr + at(b, stride_db, s_row_index, stride_dt)
     if is_actor:
+        stats = stats_ptr + N_STATS * token
+        _write_gradient(student_ptr + at(b, stride_sb, s_row_index, stride_st),
+                        teacher_ptr + at(b, stride_tb, t, stride_tt), drow, V,
+                        tl.load(stats).to(ACC), tl.load(stats + 1).to(ACC),
+                        tl.load(stats + 2).to(ACC), tl.load(stats + 3).to(ACC),
+                        tl.load(stats + 4).to(ACC), tl.load(dvalue_ptr + token).to(ACC),
+                        fp64_values(s_head_args, ACC), fp64_values(t_head_args, ACC),
+                        fp64_values(hyper, ACC), DIVERGENCE, BLOCK_V, S_SOFTCAP, T_SOFTCAP,
+                        ACC)
+    else:
+        row_write_zeros(drow, V, BLOCK_V, False)
+
+
+@triton.jit
+def _distill_single_pass_kernel(student_ptr, teacher_ptr, mask_ptr, weights_ptr, value_ptr,
+                                entropy_ptr, dlogits_ptr, stride_sb, stride_st, stride_tb,
+                                stride_tt, stride_mb, stride_mt, stride_wb, stride_wt,
+                                stride_db, stride_dt, T, S, offset, V, s_head_args,
+                                t_head_args, hyper, DIVERGENCE: tl.constexpr,
+                                BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr,
+                                S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
+                                ACC: tl.constexpr):
+    # One program per row of the student's whole [B, S] logits: an actor row's statistics and
+    # divergence, then its gradient for the upstream gradient of its weight in the loss (the
+    # rows read a third and a fourth time, from L2 at best); every other row's gradient 0.
+    token, b, s_row_index, t, in_window, is_actor = program_token(
+        tl.program_id(0), mask_ptr, T, S, offset, stride_mb, stride_mt, HAS_MASK)
+    drow = dlogits_ptr + at(b, stride_db, s_row_index, stride_dt)
+    if is_actor:
         s_head = fp64_values(s_head_args, ACC)
         t_head = fp64_values(t_head_args, ACC)
         div_params = fp64_values(hyper, ACC)
-        stats = stats_ptr + N_STATS * token
-        m_s = tl.load(stats).to(ACC)
-        log_s_s = tl.load(stats + 1).to(ACC)
-        m_t = tl.load(stats + 2).to(ACC)
-        log_s_t = tl.load(stats + 3).to(ACC)
-        aux = tl.load(stats + 4).to(ACC)
-        # dD/dlogit = dD/dz inv_temp (times the softcap's derivative cap cap_in dx)
-        g = tl.load(dvalue_ptr + token).to(ACC) * s_head[0]
-        if S_SOFTCAP:
-            g = g * s_head[1] * s_head[2]
         s_row = student_ptr + at(b, stride_sb, s_row_index, stride_st)
         t_row = teacher_ptr + at(b, stride_tb, t, stride_tt)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            s, ds = _log_probs(s_row, cols, V, m_s, log_s_s, s_head, S_SOFTCAP, ACC)
-            lt, unused_dt = _log_probs(t_row, cols, V, m_t, log_s_t, t_head, T_SOFTCAP, ACC)
-            unused_term, unused_aux, d = DIVERGENCE(s, lt, aux, div_params)
-            tl.store(drow + cols, (g * d * ds).to(dlogits_ptr.dtype.element_ty), mask=cols < V)
+        m_s, log_s_s, entropy, m_t, log_s_t = _both_statistics(
+            s_row, t_row, V, s_head, t_head, BLOCK_V, S_SOFTCAP, T_SOFTCAP, ACC)
+        value, aux = _divergence_sums(s_row, t_row, V, m_s, log_s_s, m_t, log_s_t, s_head,
+                                      t_head, div_params, DIVERGENCE, BLOCK_V, S_SOFTCAP,
+                                      T_SOFTCAP, ACC)
+        tl.store(value_ptr + token, value)
+        tl.store(entropy_ptr + token, entropy)
+        weight = tl.load(weights_ptr + at(b, stride_wb, t, stride_wt)).to(ACC)
+        _write_gradient(s_row, t_row, drow, V, m_s, log_s_s, m_t, log_s_t, aux, weight, s_head,
+                        t_head, div_params, DIVERGENCE, BLOCK_V, S_SOFTCAP, T_SOFTCAP, ACC)
     else:
+        if in_window:
+            tl.store(value_ptr + token, tl.zeros((), value_ptr.dtype.element_ty))
+            tl.store(entropy_ptr + token, tl.zeros((), entropy_ptr.dtype.element_ty))
         row_write_zeros(drow, V, BLOCK_V, False)
 
 
@@ -195,3 +258,34 @@ def distill_bwd(logits: torch.Tensor, offset: int, teacher: torch.Tensor, mask, 
         S_SOFTCAP=s_softcap, T_SOFTCAP=t_softcap, ACC=tl_compute_dtype(logits.dtype),
         num_warps=num_warps)
     return dlogits
+
+
+def distill_single_pass(logits: torch.Tensor, offset: int, teacher: torch.Tensor, mask,
+                        weights: torch.Tensor, student_head: HeadParams,
+                        teacher_head: HeadParams, terms):
+    """``(value [B, T], the student's entropy [B, T], dlogits [B, S, V])`` of ``distill_fwd``
+    and ``distill_bwd`` in one launch, the gradient of the loss ``sum weights * value``
+    (``weights [B, T]``, each position's upstream gradient): each actor row's statistics,
+    divergence and gradient by one program, which reads both rows twice more."""
+    B, S, V = logits.shape
+    T = weights.shape[1]
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    value = empty((B, T), dtype=acc, device=logits.device)
+    entropy = empty((B, T), dtype=acc, device=logits.device)
+    dlogits = empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if B * S == 0:
+        return value, entropy, dlogits
+    block_v, num_warps = vocab_launch_config(V, max(logits.element_size(),
+                                                    teacher.element_size()))
+    mask_u8, stride_mb, stride_mt = mask_args(mask)
+    function, hyper = divergence_args(terms)
+    (s_head, s_softcap), (t_head, t_softcap) = student_head.kernel_args(), \
+        teacher_head.kernel_args()
+    _distill_single_pass_kernel[(B * S,)](
+        logits, teacher, mask_u8, weights, value, entropy, dlogits,
+        logits.stride(0), logits.stride(1), teacher.stride(0), teacher.stride(1),
+        stride_mb, stride_mt, weights.stride(0), weights.stride(1), dlogits.stride(0),
+        dlogits.stride(1), T, S, offset, V, s_head, t_head, hyper, DIVERGENCE=function,
+        BLOCK_V=block_v, HAS_MASK=mask is not None, S_SOFTCAP=s_softcap, T_SOFTCAP=t_softcap,
+        ACC=tl_compute_dtype(logits.dtype), num_warps=num_warps)
+    return value, entropy, dlogits
