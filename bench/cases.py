@@ -286,10 +286,14 @@ _FLOORS = {
     # Distillation from two models' logits (the rows of both counted): fwd one read of each +
     # mask, the divergence and entropy written; bwd one read of each + one write of the
     # student's gradient + mask, each model's max and log-sum, the upstream gradient; fwd+bwd
-    # both, as token_logprobs (the per-token upstream gradient comes after the forward; a
-    # single pass for the scalar loss alone, 2 reads + 1 write, is not built).
+    # of the loss ONE read of each + one write (each position's upstream gradient, its weight
+    # in the loss, is known before the kernels: a single pass) + mask, divergence, entropy.
     "distill_logits": {"fwd": (2, 0, MSK + 2 * F32), "bwd": (2, 1, MSK + 5 * F32),
-                       "fwd+bwd": (4, 1, 2 * MSK + 7 * F32)},
+                       "fwd+bwd": (2, 1, MSK + 2 * F32)},
+    # The per-token divergence (a trainer's own aggregation after it, verl's agg_loss): its
+    # upstream gradient comes after the forward, so fwd+bwd is both, as token_logprobs.
+    "token_divergence_logits": {"fwd": (2, 0, MSK + 2 * F32), "bwd": (2, 1, MSK + 5 * F32),
+                                "fwd+bwd": (4, 1, 2 * MSK + 7 * F32)},
     # Distillation from a teacher's top-k (the student's rows only): fwd one read + mask, the k
     # ids and log-probs, the student's log-probs at them, its entropy and row statistics; bwd
     # one read + one write + mask, the ids, the upstream gradient at them, the statistics;
@@ -469,8 +473,12 @@ def _ops():
                       _HEAD_FLOOR, liger=liger_head.get(loss), liger_modes=step,
                       trl=_trl_head(loss),
                       fused_modes=step, modes=step, matmuls=_HEAD_MATMULS))
-    # distillation (JSD, TRL's default): both models' rows, fwd read twice and bwd once each
-    ops.append(Op("distill_logits", True, distill_cases.run_logits, _FLOORS["distill_logits"]))
+    # distillation (JSD, TRL's default): both models' rows; the loss a single pass, the
+    # per-token divergence two (fwd reads each row twice, bwd once)
+    ops.append(Op("distill_logits", True, distill_cases.run_logits, _FLOORS["distill_logits"],
+                  fused_modes=("fwd", "fwd+bwd")))
+    ops.append(Op("token_divergence_logits", True, distill_cases.run_token_divergence,
+                  _FLOORS["token_divergence_logits"]))
     ops.append(Op("distill_head", True, distill_cases.run_head, _HEAD_FLOOR,
                   liger=distill_cases.liger_head, liger_modes=("fwd+bwd",),
                   trl=distill_cases.trl_head, fused_modes=("fwd+bwd",), modes=("fwd+bwd",),

@@ -1,7 +1,8 @@
 """The distillation cases of the benchmark (``cases.OPS``: ``distill_logits``,
-``distill_head``, ``distill_top_k_logits``, ``distill_top_k_head``): TRL's default divergence,
-``JSD(0.5)``, between the policy and a teacher of the same vocabulary, from logits and from
-both models' heads, with the peers a TRL user runs today for the heads: TRL 1.16's
+``token_divergence_logits``, ``distill_head``, ``distill_top_k_logits``,
+``distill_top_k_head``): TRL's default divergence, ``JSD(0.5)``, between the policy and a
+teacher of the same vocabulary, from logits (the loss, and the per-token divergence a trainer
+aggregates itself) and from both models' heads, with the peers a TRL user runs today for the heads: TRL 1.16's
 ``ChunkedDivergenceFunction`` (its DistillationTrainer's loss) and Liger's
 ``LigerFusedLinearJSDLoss``; and verl's top-k forward KL (``forward_kl_topk`` with its default
 ``log_prob_min_clamp``) from a teacher server's top-k, beside verl's own
@@ -42,6 +43,12 @@ def run_logits(lib, x):
     return lib.distill_loss(lib.Logits(x.logits, x.targets),
                             lib.Logits(x.teacher_logits, x.targets), x.mask, JSD(BETA),
                             validate=x.validate).loss
+
+
+def run_token_divergence(lib, x):
+    return lib.token_divergence(lib.Logits(x.logits, x.targets),
+                                lib.Logits(x.teacher_logits, x.targets), JSD(BETA), x.mask,
+                                validate=x.validate)
 
 
 def run_head(lib, x):

@@ -31,14 +31,17 @@ TOLERANCE = 0.5          # instructions per logit a kernel may add before the te
 LABELS = ("token_logprobs fwd", "token_logprobs bwd", "token_logprobs fwd + entropy",
           "token_logprobs bwd + entropy", "single pass GPPO chi2/atomic",
           "scale_rows (upstream grad != 1)", "single pass PPO clip",
-          "single pass GPPO, no grad", "distill JSD fwd", "distill JSD bwd")
+          "single pass GPPO, no grad", "distill JSD fwd", "distill JSD bwd",
+          "distill JSD single pass")
 BF16_ONLY = ("GGPO fwd (log-probs)", "GGPO bwd (dlogits)")
 # Distillation's kernels read a student's and a teacher's row: the forward reduces each to its
 # statistics (one loop each), then reads both in its divergence loop; the backward reads both
-# in its one loop. Per logit of the vocabulary they move 2 elements forward (each read twice)
-# and 3 backward, and issue more than those bytes take by the model (docs/distillation.md):
-# held to their pins, not to the issue budget.
-DISTILL_LOOPS = {"distill JSD fwd": (1, 1, 2), "distill JSD bwd": (2,)}
+# in its one loop; the loss's single pass runs both. Per logit of the vocabulary they move 2
+# elements forward (each read twice) and 3 backward or in the single pass, and issue more than
+# those bytes take by the model (docs/distillation.md): held to their pins, not to the issue
+# budget.
+DISTILL_LOOPS = {"distill JSD fwd": (1, 1, 2), "distill JSD bwd": (2,),
+                 "distill JSD single pass": (1, 1, 2, 2)}
 # every GPPO cell but chi2/atomic (above) off policy, the root-found cells on policy too
 CELLS = {f"single pass GPPO {g}/{t}{', on policy' if on else ''}, bf16"
          for g in GEOMETRIES for t in TOPOLOGIES for on in (False, True)

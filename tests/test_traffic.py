@@ -83,8 +83,8 @@ def _expected(name, op, mode):
         return {}, {}, 0.0
     if name.startswith("distill_top_k"):
         return _expected_top_k(op, mode)
-    if name.startswith("distill"):
-        return _expected_distill(op, mode)
+    if name.startswith(("distill", "token_divergence")):
+        return _expected_distill(name, op, mode)
     target = 1 / V      # z[y], read once by a forward kernel
     single_pass = not name.startswith(("token_logprobs", "ggpo")) and \
         "two passes" not in name                # token-local losses
@@ -129,13 +129,16 @@ def _expected(name, op, mode):
     return rows, {}, window_rows
 
 
-def _expected_distill(op, mode):
+def _expected_distill(name, op, mode):
     """Distillation, both models' rows counted: the forward reads each model's row twice (its
     max and log-sum, then the divergence's terms), the backward each once and writes the
-    student's gradient once (zeros at a masked row). From heads (the loss's single pass) each
+    student's gradient once (zeros at a masked row); the loss from logits does both in one
+    launch (a row's 6 reads of 2 distinct rows). From heads (the loss's single pass) each
     model's chunk is formed once by a matmul, reduced, the student's gradient written into its
     chunk after the divergence and read by the two products."""
     fwd, bwd = (4, 2, 0), (2, 2, 1)
+    if name == "distill_logits" and mode == "fwd+bwd":
+        return {"actor": (6, 2, 1), "masked": (0, 0, 1)}, {}, 1.0
     if op.matmuls is not None:
         chunk = tuple(a + b for a, b in zip(fwd, bwd))
         # each model's chunk formed in fp32 once (here the inputs cast, a matmul writing two

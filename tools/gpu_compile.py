@@ -163,14 +163,15 @@ def _drive():
                     backward(out)
 
     # Distillation between two Logits: each divergence's example, bf16 / fp32 / fp64, a teacher of
-    # another dtype.
+    # another dtype; the loss (a single pass) and the per-token divergence (two passes).
     for dtype, teacher_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32,
                                                                     torch.bfloat16),
                                  (torch.float64, torch.float64)):
         for divergence in (cls.example() for cls in divergences.DIVERGENCES):
-            backward(rlfuse.distill_loss(rlfuse.Logits(logits_of(dtype), targets, 0.7),
-                                         rlfuse.Logits(logits_of(teacher_dtype).detach(),
-                                                       targets), mask, divergence).loss)
+            models = (rlfuse.Logits(logits_of(dtype), targets, 0.7),
+                      rlfuse.Logits(logits_of(teacher_dtype).detach(), targets))
+            backward(rlfuse.distill_loss(*models, mask, divergence).loss)
+            backward(rlfuse.token_divergence(*models, divergence, mask))
         # a split vocabulary's pass of the divergence terms (the whole rows' statistics given)
         rows = logits_of(dtype).detach()
         distill_fwd(rows, rows, mask, HeadParams(0.7), HeadParams(), JSD(0.5).terms(),

@@ -373,10 +373,10 @@ def floor_of(kernel: str, constexprs: Dict[str, str]):
         return 1, 1
     # distillation, per logit of the vocabulary: the student's and the teacher's rows read
     # (each twice forward: statistics, then terms; the second an L2 hit at best), the student's
-    # gradient written backward
+    # gradient written backward; the loss's single pass both (its re-reads L2 hits at best)
     if kernel == "_distill_fwd_kernel":
         return 2, 0
-    if kernel == "_distill_bwd_kernel":
+    if kernel in ("_distill_bwd_kernel", "_distill_single_pass_kernel"):
         return 2, 1
     raise KeyError(f"tools/sass.py: no memory floor for {kernel}; add it to floor_of")
 
@@ -536,8 +536,9 @@ VARIANTS = (
     ("single pass GPPO, no grad", "gppo_logits", "no grad", ("bf16", "fp32")),
     ("GGPO fwd (log-probs)", "ggpo_logits", "fwd", ("bf16",)),
     ("GGPO bwd (dlogits)", "ggpo_logits", "bwd", ("bf16",)),
-    ("distill JSD fwd", "distill_logits", "fwd", ("bf16", "fp32")),
-    ("distill JSD bwd", "distill_logits", "bwd", ("bf16", "fp32")),
+    ("distill JSD fwd", "token_divergence_logits", "fwd", ("bf16", "fp32")),
+    ("distill JSD bwd", "token_divergence_logits", "bwd", ("bf16", "fp32")),
+    ("distill JSD single pass", "distill_logits", "fwd", ("bf16", "fp32")),
 )
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # Every GPPO cell's single pass (bf16, with the gradient), off policy, and on policy where that
