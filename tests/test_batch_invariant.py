@@ -9,8 +9,10 @@ import torch
 import rlfuse
 import rlfuse.reference
 from conftest import TOL
+from rlfuse.kernels.head import HeadParams
+from rlfuse.kernels.head_blocks import head_blocks
 from rlfuse.kernels.matmul import BLOCK_M, fixed_matmul
-from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
+from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK, block_stats
 
 H, V, T = 24, 83, 5
 HEADS = {"plain": {}, "bias": dict(bias=True), "scaled": dict(logit_scale=0.25, bias=True),
@@ -338,3 +340,75 @@ def test_head_logits_bad_input(bad, match):
     for lib in (rlfuse, rlfuse.reference):
         with pytest.raises((ValueError, TypeError), match=match):
             lib.head_logits(**args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("vocab", [83, 256, 300])
+@pytest.mark.parametrize("style", ["plain", "bias_softcap"])
+def test_the_heads_blocks_are_those_of_its_logits(dtype, vocab, style):
+    """The head's block statistics from tiles that never leave the chip (``head_blocks``) are
+    the bits of those of the fixed-order matmul's logits (``block_stats``) and their target
+    logits a gather of them: rows across two row tiles, a weight of other strides, a partial
+    last block or none, with and without the entropy."""
+    g = torch.Generator().manual_seed(vocab)
+    C = BLOCK_M + 6
+    hidden = torch.randn(C, H, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(H, vocab, generator=g, dtype=torch.float64) / H ** 0.5).to(dtype).t()
+    assert not weight.is_contiguous()
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64).to(dtype) \
+        if style != "plain" else None
+    head = HeadParams(0.7, 0.5, 3.0) if style != "plain" else HeadParams(1.3)
+    targets = torch.randint(0, vocab, (C,), generator=g)
+    logits = fixed_matmul(hidden, weight.t(), bias=bias, dtype=dtype)
+    for with_entropy in (True, False):
+        blocks, x_y = head_blocks(hidden, weight, bias, targets, *head.kernel_args(),
+                                  with_entropy)
+        assert blocks.shape == (C, -(-vocab // VOCAB_BLOCK), 3) and x_y.dtype == dtype
+        assert torch.equal(blocks, block_stats(logits.unsqueeze(1), *head.kernel_args(),
+                                               with_entropy))
+        assert torch.equal(x_y, logits.gather(1, targets[:, None])[:, 0])
+        assert with_entropy or (blocks[..., 2] == 0).all()
+
+
+def test_the_forward_forms_no_vocabulary_sized_tensor():
+    """The batch-invariant head's log-probs and entropies (the old-log-prob pass) allocate no
+    tensor of a row's vocabulary, where the default head forms each chunk's logits: every
+    tensor a torch op makes outside the kernels is recorded, rlfuse's ops entered (the probe
+    sees the default head's ``[C, 1, V]``)."""
+    from torch._library.custom_ops import _maybe_get_opdef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tools.traffic import KernelCounter
+
+    launches = KernelCounter()     # the interpreter's own torch ops inside a kernel: registers
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            opdef = _maybe_get_opdef(func) if func.namespace == "rlfuse" else None
+            if opdef is not None:          # its implementation under this mode
+                with self:
+                    return opdef._init_fn(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if launches.in_kernel or func.overloadpacket.__name__.endswith("_"):
+                return out                 # a kernel's tiles, or an op in place
+            for x in torch.utils._pytree.tree_leaves(out):
+                if isinstance(x, torch.Tensor):
+                    self.numel = max(self.numel, x.numel())
+            return out
+
+    vocab = 1000
+    weight, bias, fields = _head(torch.bfloat16, bias=True, vocab=vocab)
+    hidden, targets = _rows(6, torch.bfloat16, seed=3, vocab=vocab)
+    rows = targets.numel()
+    largest = {}
+    for invariant in (False, True):
+        with torch.no_grad(), launches, Largest() as probe:
+            rlfuse.policy_logprobs(rlfuse.LinearHead(hidden, weight, targets, bias=bias,
+                                                     batch_invariant=invariant, **fields),
+                                   return_entropy=True)
+        largest[invariant] = probe.numel
+    assert largest[False] >= rows * vocab
+    # not even one row's vocabulary (the blocks' statistics: 3 numbers per block of 128 ids)
+    assert largest[True] < vocab

@@ -32,7 +32,7 @@ from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd, register_backward_op
 from .head_matmuls import HeadGradients, chunk_logits
-from .vocab_blocks import block_row_stats, logit_at_targets
+from .vocab_blocks import block_row_stats, head_block_row_stats, logit_at_targets
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # the most a default chunk of logits takes: 1 GiB
 # The fewest tokens a default chunk takes (the matmul's M), and the multiple its tokens are of.
@@ -126,10 +126,11 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     """``(logp [B, T], entropy [B, T] or empty, stats [B*T, 2])`` of the head's window
     (``logit_scale`` and ``softcap``, 0: none, as in ``LinearHead``); with ``target_logit`` the
     first output is the target's logit in the units of the row statistics (``logit_at_targets``)
-    instead (what a shard of a split vocabulary contributes, ``scaleout.vocab``);
-    ``batch_invariant``: each chunk's logits by the fixed-order matmul (``chunk_logits``), its
-    rows' statistics from fixed vocabulary blocks (``vocab_blocks``: the whole rows' over the
-    split vocabulary of ``group_name``, of which ``weight`` is this rank's shard)."""
+    instead (what a shard of a split vocabulary contributes, ``scaleout.vocab``; not with
+    ``batch_invariant``); ``batch_invariant``: each chunk's rows' statistics from fixed
+    vocabulary blocks of the fixed-order matmul's tiles, never formed whole
+    (``vocab_blocks.head_block_row_stats``: the whole rows' over the split vocabulary of
+    ``group_name``, of which ``weight`` is this rank's shard)."""
     acc = compute_dtype(hidden.dtype)
     B, T = targets.shape
     # rows left out of the chunks (masked, when gathering) have log-prob 0, entropy 0
@@ -139,17 +140,17 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
     head = HeadParams(temperature, logit_scale, softcap)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
-        logits = chunk_logits(h_flat[rows], weight, bias, batch_invariant)
         m_c = None if m_flat is None else m_flat[tokens, None]
-        if batch_invariant:
-            _, row_stats = block_row_stats(logits, y_flat[tokens, None], m_c, head,
-                                           with_entropy, group_name)
+        if batch_invariant:     # the chunk's logits never formed whole
+            _, row_stats = head_block_row_stats(h_flat[rows], weight, bias, y_flat[tokens, None],
+                                                m_c, head, with_entropy, group_name)
             lp_c, stats_c, ent_c = row_stats[:, :1], row_stats[:, 1:3], row_stats[:, 3:]
         else:
+            logits = chunk_logits(h_flat[rows], weight, bias)
             lp_c, stats_c, ent_c = token_logprobs_fwd(logits, y_flat[tokens, None], m_c, head,
                                                       with_entropy)
-        if target_logit:
-            lp_c = logit_at_targets(logits, y_flat[tokens], head)
+            if target_logit:
+                lp_c = logit_at_targets(logits, y_flat[tokens], head)
         logp[tokens] = lp_c[:, 0]
         stats[tokens] = stats_c
         if with_entropy:

@@ -1,7 +1,7 @@
 """The row statistics of a batch-invariant head (``LinearHead(..., batch_invariant=True)``): each
-block of ``VOCAB_BLOCK`` ids of a chunk's logits reduced on its own by the row kernels (the
-block as a row), the blocks combined first to last over the global block index
-(``kernels.vocab_blocks``). On one rank and over a split vocabulary of any number of ranks (one
+block of ``VOCAB_BLOCK`` ids of a chunk's logits reduced on its own
+(``kernels.vocab_blocks.block_stats``), the blocks combined first to last over the global block
+index (``kernels.vocab_blocks``). On one rank and over a split vocabulary of any number of ranks (one
 all-gather of the chunk's block statistics) a row's log-prob, max, log-sum and entropy are the
 same bits, whatever else the batch holds.
 """
@@ -14,53 +14,26 @@ from torch import Tensor
 
 from .._types import compute_dtype
 from ..kernels.head import HeadParams
-from ..kernels.logprobs import token_logprobs_fwd
-from ..kernels.vocab_blocks import BLOCK_COLUMNS, VOCAB_BLOCK, combine_blocks
+from ..kernels.head_blocks import head_blocks
+from ..kernels.vocab_blocks import BLOCK_COLUMNS, VOCAB_BLOCK, block_stats, combine_blocks
 from ..scaleout import vocab
 from ..shared.head import scaled_logits
 
 
-def _block_stats(rows: Tensor, head: HeadParams, with_entropy: bool) -> Tensor:
-    """``[R, NB, BLOCK_COLUMNS]`` of the blocks of ``rows [R, NB, W]`` (each block a row)."""
-    R, NB = rows.shape[:2]
-    _, stats, entropy = token_logprobs_fwd(
-        rows, torch.zeros((R, NB), dtype=torch.long, device=rows.device), None, head,
-        with_entropy)
-    entropy = entropy if with_entropy else torch.zeros_like(stats[:, 0]).view(R, NB)
-    return torch.cat([stats.view(R, NB, 2), entropy.view(R, NB, 1)], -1)
-
-
-def _row_blocks(rows: Tensor, head: HeadParams, with_entropy: bool) -> Tensor:
-    """``[R, NB, BLOCK_COLUMNS]`` of ``rows [R, V]`` (``stride(-1) == 1``): their whole blocks,
-    then the last, partial one if ``V`` is not a multiple of ``VOCAB_BLOCK``."""
-    whole = rows.shape[1] - rows.shape[1] % VOCAB_BLOCK
-    parts = []
-    if whole:
-        parts.append(_block_stats(rows[:, :whole].unflatten(1, (-1, VOCAB_BLOCK)), head,
-                                  with_entropy))
-    if whole < rows.shape[1]:
-        parts.append(_block_stats(rows[:, whole:].unsqueeze(1), head, with_entropy))
-    return torch.cat(parts, 1)
-
-
-def _local_blocks(logits: Tensor, head: HeadParams, with_entropy: bool) -> Tensor:
-    """``[B T, NB, BLOCK_COLUMNS]`` of ``logits [B, T, V]`` (any batch and time strides, read
-    in place)."""
-    B, T, V = logits.shape
-    if B * T == 0 or B == 1 or logits.stride(0) == T * logits.stride(1):
-        return _row_blocks(logits.view(B * T, V), head, with_entropy)
-    return torch.cat([_row_blocks(logits[b], head, with_entropy) for b in range(B)])
+def in_stat_units(x_y: Tensor, head: HeadParams) -> Tensor:
+    """Raw logits ``x_y`` in the compute dtype, in the units the row kernels keep their
+    statistics in (``HeadParams.inv_temp``): softcapped for a head that softcaps, else the
+    matmul's own."""
+    if head.softcap:
+        return scaled_logits(x_y, head.logit_scale, head.softcap)
+    return x_y.to(compute_dtype(x_y.dtype))
 
 
 def logit_at_targets(logits: Tensor, targets: Tensor, head: HeadParams) -> Tensor:
-    """The logit of each row's target (``targets [B, T]`` within ``logits [B, T, V]``) in the
-    compute dtype, in the units the row kernels keep their statistics in
-    (``HeadParams.inv_temp``): the softcapped logit of a head that softcaps, else the matmul's
-    own. ``[B T, 1]``."""
-    x_y = logits.gather(-1, targets.reshape(*logits.shape[:-1], 1)).view(-1, 1)
-    if head.softcap:
-        return scaled_logits(x_y, head.logit_scale, head.softcap)
-    return x_y.to(compute_dtype(logits.dtype))
+    """The logit of each row's target (``targets [B, T]`` within ``logits [B, T, V]``)
+    ``in_stat_units``, ``[B T, 1]``."""
+    return in_stat_units(logits.gather(-1, targets.reshape(*logits.shape[:-1], 1)).view(-1, 1),
+                         head)
 
 
 def block_row_stats(logits: Tensor, targets: Tensor, mask: Optional[Tensor], head: HeadParams,
@@ -70,7 +43,35 @@ def block_row_stats(logits: Tensor, targets: Tensor, mask: Optional[Tensor], hea
     ``targets [B, T]``: ``(the targets within the shard, -1 where another rank holds them; the
     whole rows' statistics [B T, ROW_STAT_COLUMNS])``, masked rows' log-prob and entropy 0
     (their targets never read), a target outside the vocabulary's log-prob NaN."""
-    V_l, vocab_size = logits.shape[-1], logits.shape[-1]
+    def blocks_and_targets(local):
+        return (block_stats(logits, *head.kernel_args(), with_entropy),
+                logit_at_targets(logits, local, head).view(-1))
+
+    return _row_stats(blocks_and_targets, logits.shape[-1], targets, mask, head, with_entropy,
+                      group_name)
+
+
+def head_block_row_stats(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor],
+                         targets: Tensor, mask: Optional[Tensor], head: HeadParams,
+                         with_entropy: bool, group_name: str = "") -> Tuple[Tensor, Tensor]:
+    """``block_row_stats`` of the logits ``h_rows [C, H] @ weight.T (+ bias)`` as
+    ``head_matmuls.chunk_logits(..., batch_invariant=True)`` forms them (``targets``, ``mask``:
+    ``[C, 1]``), the same bits, from tiles that never leave the chip
+    (``kernels.head_blocks``): no ``[C, V]`` tensor."""
+    def blocks_and_targets(local):
+        blocks, x_y = head_blocks(h_rows, weight, bias, local.reshape(-1), *head.kernel_args(),
+                                  with_entropy)
+        return blocks, in_stat_units(x_y, head)
+
+    return _row_stats(blocks_and_targets, weight.shape[0], targets, mask, head, with_entropy,
+                      group_name)
+
+
+def _row_stats(blocks_and_targets, V_l: int, targets: Tensor, mask: Optional[Tensor],
+               head: HeadParams, with_entropy: bool, group_name: str) -> Tuple[Tensor, Tensor]:
+    """``block_row_stats`` of the rows whose ``blocks_and_targets(local targets in [0,
+    V_l))`` are their blocks' statistics and their target logits ``in_stat_units``."""
+    vocab_size = V_l
     safe = targets if mask is None else torch.where(mask, targets, torch.zeros_like(targets))
     local = safe
     if group_name:
@@ -80,8 +81,7 @@ def block_row_stats(logits: Tensor, targets: Tensor, mask: Optional[Tensor], hea
                              f"make_vocab_size_divisible_by=128), got a shard of {V_l}")
         local, owner = vocab.shard_targets(safe, V_l, group_name)
         vocab_size = V_l * vocab.vocab_group_size(vocab.group_of(group_name))
-    blocks = _local_blocks(logits, head, with_entropy)
-    x_y = logit_at_targets(logits, local.clamp(0, V_l - 1), head).view(-1)
+    blocks, x_y = blocks_and_targets(local.clamp(0, V_l - 1))
     if group_name:
         import torch.distributed as dist
 

@@ -23,7 +23,30 @@ from .utils import INTERPRET, tl_compute_dtype
 # One tile configuration for every shape (the invariance: a row's order of operations may not
 # depend on how many rows there are).
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
-NUM_WARPS = 4
+NUM_WARPS = 8
+
+
+@triton.jit
+def fixed_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+               IEEE: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """The tile ``A[rm, :] @ B[:, rn]`` of fp32 (``ACC``) sums, over K block by block in
+    increasing order (rows and columns outside ``M`` / ``N`` give 0): every kernel that forms
+    the batch-invariant head's products forms its tiles here, so they are the same bits."""
+    acc = tl.zeros((rm.shape[0], rn.shape[0]), dtype=ACC)
+    for start in range(0, K, BLOCK_K):
+        rk = start + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak,
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + rk[:, None].to(tl.int64) * stride_bk + rn[None, :] * stride_bn,
+                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if UPCAST:   # the interpreter multiplies no 16-bit floats: the exact products in fp32
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    return acc
 
 
 @triton.jit
@@ -37,19 +60,8 @@ def _matmul_kernel(
 ):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-    for start in range(0, K, BLOCK_K):
-        rk = start + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak,
-                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + rk[:, None].to(tl.int64) * stride_bk + rn[None, :] * stride_bn,
-                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        if UPCAST:   # the interpreter multiplies no 16-bit floats: the exact products in fp32
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+    acc = fixed_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                     IEEE, UPCAST, ACC, BLOCK_K)
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     c_at = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
     if HAS_BIAS:
@@ -57,6 +69,14 @@ def _matmul_kernel(
     if ACCUMULATE:
         acc += tl.load(c_at, mask=inside, other=0.0).to(ACC)
     tl.store(c_at, acc.to(c_ptr.dtype.element_ty), mask=inside)
+
+
+def dot_modes(dtype: torch.dtype):
+    """``(IEEE, UPCAST)`` of ``fixed_tile`` for inputs of ``dtype``: fp32 / fp64 in full
+    precision (no TF32), 16-bit floats on the tensor cores (in the interpreter: cast to fp32,
+    whose products of them are exact)."""
+    sixteen = dtype in (torch.bfloat16, torch.float16)
+    return not sixteen, INTERPRET and sixteen
 
 
 def fixed_matmul(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
@@ -76,9 +96,8 @@ def fixed_matmul(a: torch.Tensor, b: torch.Tensor, *, bias: Optional[torch.Tenso
         a, b, out if bias is None else bias, out,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, IEEE=a.dtype != torch.bfloat16 and
-        a.dtype != torch.float16, UPCAST=INTERPRET and a.element_size() == 2,
-        ACC=tl_compute_dtype(a.dtype),
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, IEEE=dot_modes(a.dtype)[0],
+        UPCAST=dot_modes(a.dtype)[1], ACC=tl_compute_dtype(a.dtype),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )
     return out
