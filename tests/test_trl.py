@@ -768,3 +768,44 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _rows_of(inputs: dict, rows: list) -> dict:
+    """The rows ``rows`` of a generation batch (its per-row tensors; the rest as it is)."""
+    n = inputs["completion_ids"].shape[0]
+    return {k: v[rows] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n else v
+            for k, v in inputs.items()}
+
+
+def test_batch_invariant_old_logprobs_are_the_training_passes(tmp_path):
+    """``rlfuse_batch_invariant=True`` under TRL's default bf16: TRL's old log-probs (its
+    generation batch of 8 in micro-batches of 4) equal, bit for bit, the training pass's of
+    the same completions in micro-batches of 3, 1 and 4 in another order, so every ratio is
+    exactly 1 on policy (the loss's ratio metrics); without it TRL's own old log-probs differ
+    from the training pass's."""
+    data, tok = dataset(), tokenizer()
+    olds = {}
+    for invariant in (True, False):
+        trainer = RLFuseGRPOTrainer(
+            model=model(), reward_funcs=reward, train_dataset=data, processing_class=tok,
+            args=RLFuseGRPOConfig(**config(tmp_path, loss_type="dapo", bf16=True,
+                                           steps_per_generation=2),
+                                  rlfuse_batch_invariant=invariant))
+        assert trainer.accelerator.mixed_precision == "bf16"
+        trainer.model.train()
+        torch.manual_seed(5)
+        inputs = trainer._generate_and_score_completions([data[i] for i in range(8)])
+        old = inputs["old_per_token_logps"]
+        assert old is not None and old.shape[0] == 8
+        with trainer.accelerator.autocast():
+            new = torch.empty_like(old)
+            for rows in ([5, 2, 7], [0], [1, 3, 4, 6]):
+                new[rows] = trainer._completion_logprobs(trainer.model, _rows_of(inputs, rows))
+        olds[invariant] = torch.equal(new, old)
+        if invariant:
+            trainer.current_gradient_accumulation_steps = 1
+            with trainer.accelerator.autocast():
+                trainer._compute_loss(trainer.model, _rows_of(inputs, [6, 1, 2]))
+            assert trainer._metrics["train"]["rlfuse/ratio_mean"][-1] == 1.0
+            assert trainer._metrics["train"]["clip_ratio/region_mean"][-1] == 0.0
+    assert olds == {True: True, False: False}

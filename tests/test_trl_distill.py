@@ -194,3 +194,41 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def test_batch_invariant_heads(tmp_path):
+    """``rlfuse_batch_invariant=True``: the trainer's loss equals TRL's (as without it), and
+    its loss function (``chunked_divergence_loss``) gives each position's student hidden-state
+    gradient the same bits in the batch and in a sub-batch, for any chunking."""
+    from rlfuse.integrations import _trl_distill
+
+    theirs, ours, inputs = trainers(tmp_path, beta=0.5, bf16=False)
+    ours.args.rlfuse_batch_invariant = True
+    seen = []
+    loss_fn = _trl_distill.chunked_divergence_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["batch_invariant"])
+        return loss_fn(*args, **kwargs)
+
+    _trl_distill.chunked_divergence_loss = spy
+    try:
+        assert_same_step(theirs, ours, inputs)
+    finally:
+        _trl_distill.chunked_divergence_loss = loss_fn
+    assert seen == [True]
+    g = torch.Generator().manual_seed(2)
+    h_s = torch.randn(5, 6, TINY["hidden_size"], generator=g)
+    h_t = torch.randn(5, 6, 24, generator=g)
+    w_s = torch.randn(TINY["vocab_size"], TINY["hidden_size"], generator=g)
+    w_t = torch.randn(TINY["vocab_size"], 24, generator=g)
+    mask = torch.rand(5, 6, generator=g) > 0.2
+    grads = []
+    for rows, chunk in ((slice(None), 4), (slice(1, 3), 64), (slice(1, 3), 1)):
+        leaf = h_s[rows].clone().requires_grad_()
+        loss, _, _ = loss_fn(leaf, h_t[rows], w_s, w_t, mask[rows], 0.5,
+                             num_items_in_batch=torch.tensor(20.0), chunk_tokens=chunk,
+                             batch_invariant=True)
+        (grad,) = torch.autograd.grad(loss, leaf)
+        grads.append(grad)
+    assert torch.equal(grads[0][1:3], grads[1]) and torch.equal(grads[1], grads[2])

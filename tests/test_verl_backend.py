@@ -225,6 +225,41 @@ def test_actor_loss_is_verls(loss_agg_mode, kl_loss_type):
         assert_three_way(got, want, want64, name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_backend(dtype, monkeypatch):
+    """``fused_kernels_backend="rlfuse_batch_invariant"``: a batch-invariant head
+    (``LinearHead(..., batch_invariant=True)``), so a sequence's log-probs and entropy are the
+    same bits alone and in a batch (verl's old-log-prob and training passes over other
+    micro-batches); they equal the ``rlfuse`` backend's within the three-way rule."""
+    heads = []
+    monkeypatch.setattr(rlfuse, "LinearHead", lambda *a, _cls=rlfuse.LinearHead, **k:
+                        heads.append(_cls(*a, **k)) or heads[-1])
+    base = tiny("qwen2", dtype)
+    net = patched(copy.deepcopy(base), rlfuse_backend.BATCH_INVARIANT)
+    assert net._verl_fused_kernels_backend == "rlfuse_batch_invariant"
+    ids = torch.randint(0, V, (3, 7), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(7).expand(3, 7)
+
+    def results(model, rows):
+        out = model(input_ids=ids[rows], position_ids=positions[rows], use_cache=False,
+                    return_dict=True)
+        return out.log_probs.detach(), out.entropy.detach()
+
+    batch = results(net, slice(None))
+    assert heads and all(head.batch_invariant for head in heads)
+    for rows in (slice(1, 2), slice(0, 2), slice(2, 3)):
+        for got, want in zip(results(net, rows), batch):
+            assert torch.equal(got, want[rows])
+    plain = results(patched(copy.deepcopy(base), "rlfuse"), slice(None))
+    own = _OWN[type(base)](copy.deepcopy(base).double(), input_ids=ids, position_ids=positions,
+                           use_cache=False).logits
+    z = torch.log_softmax(own, -1)
+    ref64 = (z[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], -(z.exp() * z).sum(-1))
+    for name, got, want, want64 in zip(("log_probs", "entropy"), batch, plain, ref64):
+        got, want = (x[:, :-1] if name == "log_probs" else x for x in (got, want))
+        assert_three_way(got, want, want64, name, atol_dtype=dtype)
+
+
 def test_other_backends_stay_verls():
     """Every other backend is verl's own choice (``triton``, ``torch``, none)."""
     net = patched(tiny("qwen2", torch.float32), "torch")

@@ -10,6 +10,7 @@ from typing import List, Optional
 from trl import GRPOConfig
 
 from rlfuse._names import GEOMETRIES, TOPOLOGIES
+from rlfuse.checks.policy import check_bool
 from rlfuse.checks.values import (check_choice, check_chunk_tokens, check_dual_clip,
                                   check_positive, check_sides)
 
@@ -37,6 +38,7 @@ class RLFuseGRPOConfig(GRPOConfig):
     rlfuse_gr_opd_feedback_clip: float = 5.0
     rlfuse_gr_opd_adv_clip: float = 5.0
     rlfuse_chunk_tokens: Optional[int] = None
+    rlfuse_batch_invariant: bool = False
 
 
 def _bad_rlfuse_fields(args) -> List[str]:
@@ -51,6 +53,7 @@ def _bad_rlfuse_fields(args) -> List[str]:
         "rlfuse_gr_opd_gamma": check_positive,
         "rlfuse_gr_opd_feedback_clip": check_positive,
         "rlfuse_gr_opd_adv_clip": check_positive,
+        "rlfuse_batch_invariant": check_bool,
     }
     problems = []
     for name, check in checks.items():

@@ -35,10 +35,13 @@ _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "s
 
 @dataclasses.dataclass
 class RLFuseDistillationConfig(DistillationConfig):
-    """TRL's ``DistillationConfig`` and ``rlfuse_chunk_tokens``: the heads' positions per
-    chunk (None: rlfuse's default)."""
+    """TRL's ``DistillationConfig``, ``rlfuse_chunk_tokens``: the heads' positions per chunk
+    (None: rlfuse's default), and ``rlfuse_batch_invariant``: both heads batch-invariant
+    (``LinearHead(..., batch_invariant=True)``: each position's divergence and hidden-state
+    gradient the same bits whatever else the batch holds)."""
 
     rlfuse_chunk_tokens: Optional[int] = None
+    rlfuse_batch_invariant: bool = False
 
 
 def _whole(weight, bias, dtype):
@@ -58,11 +61,13 @@ def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, studen
                             teacher_logit_scale: float = 1.0,
                             student_final_logit_softcapping: Optional[float] = None,
                             teacher_final_logit_softcapping: Optional[float] = None,
-                            temperature: float = 1.0, chunk_tokens: Optional[int] = None):
+                            temperature: float = 1.0, chunk_tokens: Optional[int] = None,
+                            batch_invariant: bool = False):
     """TRL 1.16's ``_chunked_divergence_loss`` (same arguments and results: the loss, the sum of
     the student's per-token entropy, the number of valid positions) by ``rlfuse.distill_loss``:
     the generalized JSD of ``beta`` over ``completion_mask``'s positions, ``sum /
-    num_items_in_batch`` (None: over the local valid positions)."""
+    num_items_in_batch`` (None: over the local valid positions); ``chunk_tokens``,
+    ``batch_invariant``: ``LinearHead``'s."""
     w_s, b_s = _whole(student_lm_head_weight, student_lm_head_bias,
                       student_hidden_states.dtype)
     w_t, b_t = _whole(teacher_lm_head_weight, teacher_lm_head_bias,
@@ -73,11 +78,12 @@ def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, studen
     student = rlfuse.LinearHead(student_hidden_states, w_s, positions, bias=b_s,
                                 temperature=temperature, logit_scale=student_logit_scale,
                                 softcap=student_final_logit_softcapping,
-                                chunk_tokens=chunk_tokens)
+                                chunk_tokens=chunk_tokens, batch_invariant=batch_invariant)
     teacher = rlfuse.LinearHead(teacher_hidden_states.detach(), w_t.detach(), positions,
                                 bias=None if b_t is None else b_t.detach(),
                                 temperature=temperature, logit_scale=teacher_logit_scale,
-                                softcap=teacher_final_logit_softcapping)
+                                softcap=teacher_final_logit_softcapping,
+                                batch_invariant=batch_invariant)
     num_tokens = n_valid.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     if isinstance(num_tokens, torch.Tensor):
         num_tokens = num_tokens.to(mask.device)
@@ -125,5 +131,6 @@ class RLFuseDistillationTrainer(DistillationTrainer):
             teacher_logit_scale=t_fields["logit_scale"],
             student_final_logit_softcapping=s_fields["softcap"],
             teacher_final_logit_softcapping=t_fields["softcap"], temperature=self.temperature,
-            chunk_tokens=getattr(self.args, "rlfuse_chunk_tokens", None))
+            chunk_tokens=getattr(self.args, "rlfuse_chunk_tokens", None),
+            batch_invariant=getattr(self.args, "rlfuse_batch_invariant", False))
         return loss, entropy_sum.detach(), n_valid

@@ -41,6 +41,10 @@ from rlfuse.scaleout.rank_rows import MeanOverRanks
 from ._models import check_head, config_head
 
 BACKEND = "rlfuse"
+# the backend with a batch-invariant head (``LinearHead(..., batch_invariant=True)``): the
+# old-log-prob and the training passes give each token the same bits whatever their micro-batches
+BATCH_INVARIANT = "rlfuse_batch_invariant"
+BACKENDS = (BACKEND, BATCH_INVARIANT)
 _VERL_PATCH = monkey_patch.patch_forward_with_backends
 _VERL_FUSED_LINEAR = torch_functional.FusedLinearForPPO
 _VERL_MODEL_INPUTS = FSDPEngineWithLMHead.prepare_model_inputs
@@ -53,18 +57,22 @@ class _Backend(str):
     """The string ``"rlfuse"`` verl stores as the model's backend, holding the model (weakly),
     so that ``FusedLinearForPPO(impl_backend=...)`` inside verl's forward finds its head."""
 
-    def __new__(cls, model):
-        backend = super().__new__(cls, BACKEND)
+    def __new__(cls, model, name: str = BACKEND):
+        backend = super().__new__(cls, name)
         backend.model = weakref.ref(model)
         backend.student = None      # the head of the forward in progress (``_keeping_head``)
         return backend
 
     def __deepcopy__(self, memo):     # a copied model holds its copy
         model = self.model()
-        return _Backend(memo.get(id(model), model))
+        return _Backend(memo.get(id(model), model), str(self))
 
     def __reduce__(self):             # pickled: the plain name
-        return str, (BACKEND,)
+        return str, (str(self),)
+
+    @property
+    def batch_invariant(self) -> bool:
+        return str(self) == BATCH_INVARIANT
 
 
 def head_fields(model) -> dict:
@@ -98,7 +106,7 @@ def patch_forward_with_backends(model, use_fused_kernels: bool = False,
     forward = type(model).forward
     if not forward.__module__.startswith("verl."):
         _OWN_FORWARD.setdefault(type(model), forward)
-    if not (use_fused_kernels and fused_kernels_backend == BACKEND):
+    if not (use_fused_kernels and fused_kernels_backend in BACKENDS):
         return _VERL_PATCH(model, use_fused_kernels=use_fused_kernels,
                            fused_kernels_backend=fused_kernels_backend)
     fields = head_fields(model)
@@ -107,7 +115,7 @@ def patch_forward_with_backends(model, use_fused_kernels: bool = False,
     if not hasattr(cls.forward, "__rlfuse_keeps_head__"):
         cls.forward = _keeping_head(cls.forward)
     model._rlfuse_head = fields
-    model._verl_fused_kernels_backend = _Backend(model)
+    model._verl_fused_kernels_backend = _Backend(model, fused_kernels_backend)
     print(f"rlfuse computes the log-probs and entropy of {type(model).__name__}")
 
 
@@ -131,7 +139,7 @@ class FusedLinearForPPO(_VERL_FUSED_LINEAR):
     """verl's ``FusedLinearForPPO``, which also accepts the backend ``"rlfuse"``."""
 
     def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
-        if impl_backend != BACKEND:
+        if impl_backend not in BACKENDS:
             super().__init__(chunk_size=chunk_size, impl_backend=impl_backend)
             return
         torch.nn.Module.__init__(self)
@@ -139,7 +147,7 @@ class FusedLinearForPPO(_VERL_FUSED_LINEAR):
         self.impl_backend = impl_backend
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
-        if self.impl_backend != BACKEND:
+        if self.impl_backend not in BACKENDS:
             return super().forward(hidden_states, vocab_weights, input_ids, temperature)
         model = self.impl_backend.model() if isinstance(self.impl_backend, _Backend) else None
         if model is None:
@@ -149,12 +157,12 @@ class FusedLinearForPPO(_VERL_FUSED_LINEAR):
         head = model.get_output_embeddings()
         if vocab_weights is not head.weight:
             raise ValueError("vocab_weights: expected the weight of the model's output head")
+        fields = dict(model._rlfuse_head, batch_invariant=self.impl_backend.batch_invariant)
         self.impl_backend.student = rlfuse.LinearHead(
             hidden_states.reshape(1, -1, hidden_states.shape[-1]), vocab_weights,
-            input_ids.reshape(1, -1).long(), head.bias, temperature=temperature,
-            **model._rlfuse_head)
+            input_ids.reshape(1, -1).long(), head.bias, temperature=temperature, **fields)
         return log_probs_and_entropy(hidden_states, vocab_weights, input_ids, temperature,
-                                     head.bias, **model._rlfuse_head)
+                                     head.bias, **fields)
 
 
 def _keeping_head(verl_forward):

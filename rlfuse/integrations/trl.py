@@ -107,16 +107,21 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         MoE router's load-balancing loss)``."""
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        offset = inputs["prompt_ids"].shape[1] - 1
+        return self._head_call(model, input_ids, attention, inputs["completion_ids"], fn,
+                               router)
 
+    def _head_call(self, model, input_ids, attention, completion_ids, fn, router=False):
+        """``_through_head`` of the sequences ``input_ids`` ending in ``completion_ids``."""
         head = model_head(self.accelerator.unwrap_model(model))
+        offset = input_ids.shape[1] - completion_ids.shape[1] - 1
 
         def loss_of(hidden, weight, bias):
             # TRL's cast_lm_head_to_fp32: the head's matmuls in fp32 (its weight is fp32)
             return fn(rlfuse.LinearHead(
-                hidden, weight, inputs["completion_ids"], bias, self.temperature, offset=offset,
+                hidden, weight, completion_ids, bias, self.temperature, offset=offset,
                 chunk_tokens=self.args.rlfuse_chunk_tokens, **head,
-                head_dtype=torch.float32 if self.args.cast_lm_head_to_fp32 else None))
+                head_dtype=torch.float32 if self.args.cast_lm_head_to_fp32 else None,
+                batch_invariant=self.args.rlfuse_batch_invariant))
 
         return model(input_ids=input_ids, attention_mask=attention, rlfuse_head=loss_of,
                      rlfuse_router=router)
@@ -125,6 +130,31 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         with torch.no_grad():
             return self._through_head(model, inputs,
                                       lambda head: rlfuse.policy_logprobs(head, validate=False))
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):
+        """TRL's log-probs of the completions (its old log-probs, and the reference model's),
+        with ``rlfuse_batch_invariant`` from the same batch-invariant head as the training
+        pass, in micro-batches of ``batch_size``: on policy each ratio is exactly 1, whatever
+        the micro-batches; else (and for a multimodal batch or a router loss) TRL's own."""
+        if not self.args.rlfuse_batch_invariant or compute_aux_loss or \
+                any(v is not None for v in multimodal.values()) or \
+                self.accelerator.unwrap_model(model) is not \
+                self.accelerator.unwrap_model(self.model):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal)
+        batch_size = batch_size or input_ids.shape[0]
+        with self.accelerator.autocast():
+            parts = [self._head_call(
+                model, input_ids[i:i + batch_size], attention_mask[i:i + batch_size],
+                input_ids[i:i + batch_size, -logits_to_keep:],
+                lambda head: rlfuse.policy_logprobs(head, return_entropy=True, validate=False))
+                for i in range(0, input_ids.shape[0], batch_size)]
+        entropies = torch.cat([e for _, e in parts]) if compute_entropy else None
+        return torch.cat([lp for lp, _ in parts]), entropies, None
 
     # ----------------------------------------------------------------------------------------
     # Batches: GR-OPD's advantages per generation batch, GGPO's whole groups
