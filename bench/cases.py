@@ -364,6 +364,16 @@ _HEAD_MATMULS = {"fwd+bwd": 3}
 _HEAD_FLOOR = {"fwd+bwd": (0, 0, TGT + MSK + 2 * F32)}   # the [B, T] side data only
 # Distillation from two heads: each model's logits once, dhidden and dweight of the student's
 _DISTILL_HEAD_MATMULS = {"fwd+bwd": 4}
+# A head's log-probs and entropy: the logits (fwd), then dhidden and dweight; the [B, T] side
+# data: the targets read, log-probs and entropies written (and their gradients read)
+_HEAD_LOGPROBS_MATMULS = {"fwd": 1, "fwd+bwd": 3}
+_HEAD_LOGPROBS_FLOOR = {"fwd": (0, 0, TGT + 2 * F32), "fwd+bwd": (0, 0, TGT + 4 * F32)}
+
+
+def _head_logprobs(batch_invariant: bool, lib, x):
+    return lib.policy_logprobs(lib.LinearHead(x.hidden, x.weight, x.targets,
+                                              batch_invariant=batch_invariant),
+                               return_entropy=True)
 
 
 def _gppo(lib, policy, x, **kw):
@@ -473,6 +483,12 @@ def _ops():
                       _HEAD_FLOOR, liger=liger_head.get(loss), liger_modes=step,
                       trl=_trl_head(loss),
                       fused_modes=step, modes=step, matmuls=_HEAD_MATMULS))
+    # a head's log-probs (the old-log-prob pass): the default head (chunks of cuBLAS logits)
+    # and the batch-invariant one, whose forward forms its tiles on the chip
+    for name, invariant in (("logprobs_head", False), ("logprobs_head_invariant", True)):
+        ops.append(Op(name, True, functools.partial(_head_logprobs, invariant),
+                      _HEAD_LOGPROBS_FLOOR, fused_modes=("fwd", "fwd+bwd"),
+                      modes=("fwd", "fwd+bwd"), matmuls=_HEAD_LOGPROBS_MATMULS))
     # distillation (JSD, TRL's default): both models' rows; the loss a single pass, the
     # per-token divergence two (fwd reads each row twice, bwd once)
     ops.append(Op("distill_logits", True, distill_cases.run_logits, _FLOORS["distill_logits"],

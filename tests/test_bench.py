@@ -57,7 +57,7 @@ def test_results_schema(quick_run):
         if head:     # the floor: the plain GEMMs of the same shapes, timed in the run
             assert row["TFLOPs"] == pytest.approx(row["flops"] / row["ms"] / 1e9)
             gemm = f"{row['actor_rows']}x{cases.QUICK_HIDDEN}x{row['V']} {row['dtype']}"
-            matmuls = cases.OPS[row["op"]].matmuls["fwd+bwd"]      # of the three timed
+            matmuls = cases.OPS[row["op"]].matmuls[row["mode"]]    # of the three timed
             assert row["floor_ms"] == pytest.approx(header["head_gemms_ms"][gemm] * matmuls / 3)
         # masked rows: read by no op; the dense floor counts them as actor rows
         assert 0 < row["actor_rows"] < row["N"]
@@ -131,11 +131,14 @@ def test_floor_bytes_and_flops():
     (That each op's kernels move exactly its floor is measured by ``test_traffic.py``.)"""
     for name, op in cases.OPS.items():
         if op.matmuls is not None:       # LinearHead: no logits in memory, a compute floor
-            assert op.modes == ("fwd+bwd",) and op.floor["fwd+bwd"][:2] == (0, 0), name
+            assert all(op.floor[mode][:2] == (0, 0) for mode in op.modes), name
             # logits, dhidden, dweight; distillation the teacher's logits besides (a teacher's
-            # top-k has none)
+            # top-k has none); the log-probs' forward alone: the logits
             teacher_head = name.startswith("distill") and "top_k" not in name
-            assert op.matmuls == {"fwd+bwd": 4 if teacher_head else 3}, name
+            expected = {"fwd": 1, "fwd+bwd": 4 if teacher_head else 3}
+            assert op.matmuls == {mode: expected[mode] for mode in op.modes}, name
+            assert op.modes == (("fwd", "fwd+bwd") if name.startswith("logprobs_head")
+                                else ("fwd+bwd",)), name
     shape = cases.Shape(N=16, V=1000, dtype=torch.bfloat16, batch=8, group_size=4, hidden=32)
     per_token = 2 * (cases.TGT + cases.MSK) + 4 * cases.F32
     assert cases.OPS["token_logprobs"].bytes(shape, "fwd+bwd") == 3 * 16 * 1000 * 2 + per_token * 16

@@ -142,6 +142,40 @@ def test_batch_invariant_head_on_the_gpu(dtype):
     assert torch.equal(rlfuse.policy_logprobs(plain).detach(), lp.detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_blocks_are_its_logits_blocks_on_the_gpu(dtype):
+    """The batch-invariant head's block statistics from tiles formed and reduced on the chip
+    (``head_blocks``, tensor cores in bf16) are the bits of those of ``fixed_matmul``'s logits
+    in memory (``block_stats``), and their target logits a gather of them, at a real hidden
+    size and a vocabulary of many blocks (a partial last one); the default head's log-probs of
+    a row alone and among 300 rows are printed beside (cuBLAS picks its kernels by the row
+    count: not held to it)."""
+    from rlfuse.kernels.head import HeadParams
+    from rlfuse.kernels.head_blocks import head_blocks
+    from rlfuse.kernels.matmul import fixed_matmul
+    from rlfuse.kernels.vocab_blocks import block_stats
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(8)
+    C, H, Vh = 300, 1024, 30011
+    hidden = torch.randn(C, H, generator=gen).to(device, dtype)
+    weight = (torch.randn(Vh, H, generator=gen) / H ** 0.5).to(device, dtype)
+    bias = (0.1 * torch.randn(Vh, generator=gen)).to(device, dtype)
+    targets = torch.randint(0, Vh, (C,), generator=gen).to(device)
+    head = HeadParams(0.9, 1.0, 30.0)
+    blocks, x_y = head_blocks(hidden, weight, bias, targets, *head.kernel_args(), True)
+    logits = fixed_matmul(hidden, weight.t(), bias=bias, dtype=dtype)
+    assert torch.equal(blocks, block_stats(logits.unsqueeze(1), *head.kernel_args(), True))
+    assert torch.equal(x_y, logits.gather(1, targets[:, None])[:, 0])
+    rows = hidden.view(C, 1, H)
+    default = [rlfuse.policy_logprobs(rlfuse.LinearHead(
+        torch.cat([h, h], 1), weight, t.view(-1, 1), bias=bias)).detach()
+        for h, t in ((rows, targets), (rows[211:212], targets[211:212]))]
+    moved = (default[0][211] != default[1][0]).float().mean().item()
+    print(f"default head, {dtype}: row 211's log-prob alone vs among {C} rows differs: "
+          f"{moved > 0}")
+
+
 def test_inplace_equals_out_of_place_under_stress():
     """The in-place single pass reads z[y] before its logsumexp pass and writes the row after:
     1000 repetitions with the target in the last of two 16-warp blocks, bit-identical to the

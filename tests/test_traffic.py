@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
 from bench import distill_cases
 from tools import traffic
 
@@ -85,6 +84,8 @@ def _expected(name, op, mode):
         return _expected_top_k(op, mode)
     if name.startswith(("distill", "token_divergence")):
         return _expected_distill(name, op, mode)
+    if name.startswith("logprobs_head"):
+        return _expected_head_logprobs(name, mode)
     target = 1 / V      # z[y], read once by a forward kernel
     single_pass = not name.startswith(("token_logprobs", "ggpo")) and \
         "two passes" not in name                # token-local losses
@@ -103,12 +104,9 @@ def _expected(name, op, mode):
         # the fixed-order matmul (a kernel here): the chunk's logits written, dlogits read by
         # the hidden states' product and, transposed, by the weight's; the chunks (the actor
         # rows) allocated by the launcher (torch's linear allocates inside its op, unseen).
-        # The rows' statistics from blocks of VOCAB_BLOCK ids, each block a row of the row
-        # kernel (its first logit read again as the block's target), then the single pass
+        # The rows' statistics from blocks of VOCAB_BLOCK ids (one read), then the single pass
         # given them: one read and one write
-        blocks = -(-V // VOCAB_BLOCK)
-        rows = {"actor": (0, 0, 0), "masked": (0, 0, 0),
-                "chunk": (1 + blocks / V + 1 + 2, 1 + 1 + 2, 1 + 1)}
+        rows = {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": (1 + 1 + 2, 1 + 1 + 2, 1 + 1)}
         # the target logit of each actor row, gathered by torch
         return rows, {"gather": (1 / V, 0)}, lambda x: float(x.mask.sum()) / x.mask.numel()
     if op.matmuls is not None:
@@ -127,6 +125,33 @@ def _expected(name, op, mode):
     if mode == "fwd" or "inplace" in name:
         window_rows = 0.0
     return rows, {}, window_rows
+
+
+def _expected_head_logprobs(name, mode):
+    """A head's log-probs and entropies over every row of the window (no mask: per actor row,
+    ``rows`` chunk rows). The default head: torch's linear forms each chunk (again in the
+    backward), the row kernel reads it (its target once more) and the backward's writes its
+    gradient in place, read by the two products. The batch-invariant head's forward reads no
+    row of logits (its tiles never leave the chip); its backward forms each chunk by the
+    fixed-order matmul (a kernel), writes its gradient in place and reads it twice (the two
+    fixed-order products)."""
+    def rows(x):
+        return x.mask.numel() / float(x.mask.sum())
+
+    def times(counts):
+        return lambda x: tuple(rows(x) * c for c in counts)
+
+    if name.endswith("invariant"):
+        chunk = (0, 0, 0) if mode == "fwd" else (3, 3, 2)
+        return {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": times(chunk)}, {}, \
+            (0.0 if mode == "fwd" else 1.0)
+    target = 1 / V
+    if mode == "fwd":
+        return ({"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": times((1 + target, 1, 0))},
+                {"linear": (0, rows)}, 0.0)
+    return ({"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": times((2 + target, 2, 1))},
+            {"linear": (0, lambda x: 2 * rows(x)), "matmul": (rows, 0),
+             "to": (rows, lambda x: 2 * rows(x)), "addmm_": (lambda x: 2 * rows(x), 0)}, 0.0)
 
 
 def _expected_distill(name, op, mode):
@@ -195,6 +220,7 @@ def test_bytes_per_row_are_pinned(inputs, name, mode):
     rows, torch_ops, allocated = _expected(name, op, mode)
     assert set(measured.per_row) == set(rows)
     for row, expected in rows.items():
+        expected = expected(x) if callable(expected) else expected
         assert measured.per_row[row] == pytest.approx(expected, rel=1e-12, abs=1e-12), row
     ops = {}
     for torch_op, read, written in measured.passes:
