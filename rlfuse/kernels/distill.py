@@ -80,14 +80,18 @@ def _write_gradient(s_row, t_row, drow, V, m_s, log_s_s, m_t, log_s_t, aux, g, s
 
 
 @triton.jit
-def _both_statistics(s_row, t_row, V, s_head, t_head, BLOCK_V: tl.constexpr,
-                     S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, ACC: tl.constexpr):
-    """``(m_s, log s_s, the student's entropy, m_t, log s_t)``: each row read once."""
+def _row_divergence(s_row, t_row, V, s_head, t_head, div_params, DIVERGENCE: tl.constexpr,
+                    BLOCK_V: tl.constexpr, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
+                    ACC: tl.constexpr):
+    """``(D, aux, the student's entropy, m_s, log s_s, m_t, log s_t)`` of a position: each row
+    reduced to its statistics (one read each), then ``_divergence_sums``."""
     m_s, log_s_s, entropy = row_logsumexp(s_row, V, s_head[0], s_head[1], s_head[2], BLOCK_V,
                                           True, S_SOFTCAP, ACC, False, COMPILER_STAGES)
     m_t, log_s_t, no_entropy = row_logsumexp(t_row, V, t_head[0], t_head[1], t_head[2], BLOCK_V,
                                              False, T_SOFTCAP, ACC, False, COMPILER_STAGES)
-    return m_s, log_s_s, entropy, m_t, log_s_t
+    value, aux = _divergence_sums(s_row, t_row, V, m_s, log_s_s, m_t, log_s_t, s_head, t_head,
+                                  div_params, DIVERGENCE, BLOCK_V, S_SOFTCAP, T_SOFTCAP, ACC)
+    return value, aux, entropy, m_s, log_s_s, m_t, log_s_t
 
 
 @triton.jit
@@ -120,12 +124,13 @@ def _distill_fwd_kernel(student_ptr, teacher_ptr, mask_ptr, value_ptr, entropy_p
             log_s_s = tl.load(given + 1).to(ACC)
             m_t = tl.load(given + 2).to(ACC)
             log_s_t = tl.load(given + 3).to(ACC)
+            value, aux = _divergence_sums(s_row, t_row, V, m_s, log_s_s, m_t, log_s_t, s_head,
+                                          t_head, div_params, DIVERGENCE, BLOCK_V, S_SOFTCAP,
+                                          T_SOFTCAP, ACC)
         else:
-            m_s, log_s_s, entropy, m_t, log_s_t = _both_statistics(
-                s_row, t_row, V, s_head, t_head, BLOCK_V, S_SOFTCAP, T_SOFTCAP, ACC)
-        value, aux = _divergence_sums(s_row, t_row, V, m_s, log_s_s, m_t, log_s_t, s_head,
-                                      t_head, div_params, DIVERGENCE, BLOCK_V, S_SOFTCAP,
-                                      T_SOFTCAP, ACC)
+            value, aux, entropy, m_s, log_s_s, m_t, log_s_t = _row_divergence(
+                s_row, t_row, V, s_head, t_head, div_params, DIVERGENCE, BLOCK_V, S_SOFTCAP,
+                T_SOFTCAP, ACC)
     tl.store(value_ptr + token, value)
     stats = stats_ptr + N_STATS * token
     if not GIVEN_STATS:
@@ -184,11 +189,9 @@ def _distill_single_pass_kernel(student_ptr, teacher_ptr, mask_ptr, weights_ptr,
         div_params = fp64_values(hyper, ACC)
         s_row = student_ptr + at(b, stride_sb, s_row_index, stride_st)
         t_row = teacher_ptr + at(b, stride_tb, t, stride_tt)
-        m_s, log_s_s, entropy, m_t, log_s_t = _both_statistics(
-            s_row, t_row, V, s_head, t_head, BLOCK_V, S_SOFTCAP, T_SOFTCAP, ACC)
-        value, aux = _divergence_sums(s_row, t_row, V, m_s, log_s_s, m_t, log_s_t, s_head,
-                                      t_head, div_params, DIVERGENCE, BLOCK_V, S_SOFTCAP,
-                                      T_SOFTCAP, ACC)
+        value, aux, entropy, m_s, log_s_s, m_t, log_s_t = _row_divergence(
+            s_row, t_row, V, s_head, t_head, div_params, DIVERGENCE, BLOCK_V, S_SOFTCAP,
+            T_SOFTCAP, ACC)
         tl.store(value_ptr + token, value)
         tl.store(entropy_ptr + token, entropy)
         weight = tl.load(weights_ptr + at(b, stride_wb, t, stride_wt)).to(ACC)
@@ -201,6 +204,29 @@ def _distill_single_pass_kernel(student_ptr, teacher_ptr, mask_ptr, weights_ptr,
         row_write_zeros(drow, V, BLOCK_V, False)
 
 
+def _launch(student: torch.Tensor, teacher: torch.Tensor, mask, student_head: HeadParams,
+            teacher_head: HeadParams, terms):
+    """What every launch of these kernels shares: ``(mask args (pointer, strides), (the
+    student's and the teacher's head args, the divergence's parameters), the constexprs and
+    warps)``."""
+    block_v, num_warps = vocab_launch_config(student.shape[-1], max(student.element_size(),
+                                                                    teacher.element_size()))
+    function, hyper = divergence_args(terms)
+    (s_head, s_softcap), (t_head, t_softcap) = student_head.kernel_args(), \
+        teacher_head.kernel_args()
+    return mask_args(mask), (s_head, t_head, hyper), dict(
+        DIVERGENCE=function, BLOCK_V=block_v, HAS_MASK=mask is not None, S_SOFTCAP=s_softcap,
+        T_SOFTCAP=t_softcap, ACC=tl_compute_dtype(student.dtype), num_warps=num_warps)
+
+
+def _value_and_entropy(student: torch.Tensor, B: int, T: int):
+    """The ``[B, T]`` outputs of the divergence and the student's entropy, in its compute
+    dtype."""
+    acc = torch.float64 if student.dtype == torch.float64 else torch.float32
+    return (empty((B, T), dtype=acc, device=student.device),
+            empty((B, T), dtype=acc, device=student.device))
+
+
 def distill_fwd(student: torch.Tensor, teacher: torch.Tensor, mask, student_head: HeadParams,
                 teacher_head: HeadParams, terms, stats: Optional[torch.Tensor] = None):
     """``(value [B, T], student entropy [B, T], stats [B T, DISTILL_STATS])`` of the window rows
@@ -211,26 +237,19 @@ def distill_fwd(student: torch.Tensor, teacher: torch.Tensor, mask, student_head
     four columns the whole rows' statistics) the terms of these rows' columns only, their aux
     written into its last column; the entropy is not formed (its values unspecified)."""
     B, T, V = student.shape
-    acc = torch.float64 if student.dtype == torch.float64 else torch.float32
-    value = empty((B, T), dtype=acc, device=student.device)
-    entropy = empty((B, T), dtype=acc, device=student.device)
+    value, entropy = _value_and_entropy(student, B, T)
     given = stats is not None
     if not given:
-        stats = empty((B * T, len(DISTILL_STATS)), dtype=acc, device=student.device)
+        stats = empty((B * T, len(DISTILL_STATS)), dtype=value.dtype, device=student.device)
     if B * T == 0:
         return value, entropy, stats
-    block_v, num_warps = vocab_launch_config(V, max(student.element_size(),
-                                                    teacher.element_size()))
-    mask_u8, stride_mb, stride_mt = mask_args(mask)
-    function, hyper = divergence_args(terms)
-    (s_head, s_softcap), (t_head, t_softcap) = student_head.kernel_args(), \
-        teacher_head.kernel_args()
+    (mask_u8, stride_mb, stride_mt), heads, constexprs = _launch(student, teacher, mask,
+                                                                  student_head, teacher_head,
+                                                                  terms)
     _distill_fwd_kernel[(B * T,)](
         student, teacher, mask_u8, value, entropy, stats,
         student.stride(0), student.stride(1), teacher.stride(0), teacher.stride(1),
-        stride_mb, stride_mt, T, V, s_head, t_head, hyper, DIVERGENCE=function,
-        BLOCK_V=block_v, HAS_MASK=mask is not None, S_SOFTCAP=s_softcap, T_SOFTCAP=t_softcap,
-        ACC=tl_compute_dtype(student.dtype), GIVEN_STATS=given, num_warps=num_warps)
+        stride_mb, stride_mt, T, V, *heads, GIVEN_STATS=given, **constexprs)
     return value, entropy, stats
 
 
@@ -244,19 +263,14 @@ def distill_bwd(logits: torch.Tensor, offset: int, teacher: torch.Tensor, mask, 
     T = dvalue.shape[1]
     if dlogits is None:
         dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    block_v, num_warps = vocab_launch_config(V, max(logits.element_size(),
-                                                    teacher.element_size()))
-    mask_u8, stride_mb, stride_mt = mask_args(mask)
-    function, hyper = divergence_args(terms)
-    (s_head, s_softcap), (t_head, t_softcap) = student_head.kernel_args(), \
-        teacher_head.kernel_args()
+    (mask_u8, stride_mb, stride_mt), heads, constexprs = _launch(logits, teacher, mask,
+                                                                  student_head, teacher_head,
+                                                                  terms)
     _distill_bwd_kernel[(B * S,)](
         logits, teacher, mask_u8, stats, dvalue.contiguous(), dlogits,
         logits.stride(0), logits.stride(1), teacher.stride(0), teacher.stride(1),
-        stride_mb, stride_mt, dlogits.stride(0), dlogits.stride(1), T, S, offset, V,
-        s_head, t_head, hyper, DIVERGENCE=function, BLOCK_V=block_v, HAS_MASK=mask is not None,
-        S_SOFTCAP=s_softcap, T_SOFTCAP=t_softcap, ACC=tl_compute_dtype(logits.dtype),
-        num_warps=num_warps)
+        stride_mb, stride_mt, dlogits.stride(0), dlogits.stride(1), T, S, offset, V, *heads,
+        **constexprs)
     return dlogits
 
 
@@ -269,23 +283,16 @@ def distill_single_pass(logits: torch.Tensor, offset: int, teacher: torch.Tensor
     divergence and gradient by one program, which reads both rows twice more."""
     B, S, V = logits.shape
     T = weights.shape[1]
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    value = empty((B, T), dtype=acc, device=logits.device)
-    entropy = empty((B, T), dtype=acc, device=logits.device)
+    value, entropy = _value_and_entropy(logits, B, T)
     dlogits = empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if B * S == 0:
         return value, entropy, dlogits
-    block_v, num_warps = vocab_launch_config(V, max(logits.element_size(),
-                                                    teacher.element_size()))
-    mask_u8, stride_mb, stride_mt = mask_args(mask)
-    function, hyper = divergence_args(terms)
-    (s_head, s_softcap), (t_head, t_softcap) = student_head.kernel_args(), \
-        teacher_head.kernel_args()
+    (mask_u8, stride_mb, stride_mt), heads, constexprs = _launch(logits, teacher, mask,
+                                                                  student_head, teacher_head,
+                                                                  terms)
     _distill_single_pass_kernel[(B * S,)](
         logits, teacher, mask_u8, weights, value, entropy, dlogits,
         logits.stride(0), logits.stride(1), teacher.stride(0), teacher.stride(1),
         stride_mb, stride_mt, weights.stride(0), weights.stride(1), dlogits.stride(0),
-        dlogits.stride(1), T, S, offset, V, s_head, t_head, hyper, DIVERGENCE=function,
-        BLOCK_V=block_v, HAS_MASK=mask is not None, S_SOFTCAP=s_softcap, T_SOFTCAP=t_softcap,
-        ACC=tl_compute_dtype(logits.dtype), num_warps=num_warps)
+        dlogits.stride(1), T, S, offset, V, *heads, **constexprs)
     return value, entropy, dlogits
