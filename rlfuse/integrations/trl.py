@@ -105,10 +105,9 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         a forward), ``head`` the ``LinearHead`` of the last hidden state and the output head
         whose rows ``P - 1 ...`` predict the completion; with ``router``, ``(fn(head), the
         MoE router's load-balancing loss)``."""
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        return self._head_call(model, input_ids, attention, inputs["completion_ids"], fn,
-                               router)
+        ids_and_mask = [torch.cat([inputs[f"prompt_{k}"], inputs[f"completion_{k}"]], dim=1)
+                        for k in ("ids", "mask")]
+        return self._head_call(model, *ids_and_mask, inputs["completion_ids"], fn, router)
 
     def _head_call(self, model, input_ids, attention, completion_ids, fn, router=False):
         """``_through_head`` of the sequences ``input_ids`` ending in ``completion_ids``."""
@@ -135,26 +134,23 @@ class RLFuseGRPOTrainer(GRPOTrainer):
                                            logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False,
                                            **multimodal):
-        """TRL's log-probs of the completions (its old log-probs, and the reference model's),
-        with ``rlfuse_batch_invariant`` from the same batch-invariant head as the training
-        pass, in micro-batches of ``batch_size``: on policy each ratio is exactly 1, whatever
-        the micro-batches; else (and for a multimodal batch or a router loss) TRL's own."""
-        if not self.args.rlfuse_batch_invariant or compute_aux_loss or \
-                any(v is not None for v in multimodal.values()) or \
-                self.accelerator.unwrap_model(model) is not \
-                self.accelerator.unwrap_model(self.model):
+        """TRL's old log-probs, with ``rlfuse_batch_invariant`` from the training pass's head
+        in micro-batches of ``batch_size`` (each ratio exactly 1 on policy, whatever the
+        micro-batches); TRL's own for another model, a multimodal batch or a router loss."""
+        unwrap, size = self.accelerator.unwrap_model, batch_size or input_ids.shape[0]
+        if not self.args.rlfuse_batch_invariant or compute_aux_loss or unwrap(model) is not \
+                unwrap(self.model) or any(v is not None for v in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
-        batch_size = batch_size or input_ids.shape[0]
         with self.accelerator.autocast():
             parts = [self._head_call(
-                model, input_ids[i:i + batch_size], attention_mask[i:i + batch_size],
-                input_ids[i:i + batch_size, -logits_to_keep:],
+                model, input_ids[i:i + size], attention_mask[i:i + size],
+                input_ids[i:i + size, -logits_to_keep:],
                 lambda head: rlfuse.policy_logprobs(head, return_entropy=True, validate=False))
-                for i in range(0, input_ids.shape[0], batch_size)]
-        entropies = torch.cat([e for _, e in parts]) if compute_entropy else None
-        return torch.cat([lp for lp, _ in parts]), entropies, None
+                for i in range(0, input_ids.shape[0], size)]
+        return torch.cat([lp for lp, _ in parts]), \
+            torch.cat([e for _, e in parts]) if compute_entropy else None, None
 
     # ----------------------------------------------------------------------------------------
     # Batches: GR-OPD's advantages per generation batch, GGPO's whole groups
