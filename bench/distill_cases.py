@@ -2,11 +2,11 @@
 ``token_divergence_logits``, ``distill_head``, ``distill_top_k_logits``,
 ``distill_top_k_head``): TRL's default divergence, ``JSD(0.5)``, between the policy and a
 teacher of the same vocabulary, from logits (the loss, and the per-token divergence a trainer
-aggregates itself) and from both models' heads, with the peers a TRL user runs today for the heads: TRL 1.16's
-``ChunkedDivergenceFunction`` (its DistillationTrainer's loss) and Liger's
-``LigerFusedLinearJSDLoss``; and verl's top-k forward KL (``forward_kl_topk`` with its default
-``log_prob_min_clamp``) from a teacher server's top-k, beside verl's own
-``compute_forward_kl_topk`` from the logits."""
+aggregates itself) and from both models' heads, with the peers a TRL user runs today for the
+heads: TRL 1.16's ``ChunkedDivergenceFunction`` (its DistillationTrainer's loss) and Liger's
+``LigerFusedLinearJSDLoss``; and verl's top-k forward KL (``forward_kl_topk`` with its
+default ``log_prob_min_clamp``) from a teacher server's top-k (verl's own, from the logits, is
+not a peer here)."""
 from __future__ import annotations
 
 import torch

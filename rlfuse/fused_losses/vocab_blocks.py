@@ -1,7 +1,8 @@
 """The row statistics of a batch-invariant head (``LinearHead(..., batch_invariant=True)``): each
 block of ``VOCAB_BLOCK`` ids of a chunk's logits reduced on its own
-(``kernels.vocab_blocks.block_stats``), the blocks combined first to last over the global block
-index (``kernels.vocab_blocks``). On one rank and over a split vocabulary of any number of ranks (one
+(``kernels.vocab_blocks.block_stats``, or from the head's tiles on the chip:
+``kernels.head_blocks``), the blocks combined first to last over the global block index
+(``kernels.vocab_blocks``). On one rank and over a split vocabulary of any number of ranks (one
 all-gather of the chunk's block statistics) a row's log-prob, max, log-sum and entropy are the
 same bits, whatever else the batch holds.
 """
