@@ -370,11 +370,11 @@ def test_the_heads_blocks_are_those_of_its_logits(dtype, vocab, style):
         assert with_entropy or (blocks[..., 2] == 0).all()
 
 
-def test_the_forward_forms_no_vocabulary_sized_tensor():
-    """The batch-invariant head's log-probs and entropies (the old-log-prob pass) allocate no
-    tensor of a row's vocabulary, where the default head forms each chunk's logits: every
-    tensor a torch op makes outside the kernels is recorded, rlfuse's ops entered (the probe
-    sees the default head's ``[C, 1, V]``)."""
+def test_the_log_probs_form_no_vocabulary_sized_tensor():
+    """The batch-invariant head's log-probs and entropies, forward (the old-log-prob pass) and
+    backward, allocate no tensor of a row's vocabulary, where the default head forms each
+    chunk's logits: every tensor a torch op makes outside the kernels is recorded, rlfuse's ops
+    entered (the probe sees the default head's ``[C, 1, V]``)."""
     from torch._library.custom_ops import _maybe_get_opdef
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -404,11 +404,15 @@ def test_the_forward_forms_no_vocabulary_sized_tensor():
     rows = targets.numel()
     largest = {}
     for invariant in (False, True):
-        with torch.no_grad(), launches, Largest() as probe:
-            rlfuse.policy_logprobs(rlfuse.LinearHead(hidden, weight, targets, bias=bias,
-                                                     batch_invariant=invariant, **fields),
-                                   return_entropy=True)
-        largest[invariant] = probe.numel
-    assert largest[False] >= rows * vocab
+        for grad in (False, True):
+            leaf = hidden.clone().requires_grad_(grad)
+            with torch.set_grad_enabled(grad), launches, Largest() as probe:
+                lp, entropy = rlfuse.policy_logprobs(rlfuse.LinearHead(
+                    leaf, weight, targets, bias=bias, batch_invariant=invariant, **fields),
+                    return_entropy=True)
+                if grad:
+                    (lp.sum() + entropy.sum()).backward()
+            largest[invariant, grad] = probe.numel
+    assert largest[False, False] >= rows * vocab and largest[False, True] >= rows * vocab
     # not even one row's vocabulary (the blocks' statistics: 3 numbers per block of 128 ids)
-    assert largest[True] < vocab
+    assert largest[True, False] < vocab and largest[True, True] < vocab

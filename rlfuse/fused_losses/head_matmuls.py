@@ -1,6 +1,8 @@
 """The matmuls of a head over chunks of hidden rows: a chunk's logits, and the gradients of the
 hidden states, weight and bias that the chunks add up (cuBLAS, or the fixed-order matmul of a
-batch-invariant head, ``kernels.matmul``), summed over a split vocabulary's group at the end."""
+batch-invariant head, ``kernels.matmul``, or for its log-probs from the logits' tiles formed
+again on the chip, ``kernels.head_blocks``), summed over a split vocabulary's group at the
+end."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -9,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .._types import compute_dtype
+from ..kernels.head_blocks import head_backward
 from ..kernels.matmul import fixed_matmul
 from ..scaleout import sequence, vocab
 
@@ -80,7 +83,7 @@ class HeadGradients:
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                  needs: Tuple[bool, bool, bool], group_name: str = "",
                  batch_invariant: bool = False, row_blocks: int = 0):
-        self.weight, self.group_name = weight, group_name
+        self.weight, self.bias, self.group_name = weight, bias, group_name
         self.batch_invariant, self.row_blocks = batch_invariant, row_blocks
         acc = compute_dtype(weight.dtype)
         dhidden_dtype = compute_dtype(hidden.dtype) if group_name else hidden.dtype
@@ -101,6 +104,21 @@ class HeadGradients:
             add_product(self.dweight, dlogits.t(), h_rows, self.batch_invariant)
         if self.dbias is not None:
             self.dbias += dlogits.sum(0, dtype=self.dbias.dtype)
+
+    def add_tiles(self, h_rows: Tensor, rows: Tensor, targets: Tensor, keep: Tensor,
+                  head_args, softcapped: bool, stats: Tensor, entropy: Optional[Tensor],
+                  dlogp: Tensor, dentropy: Optional[Tensor]) -> None:
+        """``add`` of a batch-invariant chunk's log-probs (``dlogp``, ``dentropy`` and the
+        forward's ``stats``, ``entropy`` of its rows ``[C]``; ``keep``: the rows that count)
+        from its logits' tiles formed again on the chip (``kernels.head_blocks.head_backward``):
+        no ``[C, V]`` tensor, each row's hidden-state gradient its own over the vocabulary
+        blocks in order, the weight's and bias's summed over the rows in order."""
+        dh = None if self.dhidden is None else \
+            torch.zeros(h_rows.shape, dtype=compute_dtype(h_rows.dtype), device=h_rows.device)
+        head_backward(h_rows, self.weight, self.bias, targets, keep, stats, entropy, dlogp,
+                      dentropy, head_args, softcapped, dh, self.dweight, self.dbias)
+        if dh is not None:
+            self.dhidden.index_copy_(0, rows, dh.to(self.dhidden.dtype))
 
     def results(self, hidden: Tensor, weight: Tensor,
                 accumulated: bool = False) -> Tuple[Tensor, Tensor, Tensor]:

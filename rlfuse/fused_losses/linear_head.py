@@ -179,8 +179,9 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
                                 row_blocks: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)`` (empty where not needed) for the upstream ``dlogp`` /
     ``dentropy`` ``[B, T]``: each chunk's logits formed again, their gradient written in
-    place; ``group_name``: a shard of a split vocabulary, ``batch_invariant``: the fixed-order
-    matmul, ``row_blocks``: sequence-parallel rows (``HeadGradients``)."""
+    place; ``group_name``: a shard of a split vocabulary, ``batch_invariant``: the chunk's
+    gradient from its logits' tiles formed again on the chip (``HeadGradients.add_tiles``),
+    ``row_blocks``: sequence-parallel rows (``HeadGradients``)."""
     grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant,
                           row_blocks)
     h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
@@ -188,7 +189,13 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
     head = HeadParams(temperature, logit_scale, softcap)
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
-        logits = chunk_logits(h_rows, weight, bias, batch_invariant)
+        if batch_invariant:     # the chunk's logits never formed whole
+            keep = torch.ones_like(tokens, dtype=torch.bool) if m_flat is None else m_flat[tokens]
+            grads.add_tiles(h_rows, rows, y_flat[tokens], keep, *head.kernel_args(),
+                            stats[tokens], None if dentropy is None else entropy[tokens],
+                            dlogp[tokens], None if dentropy is None else dentropy[tokens])
+            continue
+        logits = chunk_logits(h_rows, weight, bias)
         token_logprobs_bwd(logits, y_flat[tokens, None],
                            None if m_flat is None else m_flat[tokens, None], head,
                            stats[tokens], None if dentropy is None else entropy[tokens, None],

@@ -17,13 +17,16 @@ import triton
 import triton.language as tl
 
 from .head import softcap
+from .rows import LOG_TINY
 from .matmul import BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS, dot_modes, fixed_tile
-from .utils import empty, fp64_values, tl_compute_dtype
+from .utils import LN2, LOG2E, empty, fp64_values, tl_compute_dtype
 from .vocab_blocks import (BLOCK_COLUMNS, BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, block_statistics,
                            half_statistics, store_block)
 
 # a vocabulary block is two of the matmul's column tiles
 assert VOCAB_BLOCK == 2 * BLOCK_N
+# Columns of the hidden states (dhidden) or of the weight (dweight) per product in the backward
+BLOCK_H = 32
 
 
 @triton.jit
@@ -106,3 +109,180 @@ def head_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
             ACC=tl_compute_dtype(weight.dtype), LOGITS=_LOGITS[weight.dtype], BLOCK_M=BLOCK_M,
             BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     return blocks, x_y
+
+
+@triton.jit
+def _active(rows, C, keep_ptr):
+    """The rows of the ``C`` whose gradient is taken (``keep``: 1)."""
+    return (rows < C) & (tl.load(keep_ptr + rows, mask=rows < C, other=0) != 0)
+
+
+@triton.jit
+def _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head,
+                      SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
+    """Each row's ``(m, c, log2 s, a, b, g_y)`` of ``rows.row_write_dlogits``' formula."""
+    m = tl.load(stats_ptr + rows * 2, mask=live, other=0.0).to(ACC)
+    log_s = tl.load(stats_ptr + rows * 2 + 1, mask=live, other=0.0).to(ACC)
+    g = tl.load(g_ptr + rows, mask=live, other=0.0).to(ACC)
+    inv_temp = head[0]
+    a = -g * inv_temp
+    b = tl.zeros_like(a)
+    if WITH_ENTROPY:
+        h = tl.load(dent_ptr + rows, mask=live, other=0.0).to(ACC)
+        entropy = tl.load(entropy_ptr + rows, mask=live, other=0.0).to(ACC)
+        a = -(g + h * entropy) * inv_temp
+        b = -(h * LN2) * inv_temp
+    g_y = g * inv_temp
+    if SOFTCAP:
+        scale = head[1] * head[2]
+        a *= scale
+        b *= scale
+        g_y *= scale
+    return m, inv_temp * LOG2E, log_s * LOG2E, a, b, g_y
+
+
+@triton.jit
+def _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm, stride_hk,
+                  stride_wv, stride_wk, y, row, head, HAS_BIAS: tl.constexpr,
+                  SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr,
+                  UPCAST: tl.constexpr, ACC: tl.constexpr, LOGITS: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """The gradient of the logits of ``rows`` and the ``HALF_BLOCK`` columns from ``start``
+    (0 past ``V`` and at rows not ``live``, whatever their hidden states), rounded to
+    ``LOGITS`` as the stored one is: the tile formed again as the
+    forward formed it, then ``rows.row_write_dlogits``' formula with each row's coefficients
+    ``row`` (``_row_coefficients``)."""
+    cols = start + tl.arange(0, HALF_BLOCK)
+    acc = fixed_tile(h_ptr, w_ptr, rows, cols, C, V, H, stride_hm, stride_hk, stride_wk,
+                     stride_wv, IEEE, UPCAST, ACC, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(ACC)[None, :]
+    x = acc.to(LOGITS).to(ACC)
+    dcap = 1.0
+    if SOFTCAP:
+        x, dcap = softcap(x, head[1], head[2], ACC)
+    m, c, log_s2, a, b, g_y = row
+    q = tl.fma(x - m[:, None], c, -log_s2[:, None])      # log2 p
+    if WITH_ENTROPY:
+        q = tl.maximum(q, LOG_TINY)
+        d = tl.math.exp2(q) * tl.fma(b[:, None], q, a[:, None])
+    else:
+        d = tl.math.exp2(q) * a[:, None]
+    d = tl.where(cols[None, :] == y[:, None], d + g_y[:, None], d) * dcap
+    return tl.where(live[:, None] & (cols[None, :] < V), d, 0.0).to(LOGITS), cols
+
+
+@triton.jit
+def _add_product(acc_ptr, stride_acc, out_rows, live, d, b_ptr, b_rows, b_live, stride_br,
+                 stride_bh, H, IEEE: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    """``acc[out_rows, :] += d @ B[b_rows, :]`` (``acc`` fp32 in memory, H columns), a
+    ``BLOCK_H`` of columns at a time."""
+    for hs in range(0, H, BLOCK_H):
+        cols = hs + tl.arange(0, BLOCK_H)
+        b = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * stride_br + cols[None, :] * stride_bh,
+                    mask=b_live[:, None] & (cols[None, :] < H), other=0.0)
+        at = acc_ptr + out_rows[:, None].to(tl.int64) * stride_acc + cols[None, :]
+        inside = live[:, None] & (cols[None, :] < H)
+        acc = tl.load(at, mask=inside, other=0.0)
+        if UPCAST:
+            acc += tl.dot(d.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            acc += tl.dot(d, b, input_precision="ieee")
+        else:
+            acc += tl.dot(d, b)
+        tl.store(at, acc, mask=inside)
+
+
+@triton.jit
+def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, entropy_ptr,
+                         g_ptr, dent_ptr, dh_ptr, C, V, H, NB, stride_hm, stride_hk, stride_wv,
+                         stride_wk, head_args, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                         WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                         ACC: tl.constexpr, LOGITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # one program per BLOCK_M rows: dh [C, H] (fp32, zeros) += their gradient's tiles times the
+    # weight, the vocabulary blocks in order
+    head = fp64_values(head_args, ACC)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = _active(rows, C, keep_ptr)
+    y = tl.load(y_ptr + rows, mask=live, other=-1)
+    row = _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head, SOFTCAP,
+                            WITH_ENTROPY, ACC)
+    for block in range(NB):
+        for half in tl.static_range(2):
+            d, cols = _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, block * BLOCK_IDS +
+                                    half * HALF_BLOCK, C, V, H, stride_hm, stride_hk,
+                                    stride_wv, stride_wk, y, row, head, HAS_BIAS, SOFTCAP,
+                                    WITH_ENTROPY, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
+            _add_product(dh_ptr, H, rows, live, d, w_ptr, cols, cols < V, stride_wv,
+                         stride_wk, H, IEEE, UPCAST, ACC, BLOCK_H)
+
+
+@triton.jit
+def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, entropy_ptr,
+                         g_ptr, dent_ptr, dw_ptr, db_ptr, C, V, H, stride_hm, stride_hk, stride_wv,
+                         stride_wk, head_args, HAS_BIAS: tl.constexpr, NEED_WEIGHT: tl.constexpr,
+                         NEED_BIAS: tl.constexpr,
+                         SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+                         LOGITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    # one program per half block of HALF_BLOCK ids: dw [V, H] (fp32) += the gradient's tiles
+    # transposed times the hidden rows, the rows in order (no atomics); db [V] += their sums
+    head = fp64_values(head_args, ACC)
+    start = tl.program_id(0) * HALF_BLOCK
+    cols = start + tl.arange(0, HALF_BLOCK)
+    dbias = tl.zeros((HALF_BLOCK,), ACC)
+    for tile in range(0, C, BLOCK_M):
+        rows = tile + tl.arange(0, BLOCK_M)
+        live = _active(rows, C, keep_ptr)
+        y = tl.load(y_ptr + rows, mask=live, other=-1)
+        row = _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head,
+                                SOFTCAP, WITH_ENTROPY, ACC)
+        d, _ = _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm,
+                             stride_hk, stride_wv, stride_wk, y, row, head, HAS_BIAS, SOFTCAP,
+                             WITH_ENTROPY, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
+        if NEED_WEIGHT:
+            _add_product(dw_ptr, H, cols, cols < V, tl.trans(d), h_ptr, rows, live,
+                         stride_hm, stride_hk, H, IEEE, UPCAST, ACC, BLOCK_H)
+        if NEED_BIAS:
+            dbias += tl.sum(d.to(ACC), axis=0)
+    if NEED_BIAS:
+        at = db_ptr + cols
+        tl.store(at, tl.load(at, mask=cols < V, other=0.0) + dbias, mask=cols < V)
+
+
+def head_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  targets: torch.Tensor, keep: torch.Tensor, stats: torch.Tensor,
+                  entropy: Optional[torch.Tensor], dlogp: torch.Tensor,
+                  dentropy: Optional[torch.Tensor], head_args, softcapped: bool,
+                  dhidden: Optional[torch.Tensor], dweight: Optional[torch.Tensor],
+                  dbias: Optional[torch.Tensor]) -> None:
+    """The gradients of ``head_blocks``' rows' log-probs (and entropies) for ``dlogp`` (and
+    ``dentropy``) ``[C]``, the forward's ``stats [C, 2]`` (max, log-sum) and ``entropy [C]``,
+    added into ``dhidden [C, H]``, ``dweight [V, H]`` and ``dbias [V]`` (contiguous, in the
+    compute dtype; None: not wanted) from the logits' tiles formed again on the chip, their
+    gradient rounded to the weight's dtype as a stored one would be (``rows.row_write_dlogits``'
+    formula); rows not ``keep`` (and their targets outside ``[0, V)``) count for nothing,
+    whatever their hidden states. ``dhidden``: each row's over the vocabulary blocks in order
+    (its bits its own); ``dweight``, ``dbias``: over the rows in order (no atomics)."""
+    C, H = hidden.shape
+    V = weight.shape[0]
+    with_entropy = dentropy is not None
+    ieee, upcast = dot_modes(hidden.dtype)
+    common = (hidden, weight, weight if bias is None else bias, targets.contiguous(),
+              keep.to(torch.uint8), stats.contiguous(), entropy.contiguous() if with_entropy else dlogp,
+              dlogp.contiguous(), dentropy.contiguous() if with_entropy else dlogp)
+    constexprs = dict(SOFTCAP=softcapped, WITH_ENTROPY=with_entropy, IEEE=ieee, UPCAST=upcast,
+                      ACC=tl_compute_dtype(weight.dtype), LOGITS=_LOGITS[weight.dtype],
+                      BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
+    strides = (hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1))
+    if dhidden is not None:
+        _head_dhidden_kernel[(triton.cdiv(C, BLOCK_M),)](
+            *common, dhidden, C, V, H, triton.cdiv(V, VOCAB_BLOCK), *strides, head_args,
+            HAS_BIAS=bias is not None, **constexprs)
+    if dweight is not None or dbias is not None:
+        _head_dweight_kernel[(triton.cdiv(V, HALF_BLOCK),)](
+            *common, dweight, dbias, C, V, H, *strides, head_args, HAS_BIAS=bias is not None,
+            NEED_WEIGHT=dweight is not None, NEED_BIAS=dbias is not None, **constexprs)

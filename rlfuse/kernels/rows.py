@@ -27,7 +27,7 @@ from .head import softcap
 from .utils import LN2, LOG2E, constexpr_codes
 
 # Below this (in the base-2 exponents of the row helpers), 2^x is 0 in fp32 and fp64 alike.
-_LOG_TINY = tl.constexpr(-1.0e4)
+LOG_TINY = tl.constexpr(-1.0e4)
 # The row helpers exponentiate in base 2 (``utils.LOG2E``, ``LN2``): ``tl.math.exp2`` is one
 # MUFU.EX2 in fp32, where ``tl.exp`` adds a multiply and a subnormal fix-up around it.
 
@@ -114,10 +114,10 @@ def _logsumexp_block(block_ptr, n, c, cap, cap_in, m, s, w, BLOCK_V: tl.constexp
     u0 = (x0 - m_new[:, None]) * c       # -inf at a -inf logit or a padding lane
     u1 = (x1 - m_new[:, None]) * c
     if WITH_ENTROPY:
-        # exp2 == 0 below _LOG_TINY, so the clamps change nothing but keep 0 * -inf out of w
-        moved = tl.maximum(moved, _LOG_TINY)
-        u0 = tl.maximum(u0, _LOG_TINY)
-        u1 = tl.maximum(u1, _LOG_TINY)
+        # exp2 == 0 below LOG_TINY, so the clamps change nothing but keep 0 * -inf out of w
+        moved = tl.maximum(moved, LOG_TINY)
+        u0 = tl.maximum(u0, LOG_TINY)
+        u1 = tl.maximum(u1, LOG_TINY)
     alpha = tl.math.exp2(moved)
     e0 = tl.math.exp2(u0)
     e1 = tl.math.exp2(u1)
@@ -157,7 +157,7 @@ def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
     Full blocks are read without a mask, the partial last block after them. A line's ``m``
     starts at the lowest finite value, so logits of any size count and a line that has seen only
     -inf has a finite shift (its s stays 0; a row of -inf gets m = log s = -inf). The clamps of
-    the entropy at ``_LOG_TINY`` (where 2^u is 0 already) keep ``0 * inf`` out of w, also where
+    the entropy at ``LOG_TINY`` (where 2^u is 0 already) keep ``0 * inf`` out of w, also where
     ``m - m'`` overflows (logits of +-1e38).
 
     exp2 in fp32 flushes results below 2^-126 to 0 (MUFU.EX2; the interpreter does not). A
@@ -197,7 +197,7 @@ def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
                                    SOFTCAP, ACC, EVICT)
     # the lines combined: the row's max, each line rescaled to it
     row_max = tl.max(m, axis=0)
-    moved = tl.maximum((m - row_max) * c, _LOG_TINY)
+    moved = tl.maximum((m - row_max) * c, LOG_TINY)
     alpha = tl.math.exp2(moved)
     total = tl.sum(alpha * s, axis=0)
     log_s = tl.log(total)
@@ -219,7 +219,7 @@ def _dlogits_half(x_ptr, d_ptr, cols, n, y, c, cap, cap_in, m, log_s2, a, b, g_y
         x, dcap = softcap(x, cap, cap_in, ACC)
     q = tl.fma(x - m, c, -log_s2)     # log2 p
     if WITH_ENTROPY:
-        q = tl.maximum(q, _LOG_TINY)     # 2^q == 0 below: keeps 0 * -inf out of p (a + b q)
+        q = tl.maximum(q, LOG_TINY)     # 2^q == 0 below: keeps 0 * -inf out of p (a + b q)
         d = tl.math.exp2(q) * tl.fma(b, q, a)
     else:
         d = tl.math.exp2(q) * a

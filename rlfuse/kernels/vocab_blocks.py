@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .head import softcap
+from .rows import LOG_TINY
 from .utils import LN2, LOG2E, empty, exp_accurate, fp64_args, fp64_values, tl_compute_dtype
 
 # The ids a block holds: Megatron pads a vocabulary to a multiple of 128 per tensor-parallel rank
@@ -32,8 +33,6 @@ _ROWS = 64
 BLOCK_IDS = tl.constexpr(VOCAB_BLOCK)      # VOCAB_BLOCK in a kernel
 HALF_BLOCK = tl.constexpr(VOCAB_BLOCK // 2)
 _HALF_STEPS = tl.constexpr(6)      # log2(HALF_BLOCK)
-# Below this (in the base-2 exponents of a block), 2^u is 0 in fp32 and fp64 alike.
-_LOG_TINY = tl.constexpr(-1.0e4)
 
 
 @triton.jit
@@ -60,8 +59,8 @@ def half_statistics(x, inv_temp, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
     c = tl.cast(inv_temp, ACC) * LOG2E
     m = tl.maximum(tl.max(x, axis=1), lowest)
     u = (x - m[:, None]) * c
-    if WITH_ENTROPY:     # 2^u is 0 below _LOG_TINY: the clamp keeps 0 * -inf out of w
-        u = tl.maximum(u, _LOG_TINY)
+    if WITH_ENTROPY:     # 2^u is 0 below LOG_TINY: the clamp keeps 0 * -inf out of w
+        u = tl.maximum(u, LOG_TINY)
     e = tl.math.exp2(u)
     w = tl.zeros_like(m)
     if WITH_ENTROPY:
@@ -80,8 +79,8 @@ def block_statistics(first, second, inv_temp, WITH_ENTROPY: tl.constexpr, ACC: t
     m1, s1, w1 = second
     c = tl.cast(inv_temp, ACC) * LOG2E
     m = tl.maximum(m0, m1)
-    d0 = tl.maximum((m0 - m) * c, _LOG_TINY)
-    d1 = tl.maximum((m1 - m) * c, _LOG_TINY)
+    d0 = tl.maximum((m0 - m) * c, LOG_TINY)
+    d1 = tl.maximum((m1 - m) * c, LOG_TINY)
     a0 = tl.math.exp2(d0)
     a1 = tl.math.exp2(d1)
     s = tl.fma(a0, s0, a1 * s1)
