@@ -6,7 +6,9 @@ program forms the logits of ``BLOCK_M`` rows and one vocabulary block of ``VOCAB
 tiles never leave the chip: no ``[C, V]`` tensor, only ``[C, V / VOCAB_BLOCK, 3]`` statistics,
 which ``vocab_blocks.combine_blocks`` combines in order. The same bits as the statistics of
 ``fixed_matmul``'s logits (``vocab_blocks.block_stats``), by construction: the same tiles, the
-same rounding, the same reduction.
+same rounding, the same reduction. The backward (``head_backward``) forms the tiles again,
+turns each into its gradient and adds it, in fixed orders, into the gradients of the hidden
+states and of the weight.
 """
 from __future__ import annotations
 
