@@ -131,10 +131,9 @@ def _expected_head_logprobs(name, mode):
     """A head's log-probs and entropies over every row of the window (no mask: per actor row,
     ``rows`` chunk rows). The default head: torch's linear forms each chunk (again in the
     backward), the row kernel reads it (its target once more) and the backward's writes its
-    gradient in place, read by the two products. The batch-invariant head's forward reads no
-    row of logits (its tiles never leave the chip); its backward forms each chunk by the
-    fixed-order matmul (a kernel), writes its gradient in place and reads it twice (the two
-    fixed-order products)."""
+    gradient in place, read by the two products. The batch-invariant head reads and writes no
+    row of logits, forward or backward, and allocates none (its tiles never leave the
+    chip)."""
     def rows(x):
         return x.mask.numel() / float(x.mask.sum())
 
@@ -142,9 +141,7 @@ def _expected_head_logprobs(name, mode):
         return lambda x: tuple(rows(x) * c for c in counts)
 
     if name.endswith("invariant"):
-        chunk = (0, 0, 0) if mode == "fwd" else (3, 3, 2)
-        return {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": times(chunk)}, {}, \
-            (0.0 if mode == "fwd" else 1.0)
+        return {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": (0, 0, 0)}, {}, 0.0
     target = 1 / V
     if mode == "fwd":
         return ({"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": times((1 + target, 1, 0))},
