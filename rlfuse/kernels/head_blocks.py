@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from .head import softcap
-from .rows import LOG_TINY
-from .matmul import BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS, dot_modes, fixed_tile
-from .utils import LN2, LOG2E, empty, fp64_values, tl_compute_dtype
+from .rows import dlogits_coefficients, dlogits_of
+from .matmul import BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS, dot_modes, fixed_dot, fixed_tile
+from .utils import empty, fp64_values, tl_compute_dtype
 from .vocab_blocks import (BLOCK_COLUMNS, BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, block_statistics,
                            half_statistics, store_block)
 
@@ -126,21 +126,14 @@ def _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head,
     m = tl.load(stats_ptr + rows * 2, mask=live, other=0.0).to(ACC)
     log_s = tl.load(stats_ptr + rows * 2 + 1, mask=live, other=0.0).to(ACC)
     g = tl.load(g_ptr + rows, mask=live, other=0.0).to(ACC)
-    inv_temp = head[0]
-    a = -g * inv_temp
-    b = tl.zeros_like(a)
+    h = tl.zeros_like(g)
+    entropy = tl.zeros_like(g)
     if WITH_ENTROPY:
         h = tl.load(dent_ptr + rows, mask=live, other=0.0).to(ACC)
         entropy = tl.load(entropy_ptr + rows, mask=live, other=0.0).to(ACC)
-        a = -(g + h * entropy) * inv_temp
-        b = -(h * LN2) * inv_temp
-    g_y = g * inv_temp
-    if SOFTCAP:
-        scale = head[1] * head[2]
-        a *= scale
-        b *= scale
-        g_y *= scale
-    return m, inv_temp * LOG2E, log_s * LOG2E, a, b, g_y
+    c, log_s2, a, b, g_y = dlogits_coefficients(head[0], head[1], head[2], log_s, entropy, g,
+                                                h, SOFTCAP, ACC)
+    return m, c, log_s2, a, b, g_y
 
 
 @triton.jit
@@ -164,19 +157,14 @@ def _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm,
     if SOFTCAP:
         x, dcap = softcap(x, head[1], head[2], ACC)
     m, c, log_s2, a, b, g_y = row
-    q = tl.fma(x - m[:, None], c, -log_s2[:, None])      # log2 p
-    if WITH_ENTROPY:
-        q = tl.maximum(q, LOG_TINY)
-        d = tl.math.exp2(q) * tl.fma(b[:, None], q, a[:, None])
-    else:
-        d = tl.math.exp2(q) * a[:, None]
+    d = dlogits_of(x, m[:, None], c, log_s2[:, None], a[:, None], b[:, None], WITH_ENTROPY)
     d = tl.where(cols[None, :] == y[:, None], d + g_y[:, None], d) * dcap
     return tl.where(live[:, None] & (cols[None, :] < V), d, 0.0).to(LOGITS), cols
 
 
 @triton.jit
 def _add_product(acc_ptr, stride_acc, out_rows, live, d, b_ptr, b_rows, b_live, stride_br,
-                 stride_bh, H, IEEE: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+                 stride_bh, H, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_H: tl.constexpr):
     """``acc[out_rows, :] += d @ B[b_rows, :]`` (``acc`` fp32 in memory, H columns), a
     ``BLOCK_H`` of columns at a time."""
@@ -187,12 +175,7 @@ def _add_product(acc_ptr, stride_acc, out_rows, live, d, b_ptr, b_rows, b_live, 
         at = acc_ptr + out_rows[:, None].to(tl.int64) * stride_acc + cols[None, :]
         inside = live[:, None] & (cols[None, :] < H)
         acc = tl.load(at, mask=inside, other=0.0)
-        if UPCAST:
-            acc += tl.dot(d.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(d, b, input_precision="ieee")
-        else:
-            acc += tl.dot(d, b)
+        acc += fixed_dot(d, b, IEEE, UPCAST)
         tl.store(at, acc, mask=inside)
 
 
@@ -218,7 +201,7 @@ def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
                                     stride_wv, stride_wk, y, row, head, HAS_BIAS, SOFTCAP,
                                     WITH_ENTROPY, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
             _add_product(dh_ptr, H, rows, live, d, w_ptr, cols, cols < V, stride_wv,
-                         stride_wk, H, IEEE, UPCAST, ACC, BLOCK_H)
+                         stride_wk, H, IEEE, UPCAST, BLOCK_H)
 
 
 @triton.jit
@@ -247,7 +230,7 @@ def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
                              WITH_ENTROPY, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
         if NEED_WEIGHT:
             _add_product(dw_ptr, H, cols, cols < V, tl.trans(d), h_ptr, rows, live,
-                         stride_hm, stride_hk, H, IEEE, UPCAST, ACC, BLOCK_H)
+                         stride_hm, stride_hk, H, IEEE, UPCAST, BLOCK_H)
         if NEED_BIAS:
             dbias += tl.sum(d.to(ACC), axis=0)
     if NEED_BIAS:

@@ -40,13 +40,21 @@ def fixed_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, s
                     mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         b = tl.load(b_ptr + rk[:, None].to(tl.int64) * stride_bk + rn[None, :] * stride_bn,
                     mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        if UPCAST:   # the interpreter multiplies no 16-bit floats: the exact products in fp32
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc += fixed_dot(a, b, IEEE, UPCAST)
     return acc
+
+
+@triton.jit
+def fixed_dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` as the fixed-order matmul multiplies (``dot_modes``): fp32 / fp64 in full
+    precision, 16-bit floats on the tensor cores."""
+    if UPCAST:   # the interpreter multiplies no 16-bit floats: the exact products in fp32
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        product = tl.dot(a, b, input_precision="ieee")
+    else:
+        product = tl.dot(a, b)
+    return product
 
 
 @triton.jit

@@ -209,6 +209,35 @@ def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
 
 
 @triton.jit
+def dlogits_coefficients(inv_temp, cap, cap_in, log_s, entropy, g, h, SOFTCAP: tl.constexpr,
+                         ACC: tl.constexpr):
+    """``(c, log2 s, a, b, g_y)`` of ``row_write_dlogits``' formula, elementwise: of one row
+    (scalars) or of a tile's rows (vectors); ``inv_temp`` in ``ACC``."""
+    a = -(g + h * entropy) * inv_temp
+    b = -(h * LN2) * inv_temp
+    g_y = g * inv_temp
+    if SOFTCAP:   # the scale of the softcap's derivative, once per row
+        scale = tl.cast(cap, ACC) * tl.cast(cap_in, ACC)
+        a *= scale
+        b *= scale
+        g_y *= scale
+    return inv_temp * LOG2E, log_s * LOG2E, a, b, g_y
+
+
+@triton.jit
+def dlogits_of(x, m, c, log_s2, a, b, WITH_ENTROPY: tl.constexpr):
+    """``p (a + b log2 p)`` of ``row_write_dlogits``' formula at the (softcapped) logits
+    ``x``, the target's ``g_y`` and the softcap's derivative not yet applied."""
+    q = tl.fma(x - m, c, -log_s2)     # log2 p
+    if WITH_ENTROPY:
+        q = tl.maximum(q, LOG_TINY)     # 2^q == 0 below: keeps 0 * -inf out of p (a + b q)
+        d = tl.math.exp2(q) * tl.fma(b, q, a)
+    else:
+        d = tl.math.exp2(q) * a
+    return d
+
+
+@triton.jit
 def _dlogits_half(x_ptr, d_ptr, cols, n, y, c, cap, cap_in, m, log_s2, a, b, g_y,
                   MASKED: tl.constexpr, TARGET: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                   SOFTCAP: tl.constexpr, ACC: tl.constexpr, EVICT: tl.constexpr):
@@ -217,12 +246,7 @@ def _dlogits_half(x_ptr, d_ptr, cols, n, y, c, cap, cap_in, m, log_s2, a, b, g_y
     x = _load_logits(x_ptr, cols, n, MASKED, ACC, _STREAM if EVICT else _NO_HINT)
     if SOFTCAP:
         x, dcap = softcap(x, cap, cap_in, ACC)
-    q = tl.fma(x - m, c, -log_s2)     # log2 p
-    if WITH_ENTROPY:
-        q = tl.maximum(q, LOG_TINY)     # 2^q == 0 below: keeps 0 * -inf out of p (a + b q)
-        d = tl.math.exp2(q) * tl.fma(b, q, a)
-    else:
-        d = tl.math.exp2(q) * a
+    d = dlogits_of(x, m, c, log_s2, a, b, WITH_ENTROPY)
     if TARGET:
         d = tl.where(cols == y, d + g_y, d)
     if SOFTCAP:
@@ -286,17 +310,8 @@ def row_write_dlogits(row_ptr, drow_ptr, V, target, inv_temp, cap, cap_in, m, lo
     to (fp32: 4e-7 of max(1, max |dL/dx|)).
     """
     LANES: tl.constexpr = 128 // row_ptr.dtype.element_ty.primitive_bitwidth
-    inv_temp = tl.cast(inv_temp, ACC)
-    c = inv_temp * LOG2E
-    log_s2 = log_s * LOG2E
-    a = -(g + h * entropy) * inv_temp
-    b = -(h * LN2) * inv_temp
-    g_y = g * inv_temp
-    if SOFTCAP:   # the scale of the softcap's derivative, once per row
-        scale = tl.cast(cap, ACC) * tl.cast(cap_in, ACC)
-        a *= scale
-        b *= scale
-        g_y *= scale
+    c, log_s2, a, b, g_y = dlogits_coefficients(tl.cast(inv_temp, ACC), cap, cap_in, log_s,
+                                                entropy, g, h, SOFTCAP, ACC)
     in_vocab = (target >= 0) & (target < V)
     y = tl.where(in_vocab, target, -1).to(tl.int32)
     n_full = V // BLOCK_V
