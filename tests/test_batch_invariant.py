@@ -370,11 +370,38 @@ def test_the_heads_blocks_are_those_of_its_logits(dtype, vocab, style):
         assert with_entropy or (blocks[..., 2] == 0).all()
 
 
-def test_the_log_probs_form_no_vocabulary_sized_tensor():
-    """The batch-invariant head's log-probs and entropies, forward (the old-log-prob pass) and
-    backward, allocate no tensor of a row's vocabulary, where the default head forms each
-    chunk's logits: every tensor a torch op makes outside the kernels is recorded, rlfuse's ops
-    entered (the probe sees the default head's ``[C, 1, V]``)."""
+def _logprobs_and_entropies(policy):
+    lp, entropy = rlfuse.policy_logprobs(policy, return_entropy=True)
+    return lp.sum() + entropy.sum()
+
+
+def _clip_with_terms(policy):
+    n, T = policy.targets.shape
+    g = torch.Generator().manual_seed(4)
+    mask = torch.ones(n, T, dtype=torch.bool)
+    return rlfuse.policy_loss(policy, -torch.rand(n, T, generator=g),
+                              torch.randn(n, generator=g), mask, "clip",
+                              ref_logprobs=-torch.rand(n, T, generator=g),
+                              kl=rlfuse.terms.KLPenalty(0.1, "k3"),
+                              entropy=rlfuse.terms.EntropyBonus(0.01)).loss
+
+
+def _ggpo(policy):
+    n, T = policy.targets.shape
+    g = torch.Generator().manual_seed(5)
+    return rlfuse.ggpo_loss(policy, -torch.rand(n, T, generator=g),
+                            torch.randint(0, 2, (n,), generator=g).float(),
+                            torch.ones(n, T, dtype=torch.bool), group_size=3, beta=0.1).loss
+
+
+@pytest.mark.parametrize("call", [_logprobs_and_entropies, _clip_with_terms, _ggpo],
+                         ids=["logprobs", "clip", "ggpo"])
+def test_no_vocabulary_sized_tensor_is_formed(call):
+    """The batch-invariant head's log-probs and entropies (the old-log-prob pass) and its
+    losses (a token-local objective with its KL and entropy terms, GGPO), forward and backward,
+    allocate no tensor of a row's vocabulary, where the default head forms each chunk's logits:
+    every tensor a torch op makes outside the kernels is recorded, rlfuse's ops entered (the
+    probe sees the default head's ``[C, 1, V]``)."""
     from torch._library.custom_ops import _maybe_get_opdef
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -407,11 +434,10 @@ def test_the_log_probs_form_no_vocabulary_sized_tensor():
         for grad in (False, True):
             leaf = hidden.clone().requires_grad_(grad)
             with torch.set_grad_enabled(grad), launches, Largest() as probe:
-                lp, entropy = rlfuse.policy_logprobs(rlfuse.LinearHead(
-                    leaf, weight, targets, bias=bias, batch_invariant=invariant, **fields),
-                    return_entropy=True)
+                loss = call(rlfuse.LinearHead(leaf, weight, targets, bias=bias,
+                                              batch_invariant=invariant, **fields))
                 if grad:
-                    (lp.sum() + entropy.sum()).backward()
+                    loss.backward()
             largest[invariant, grad] = probe.numel
     assert largest[False, False] >= rows * vocab and largest[False, True] >= rows * vocab
     # not even one row's vocabulary (the blocks' statistics: 3 numbers per block of 128 ids)

@@ -340,9 +340,6 @@ def _op_cases(device):
             (hidden, weight, None, x.targets, x.mask, None, x.adv, token_w, weights, None, None,
              None, 1.0, 2.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0, inf], 20.0, "",
              False, False, False, 0, 3, True, [True, True, False]),
-            (hidden, weight, None, x.targets, x.mask, None, x.adv, token_w, weights, None, None,
-             None, 1.0, 2.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0, inf], 20.0, "",
-             False, False, False, 0, 3, True, [True, True, False], "", True),  # batch_invariant
             (hidden, weight, x.bias, x.targets, x.mask, x.old, x.adv, None, weights, x.ref,
              0.5 * weights, 0.25 * weights, 0.9, 0.5, 3.0, "sapo", "ppo_clip", "mc", 1.0, 1.0,
              [1.0, 1.05], 20.0, "k1", True, False, False, 1, 7, False, [True, True, True])],

@@ -101,14 +101,9 @@ def _expected(name, op, mode):
     if "upstream gradient" in name:             # the backward rescales the written rows
         actor = (actor[0] + 1, actor[1] + 1, actor[2] + 1)
     if op.matmuls is not None and "batch_invariant" in name:
-        # the fixed-order matmul (a kernel here): the chunk's logits written, dlogits read by
-        # the hidden states' product and, transposed, by the weight's; the chunks (the actor
-        # rows) allocated by the launcher (torch's linear allocates inside its op, unseen).
-        # The rows' statistics from blocks of VOCAB_BLOCK ids (one read), then the single pass
-        # given them: one read and one write
-        rows = {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": (1 + 1 + 2, 1 + 1 + 2, 1 + 1)}
-        # the target logit of each actor row, gathered by torch
-        return rows, {"gather": (1 / V, 0)}, lambda x: float(x.mask.sum()) / x.mask.numel()
+        # the log-probs' tiles never leave the chip (``_expected_head_logprobs``), then the
+        # loss over [B, T]
+        return {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": (0, 0, 0)}, {}, 0.0
     if op.matmuls is not None:
         rows = {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": actor}
         formed = 1 if single_pass else 2        # GGPO forms each chunk twice

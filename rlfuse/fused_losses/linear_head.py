@@ -32,7 +32,7 @@ from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd, register_backward_op
 from .head_matmuls import HeadGradients, chunk_logits
-from .vocab_blocks import block_row_stats, head_block_row_stats, logit_at_targets
+from .vocab_blocks import head_block_row_stats, logit_at_targets
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # the most a default chunk of logits takes: 1 GiB
 # The fewest tokens a default chunk takes (the matmul's M), and the multiple its tokens are of.
@@ -280,7 +280,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                         kl_estimator: str, kl_straight: bool, kl_weighted: bool, kl_clamp: bool,
                         offset: int,
                         chunk_tokens: int, gather: bool, needs: List[bool],
-                        group_name: str = "", batch_invariant: bool = False,
+                        group_name: str = "",
                         row_blocks: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, sums [B, SUM_COLUMNS], dhidden, dweight, dbias)``: the surrogate ``objective``
     over the head's window (``old_lp`` None: on policy) with its terms (those of
@@ -293,12 +293,11 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     chunk's whole-row statistics are gathered before its gradient is written (one all-gather of
     ``[C, 4]`` per chunk), and the hidden states' gradient is summed over the group at the end
     (one all-reduce; with ``row_blocks``, sequence-parallel rows, one reduce-scatter: see
-    ``HeadGradients``). ``batch_invariant``: the products by the fixed-order matmul."""
+    ``HeadGradients``)."""
     spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     head = HeadParams(temperature, logit_scale, softcap)
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant,
-                          row_blocks)
+    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, row_blocks=row_blocks)
     write = any(needs)
     B, T = targets.shape
     sums_of_tokens = torch.zeros((B * T, len(SUM_COLUMNS)), dtype=row_scale.dtype,
@@ -311,12 +310,9 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                              for x in (kl_scale, entropy_scale))
     for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
-        logits = chunk_logits(h_rows, weight, bias, batch_invariant)
+        logits = chunk_logits(h_rows, weight, bias)
         targets_c, row_stats = y_flat[tokens, None], None
-        if batch_invariant:
-            targets_c, row_stats = block_row_stats(logits, targets_c, m_flat[tokens, None],
-                                                   head, entropy_flat is not None, group_name)
-        elif group_name:
+        if group_name:
             targets_c, row_stats = _split_row_stats(logits, targets_c, m_flat[tokens, None],
                                                     head, entropy_flat is not None, group_name)
         _, sums = surrogate_logits_fwd(
@@ -340,7 +336,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
       entropy_scale, temperature, logit_scale, softcap, function, geometry, topology,
       delta_low, delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
-      offset, chunk_tokens, gather, needs, group_name="", batch_invariant=False, row_blocks=0):
+      offset, chunk_tokens, gather, needs, group_name="", row_blocks=0):
     sums = row_scale.new_empty((targets.shape[0], len(SUM_COLUMNS)))
     return (row_scale.new_empty(()), sums) + head_gradients_fake(hidden, weight, bias, needs,
                                                              accumulated=True)

@@ -9,9 +9,11 @@ host sync, and no pass over it when the gradient is 1. fp16 logits take the two-
 instead (log-probs, then the surrogate; the backward forms ``dlogits`` from the logits at the
 true upstream scale), since a gradient rounded to fp16 at scale 1 would lose what a loss
 scaler's 2^16 is meant to keep; so do GSPO's sequence-level ratio (every log-prob of a row
-first) and ``Logits`` over a split vocabulary (a row's gradient needs the group's logsumexp,
+first), ``Logits`` over a split vocabulary (a row's gradient needs the group's logsumexp,
 known only after an all-gather of every shard's row statistics: the second read is not saved,
-``docs/scale-out.md``). A ``LinearHead`` over a split vocabulary runs the single pass chunk by
+``docs/scale-out.md``) and batch-invariant policies (their log-probs from fixed vocabulary
+blocks, a ``LinearHead``'s from tiles that never leave the chip, ``kernels.head_blocks``: no
+chunk of logits). A ``LinearHead`` over a split vocabulary runs the single pass chunk by
 chunk, each chunk's statistics gathered before its gradient is written. Packed rows run the
 single pass as N sequences of one token each (``scaleout.layout.as_one_token_rows``).
 
@@ -220,8 +222,8 @@ class InPlaceSinglePass(torch.autograd.Function):
 def _in_one_pass(policy, ratio: str) -> bool:
     """Whether ``policy``'s loss runs in one pass over its logits (see the module)."""
     if ratio != "token" or not isinstance(policy, (Logits, LinearHead)) or \
-            isinstance(policy, RankRowsHead) or (isinstance(policy, Logits) and (
-                policy.vocab_parallel_group is not None or policy.batch_invariant)):
+            isinstance(policy, RankRowsHead) or policy.batch_invariant or (
+                isinstance(policy, Logits) and policy.vocab_parallel_group is not None):
         return False
     rows = policy.logits if isinstance(policy, Logits) else policy.hidden
     return rows.dtype != torch.float16
@@ -301,8 +303,7 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
             policy.hidden, policy.weight, policy.bias, policy.targets, **tokens, **terms_in,
             **head_fields(policy), **flat, offset=int(policy.offset),
             chunk_tokens=chunk, gather=validate, needs=needs,
-            group_name="" if group is None else group.group_name,
-            batch_invariant=bool(policy.batch_invariant), row_blocks=blocks)
+            group_name="" if group is None else group.group_name, row_blocks=blocks)
         terms = {}
     elif single:
         logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)
