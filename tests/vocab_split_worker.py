@@ -487,7 +487,7 @@ def check_opcheck(d, group, rank, world):
          False, False, False, P, 4, True, [True, True, False], name),
         (hidden, weight, None, d["targets"], d["mask"], None, d["adv"], None, row_scale, None,
          None, None, 1.0, 1.0, 0.0, "clip", "ppo_clip", "mc", 0.2, 0.28, [3.0, math.inf], 20.0, "",
-         False, False, False, P, 4, True, [True, False, False], name, False, B)]
+         False, False, False, P, 4, True, [True, False, False], name, B)]
     # sequence parallelism's gather of the rows (its backward keeps this rank's rows)
     from rlfuse.scaleout.sequence import gather_rows
 

@@ -23,6 +23,10 @@ CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
 
 
+_TRL_MIXUP_ALPHA = next(f.default for f in dataclasses.fields(GRPOConfig)
+                        if f.name == "ref_model_mixup_alpha")
+
+
 @dataclasses.dataclass
 class RLFuseGRPOConfig(GRPOConfig):
     """``GRPOConfig`` and the rlfuse loss with its hyper-parameters."""
@@ -39,6 +43,19 @@ class RLFuseGRPOConfig(GRPOConfig):
     rlfuse_gr_opd_adv_clip: float = 5.0
     rlfuse_chunk_tokens: Optional[int] = None
     rlfuse_batch_invariant: bool = False
+    rlfuse_ggpo_mixed_groups_only: bool = True
+    # TRL's reference sync; unset: as TRL for every loss but GGPO, which the paper trains with
+    # its reference refreshed by a copy of the policy (on, alpha 1)
+    sync_ref_model: Optional[bool] = None
+    ref_model_mixup_alpha: Optional[float] = None
+
+    def __post_init__(self):
+        ggpo = self.rlfuse_loss == "ggpo"
+        if self.sync_ref_model is None:
+            self.sync_ref_model = ggpo
+        if self.ref_model_mixup_alpha is None:
+            self.ref_model_mixup_alpha = 1.0 if ggpo else _TRL_MIXUP_ALPHA
+        super().__post_init__()
 
 
 def _bad_rlfuse_fields(args) -> List[str]:
@@ -54,6 +71,7 @@ def _bad_rlfuse_fields(args) -> List[str]:
         "rlfuse_gr_opd_feedback_clip": check_positive,
         "rlfuse_gr_opd_adv_clip": check_positive,
         "rlfuse_batch_invariant": check_bool,
+        "rlfuse_ggpo_mixed_groups_only": check_bool,
     }
     problems = []
     for name, check in checks.items():
@@ -106,6 +124,10 @@ def unsupported_options(args, teacher_model) -> List[str]:
         if args.per_device_train_batch_size % generations:
             problems.append("per_device_train_batch_size not a multiple of num_generations with "
                             "rlfuse_loss='ggpo' (GGPO's loss couples a group)")
+        if args.steps_per_generation % args.gradient_accumulation_steps:
+            problems.append("steps_per_generation not a multiple of gradient_accumulation_steps "
+                            "with rlfuse_loss='ggpo' (its normaliser counts each optimizer "
+                            "step's tokens from its generation batch)")
     if loss == "ggpo":
         # GGPO's loss already is a KL-regularised regression to its Gibbs target
         for name, default in (("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0),

@@ -20,11 +20,9 @@ no ``[B, T, V]`` logits exist, and the loss is
   ``rlfuse_topology``, ``rlfuse_delta``) and the aggregation of ``loss_type``, with any of
   TRL's terms and masks (``beta``, ``entropy_coef``, ``use_adaptive_entropy``,
   ``top_entropy_quantile``, ``off_policy_mask_threshold``);
-- ``"ggpo"``: ``rlfuse.ggpo_loss`` with TRL's ``beta`` as GGPO's β, the reference model as
-  GGPO's reference (refreshed by TRL's ``sync_ref_model`` every ``ref_model_sync_steps``), the
-  rewards centred in each group as its rewards, whatever ``scale_rewards`` says (GGPO is
-  invariant to a constant per group, not to TRL's scaling), and micro-batches of whole groups
-  (the batch is shuffled by groups, not rows);
+- ``"ggpo"``: ``rlfuse.ggpo_loss`` as the paper trains (``integrations._trl_ggpo``), TRL's
+  ``beta`` its β, the reference model its reference, refreshed by a copy every
+  ``ref_model_sync_steps`` (the config's defaults for GGPO);
 - ``"gr_opd"``: GR-OPD's loss (``rlfuse.gr_opd_loss``'s step: ``rlfuse.policy_loss`` with the
   clip over its advantages, ``seq-mean-token-mean``) with the advantages of
   ``rlfuse.gr_opd_advantages`` from the ``teacher_model`` replayed on the student's
@@ -52,6 +50,8 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, \
 import rlfuse
 from rlfuse import objectives, terms
 from rlfuse.integrations._models import add_head_forward, model_head, router_loss_problems
+from rlfuse.integrations._trl_ggpo import (STEP_TOKENS, ggpo_rewards, loss_mask,
+                                           shuffle_groups, with_step_tokens)
 from rlfuse.integrations._trl_distill import (RLFuseDistillationConfig,
                                               RLFuseDistillationTrainer)
 from rlfuse.integrations._trl_config import (TOKEN_COUNT_LOSS_TYPES, RLFuseGRPOConfig,
@@ -160,24 +160,10 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         self._rewards_per_func = super()._calculate_rewards(*args, **kwargs)
         return self._rewards_per_func
 
-    def _ggpo_rewards(self, rows: int) -> torch.Tensor:
-        """GGPO's rewards of this process's ``rows``: the weighted sum of the reward functions
-        centred in each group, what TRL's advantages are with ``scale_rewards="none"`` (GGPO
-        takes the rewards themselves, whatever TRL's scaling; a constant per group does not
-        move it), an unscorable completion at its group's mean."""
-        per_func = self._rewards_per_func
-        rewards = (per_func * self.reward_weights.to(per_func.device)).nansum(dim=1)
-        rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
-        m = self.num_generations if self.model.training else self.num_generations_eval
-        means = torch.nanmean(rewards.view(-1, m), dim=1).repeat_interleave(m)
-        centred = torch.nan_to_num(rewards - means, nan=0.0)
-        start = self.accelerator.process_index * rows
-        return centred[start:start + rows]
-
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         if self.args.rlfuse_loss == "ggpo":
-            out["advantages"] = self._ggpo_rewards(out["advantages"].shape[0])
+            self._ggpo_batch(out)
         if self.args.rlfuse_loss == "gr_opd" and self.model.training:
             old = out.get("old_per_token_logps")
             if old is None:
@@ -193,18 +179,37 @@ class RLFuseGRPOTrainer(GRPOTrainer):
                 adv_clip=args.rlfuse_gr_opd_adv_clip)
         return out
 
+    def _ggpo_batch(self, out: dict) -> None:
+        """GGPO's rewards as the advantages, the rows of the groups left out masked (they
+        count for nothing, in the loss and its token count)."""
+        train, rows = self.model.training, out["advantages"].shape[0]
+        out["advantages"], kept, dropped = ggpo_rewards(
+            self._rewards_per_func, self.reward_weights,
+            self.num_generations if train else self.num_generations_eval,
+            self.args.rlfuse_ggpo_mixed_groups_only,
+            slice(self.accelerator.process_index * rows, (self.accelerator.process_index + 1) *
+                  rows))
+        out["completion_mask"] = out["completion_mask"] * kept[:, None]
+        self._metrics["train" if train else "eval"]["rlfuse/ggpo_dropped_group_frac"].append(
+            dropped)
+
     def _prepare_inputs(self, generation_batch):
         if self.args.rlfuse_loss != "ggpo" or not self.model.training:
             return super()._prepare_inputs(generation_batch)
-        # TRL's buffering, with the rows shuffled by whole groups (GGPO couples a group)
+        # TRL's buffering, with the rows shuffled by whole groups (GGPO couples a group) and
+        # each micro-batch given its optimizer step's token count
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = split_pixel_values_by_grid(self._generate_and_score_completions(
                 generation_batch))
-            batch = _shuffle_groups(batch, self.num_generations)
-            batches = split_tensor_dict(batch, self.args.steps_per_generation)
-            self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
+            batch = shuffle_groups(batch, self.num_generations)
+            batches = [unsplit_pixel_values_by_grid(b) for b in
+                       split_tensor_dict(batch, self.args.steps_per_generation)]
+            self._buffered_inputs = with_step_tokens(
+                batches, self.args.gradient_accumulation_steps, loss_mask,
+                lambda x: self.accelerator.reduce(x, reduction="sum"))
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
 
     # ----------------------------------------------------------------------------------------
     # The loss
@@ -233,10 +238,7 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         args = self.args
         train = self.model.training
         mode = "train" if train else "eval"
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
-        mask = mask.bool()
+        mask = loss_mask(inputs)
         advantages = inputs["advantages"]
         old = inputs.get("old_per_token_logps")
         weights = None
@@ -248,13 +250,19 @@ class RLFuseGRPOTrainer(GRPOTrainer):
             weights, agg = None, dict(agg="seq-mean-token-mean",
                                       loss_scale=agg.get("loss_scale", 1.0))
 
+        if args.rlfuse_loss == "ggpo":
+            # the paper's normaliser: the tokens of the optimizer step's whole minibatch (a
+            # batch the trainer did not prepare: its own, over the processes)
+            tokens = inputs.get(STEP_TOKENS)
+            if tokens is None:
+                tokens = self.accelerator.reduce(mask.sum().float(), reduction="sum")
+            tokens = tokens.clamp(min=1.0) / self.accelerator.num_processes
+
         def loss(policy):
             if args.rlfuse_loss == "ggpo":
-                # TRL's group-centred rewards are the rewards up to a constant per group
                 return rlfuse.ggpo_loss(
                     policy, inputs["ref_per_token_logps"], advantages, mask,
-                    group_size=self.num_generations, beta=self.beta,
-                    loss_scale=agg.get("loss_scale", 1.0), num_tokens=agg.get("num_tokens"),
+                    group_size=self.num_generations, beta=self.beta, num_tokens=tokens,
                     validate=False)
             return rlfuse.policy_loss(policy, old, advantages, mask, self._objective(),
                                       weights=weights, validate=False, **agg,
@@ -429,15 +437,6 @@ def _reference_from(policy):
         yield
     finally:
         grpo_trainer.create_model_from_path = original
-
-
-def _shuffle_groups(batch: dict, group_size: int) -> dict:
-    """The rows of a generation batch shuffled by whole groups of ``group_size`` rows."""
-    n = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
-    groups = torch.randperm(n // group_size)
-    order = (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)
-    return {k: v[order.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() and
-            v.shape[0] == n else v for k, v in batch.items()}
 
 
 def gr_opd_metrics(inputs: dict, mask: torch.Tensor, feedback_clip: float) -> dict:
