@@ -2,6 +2,10 @@
 ``rlfuse_loss="ggpo"`` and its β, the optimizer step's gradient is ``ggpo_loss`` over the step's
 whole minibatch in one call (the paper's normaliser, whatever ``loss_type``; the groups whose
 rewards all agree left out), and the reference is refreshed by a copy of the policy."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -10,6 +14,7 @@ from conftest import TOL, assert_three_way, integration  # noqa: E402
 trl = integration("trl")
 import rlfuse  # noqa: E402
 import rlfuse.reference  # noqa: E402
+from rlfuse.integrations._trl_ggpo import STEP_TOKENS  # noqa: E402
 from rlfuse.integrations.trl import RLFuseGRPOConfig, RLFuseGRPOTrainer  # noqa: E402
 from test_trl import config, dataset, eos_model, tokenizer  # noqa: E402
 
@@ -29,7 +34,7 @@ def prompt_reward(prompts, completions, **kwargs):
 
 
 def odd_prompts():
-    """The test prompts whose groups' rewards differ."""
+    """The test prompts whose groups' rewards differ, as a dataset."""
     data = dataset(16)
     return data.select([i for i, row in enumerate(data)
                         if int(row["prompt"].split()[0][1:]) % 2])
@@ -43,21 +48,27 @@ def ggpo_trainer(tmp_path, data=None, **kw):
                              args=RLFuseGRPOConfig(**args, rlfuse_loss="ggpo"))
 
 
-def micro_batches(trainer, accumulation):
+def prompts_by_kind():
+    """The test prompts whose groups' rewards agree, and those whose rewards differ."""
+    data = dataset(16)
+    return ([row for row in data if int(row["prompt"].split()[0][1:]) % 2 == parity]
+            for parity in (0, 1))
+
+
+def micro_batches(trainer, accumulation, groups=None, seed=4):
     """The ``accumulation`` micro-batches of the first optimizer step, as the trainer prepares
-    them from one generation batch (each prompt twice: a group), the reference log-probs moved
-    so that GGPO's KL term acts."""
+    them from one generation batch of ``groups`` (prompts, each twice: a group), the reference
+    log-probs moved so that GGPO's KL term acts. By default one group whose rewards agree, the
+    others' differ: however the trainer shuffles the groups, two micro-batches keep different
+    numbers of them."""
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = accumulation
-    data = dataset(16)
-    even, odd = ([row for row in data if int(row["prompt"].split()[0][1:]) % 2 == parity]
-                 for parity in (0, 1))
-    # one group whose rewards agree, the others' differ: however the trainer shuffles the
-    # groups, two micro-batches keep different numbers of them
-    groups = [even[0]] + odd[:2 * accumulation - 1]
+    if groups is None:
+        even, odd = prompts_by_kind()
+        groups = [even[0]] + odd[:2 * accumulation - 1]
     generation = [row for row in groups for _ in range(2)]
-    torch.manual_seed(4)
-    gen = torch.Generator().manual_seed(6)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 2)
     batches = []
     for step in range(accumulation):
         trainer._step = step
@@ -81,12 +92,20 @@ def accumulated_step(trainer, batches, autocast):
                    if p.grad is not None}
 
 
+def _cat(parts, left):
+    """The rows of ``parts`` (of several processes' generation batches: their widths may
+    differ) in one tensor, padded with zeros on the ``left`` (prompts) or the right."""
+    width = max(p.shape[1] for p in parts)
+    pad = [(width - p.shape[1], 0) if left else (0, width - p.shape[1]) for p in parts]
+    return torch.cat([torch.nn.functional.pad(p, w) for p, w in zip(parts, pad)])
+
+
 def one_call(trainer, batches, mixed_only, autocast):
     """``rlfuse.reference.ggpo_loss`` over the step's whole minibatch in one call: the
     rewards from the completions themselves, the groups left out by the test's own reading of
     them, the default normaliser (the minibatch's tokens)."""
     tok = trainer.processing_class
-    whole = {k: torch.cat([b[k] for b in batches]) for k in
+    whole = {k: _cat([b[k] for b in batches], left=k.startswith("prompt")) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
               "ref_per_token_logps")}
     rewards = torch.tensor(prompt_reward(
@@ -186,3 +205,64 @@ def test_a_generation_batch_that_splits_a_step_is_refused(tmp_path):
     with pytest.raises(ValueError, match="steps_per_generation not a multiple of "
                                          "gradient_accumulation_steps with rlfuse_loss='ggpo'"):
         ggpo_trainer(tmp_path, gradient_accumulation_steps=2, steps_per_generation=3)
+
+
+def _two_process_worker(out_dir: str) -> None:
+    """One process of ``torchrun --nproc_per_node 2 tests/test_trl_ggpo.py DIR``: each rank's
+    step of two micro-batches from its own prompts (different numbers of groups kept), the
+    gradients averaged over the ranks as DDP averages them; rank 0 writes them beside the one
+    call over every rank's minibatch."""
+    import torch.distributed as dist
+
+    trainer = ggpo_trainer(out_dir, gradient_accumulation_steps=2)
+    rank = trainer.accelerator.process_index
+    even, odd = prompts_by_kind()
+    groups = [even[0]] + odd[:3] if rank == 0 else even[1:3] + odd[3:5]
+    batches = micro_batches(trainer, 2, groups, seed=4 + rank)
+    got, grads = accumulated_step(trainer, batches, autocast=False)
+    dist.all_reduce(got)
+    for grad in grads.values():
+        dist.all_reduce(grad)
+        grad /= dist.get_world_size()
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+            "ref_per_token_logps", STEP_TOKENS)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, [{k: b[k].cpu() for k in keys} for b in batches])
+    everyone = [b for part in parts for b in part]
+    want, want_grads, kept = one_call(trainer, everyone, True, autocast=False)
+    if rank == 0:
+        torch.save({"processes": dist.get_world_size(), "loss": got / dist.get_world_size(),
+                    "want": want, "grads": grads, "want_grads": want_grads, "kept": kept,
+                    "step_tokens": [b[STEP_TOKENS] for b in everyone],
+                    "tokens": [int(b["completion_mask"].sum()) for b in everyone]},
+                   os.path.join(out_dir, "ggpo.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_processes_step_as_one_call(tmp_path):
+    """Two gloo processes, two micro-batches each, their prompts keeping different numbers
+    of groups: every micro-batch carries the step's token count over both processes, and the
+    gradient averaged over them (as DDP averages it) is ``ggpo_loss`` over all four
+    micro-batches in one call."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--standalone", __file__, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = torch.load(tmp_path / "ggpo.pt")
+    assert out["processes"] == 2
+    tokens = out["tokens"]           # rank 0's two micro-batches, then rank 1's
+    assert tokens[0] + tokens[1] != tokens[2] + tokens[3], tokens
+    assert all(t == sum(tokens) for t in out["step_tokens"]), out["step_tokens"]
+    assert 0 < out["kept"].sum() < len(out["kept"])
+    torch.testing.assert_close(out["loss"], out["want"].float(), **TOL["fp32_chain"])
+    assert out["grads"].keys() == out["want_grads"].keys()
+    for name in out["want_grads"]:
+        torch.testing.assert_close(out["grads"][name], out["want_grads"][name],
+                                   **TOL["fp32_matmul"], msg=name)
+
+
+if __name__ == "__main__":
+    _two_process_worker(sys.argv[1])
