@@ -12,7 +12,8 @@ verl's mode computes, read from the same config fields (``clip_ratio*``, ``tau_p
 ``rollout_correction``, ``global_batch_info``) and returning verl's metric names, plus
 ``actor/rlfuse_overflow`` where the objective can overflow. ``rlfuse_gppo`` is
 ``rlfuse.gppo_loss`` with the seed's region (chi2 / atomic / delta 0.04); :func:`register_gppo`
-registers other regions under other names. :func:`kl_penalty` is verl's ``kl_penalty`` by
+registers other regions under other names. ``rlfuse_ggpo`` is GGPO as an advantage estimator
+and a policy loss over verl's KL in the reward (``_verl_ggpo``). :func:`kl_penalty` is verl's ``kl_penalty`` by
 ``rlfuse.kl_penalty``. The losses take verl's ``[B, T]`` log-probs; the import also makes
 ``fused_kernels_backend="rlfuse"`` a backend of verl's fused-kernel forward, which computes
 those log-probs and the entropy from the last hidden state (``_verl_backend``), and
@@ -38,45 +39,13 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 
 import rlfuse
 from rlfuse import objectives
+from . import _verl_ggpo  # noqa: F401  (registers GGPO's estimator and loss)
+from ._verl_aggregation import verl_aggregation
 from ._verl_backend import (BACKEND, install, linear_cross_entropy, log_probs_and_entropy,
                             patch_forward_with_backends, patch_megatron)
 
 __all__ = ["BACKEND", "MODES", "kl_penalty", "linear_cross_entropy", "log_probs_and_entropy",
            "patch_forward_with_backends", "patch_megatron", "register_gppo", "verl_aggregation"]
-
-
-def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor,
-                     global_batch_info: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """rlfuse's ``agg``, ``num_tokens``, ``num_sequences`` and ``loss_scale`` that reproduce
-    verl's ``agg_loss(loss_mat, loss_mask, loss_agg_mode, **global_batch_info)``.
-
-    verl multiplies by the data-parallel size what it divides by a global count; rlfuse divides
-    by the count over ``dp_size``. Without a global count, verl's ``seq-mean-*`` modes divide by
-    the rows that hold a token (rlfuse's default is every row), and ``token-mean`` by the local
-    tokens; ``seq-mean-token-sum-norm`` divides by ``loss_scale_factor`` (default: the padded
-    length, rlfuse's own divisor).
-    """
-    info = dict(global_batch_info or {})
-    dp_size = info.get("dp_size", 1) or 1
-    out: Dict[str, Any] = {"agg": loss_agg_mode, "loss_scale": 1.0}
-    if loss_agg_mode == "token-sum":
-        out["loss_scale"] = float(dp_size)
-    elif loss_agg_mode == "token-mean":
-        tokens = info.get("batch_num_tokens")
-        if tokens is None and dp_size > 1:
-            raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-        out["num_tokens"] = None if tokens is None else tokens / dp_size
-    else:
-        rows = info.get("global_batch_size")
-        if rows is None and dp_size > 1:
-            raise ValueError("global_batch_size is required when dp_size > 1")
-        if rows is None:   # verl: the rows that hold a token
-            rows = (response_mask.sum(-1) > 0).sum().to(torch.float32)
-        out["num_sequences"] = rows / dp_size
-        factor = info.get("loss_scale_factor")
-        if loss_agg_mode == "seq-mean-token-sum-norm" and factor is not None:
-            out["loss_scale"] = response_mask.shape[-1] / factor
-    return out
 
 
 def _clip(config) -> Tuple[float, float]:

@@ -1,0 +1,40 @@
+"""verl's loss aggregation as rlfuse's arguments (``rlfuse.integrations.verl``)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+
+def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor,
+                     global_batch_info: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """rlfuse's ``agg``, ``num_tokens``, ``num_sequences`` and ``loss_scale`` that reproduce
+    verl's ``agg_loss(loss_mat, loss_mask, loss_agg_mode, **global_batch_info)``.
+
+    verl multiplies by the data-parallel size what it divides by a global count; rlfuse divides
+    by the count over ``dp_size``. Without a global count, verl's ``seq-mean-*`` modes divide by
+    the rows that hold a token (rlfuse's default is every row), and ``token-mean`` by the local
+    tokens; ``seq-mean-token-sum-norm`` divides by ``loss_scale_factor`` (default: the padded
+    length, rlfuse's own divisor).
+    """
+    info = dict(global_batch_info or {})
+    dp_size = info.get("dp_size", 1) or 1
+    out: Dict[str, Any] = {"agg": loss_agg_mode, "loss_scale": 1.0}
+    if loss_agg_mode == "token-sum":
+        out["loss_scale"] = float(dp_size)
+    elif loss_agg_mode == "token-mean":
+        tokens = info.get("batch_num_tokens")
+        if tokens is None and dp_size > 1:
+            raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+        out["num_tokens"] = None if tokens is None else tokens / dp_size
+    else:
+        rows = info.get("global_batch_size")
+        if rows is None and dp_size > 1:
+            raise ValueError("global_batch_size is required when dp_size > 1")
+        if rows is None:   # verl: the rows that hold a token
+            rows = (response_mask.sum(-1) > 0).sum().to(torch.float32)
+        out["num_sequences"] = rows / dp_size
+        factor = info.get("loss_scale_factor")
+        if loss_agg_mode == "seq-mean-token-sum-norm" and factor is not None:
+            out["loss_scale"] = response_mask.shape[-1] / factor
+    return out
