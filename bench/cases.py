@@ -10,7 +10,8 @@ compiled reference), so the rows of one op differ only in the implementation. Li
 it does the same work, has its own adapter (``Op.liger``): it wants ``[B, T+1, V]`` contiguous
 logits, which is why the factory allocates those and hands the other implementations the
 ``logits[:, :-1]`` view (the layout a trainer passes; it must not be copied). TRL's chunked head
-(``Op.trl``) is the peer of the LinearHead ops.
+(``Op.trl``) is the peer of the LinearHead ops, its Triton log-probs and entropy of the
+logits ops.
 """
 from __future__ import annotations
 
@@ -185,7 +186,7 @@ class Op:
     floor: Dict[str, Tuple[int, int, int]]
     liger: Optional[Callable] = None      # (liger module, x) -> output(s), grads to logits_full
     liger_modes: Tuple[str, ...] = MODES
-    trl: Optional[Callable] = None        # (TRL's module, x) -> output(s) (the LinearHead ops)
+    trl: Optional[Callable] = None        # (TRL's module, x) -> output(s)
     # The single pass from logits writes dlogits in its forward and hands that buffer out in
     # ONE backward: its bwd alone cannot be repeated over one graph (and is almost free).
     fused_modes: Tuple[str, ...] = MODES
@@ -303,6 +304,17 @@ _FLOORS = {
         "bwd": (1, 1, MSK + TOP_K * (TGT + F32) + 2 * F32),
         "fwd+bwd": (2, 1, 2 * MSK + TOP_K * (2 * TGT + 3 * F32) + 5 * F32)},
 }
+
+
+def _trl_logprobs(entropy: bool):
+    """TRL 1.16's Triton log-probs and entropy from logits (``selective_log_softmax_and_entropy``,
+    one pass, the entropy always computed): the peer of ``token_logprobs``."""
+    def run(_, x):
+        from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
+
+        lp, h = selective_log_softmax_and_entropy(x.logits, x.targets, 1.0, x.mask)
+        return (lp, h) if entropy else lp
+    return run
 
 
 def _liger_logprobs(lk, x):
@@ -459,11 +471,12 @@ def _variants():
 def _ops():
     ops = [Op("token_logprobs", True,
               lambda lib, x: lib.token_logprobs(x.logits, x.targets, mask=x.mask),
-              _FLOORS["token_logprobs"], liger=_liger_logprobs, liger_modes=("fwd",)),
+              _FLOORS["token_logprobs"], liger=_liger_logprobs, liger_modes=("fwd",),
+              trl=_trl_logprobs(False)),
            Op("token_logprobs_entropy", True,
               lambda lib, x: lib.token_logprobs(x.logits, x.targets, mask=x.mask,
                                                 return_entropy=True),
-              _FLOORS["token_logprobs_entropy"])]
+              _FLOORS["token_logprobs_entropy"], trl=_trl_logprobs(True))]
     liger = {"gppo": _liger_grpo("advantages"), "gr_opd": _liger_grpo("opd_advantages"),
              "ppo": _liger_grpo("advantages", PPO_CLIP[1])}
     liger_head = {"gppo": _liger_head_grpo("advantages"),
@@ -559,9 +572,9 @@ def modes_for(op: Op, impl: str) -> Tuple[str, ...]:
 
 def forward_fn(op: Op, impl: str, lib, x) -> Optional[Callable]:
     """``forward() -> (outputs tuple, leaves)`` of ``impl`` on ``op``; None when ``impl`` has no
-    such op (Liger has no GGPO and no entropy; TRL's chunked head serves the LinearHead ops
-    only). The leaves: the logits (Liger: its
-    ``[B, T+1, V]`` logits), the log-probs, or a LinearHead's hidden states and weight."""
+    such op (Liger has no GGPO and no entropy; TRL's kernels serve the LinearHead ops, the
+    log-probs and distillation). The leaves: the logits (Liger: its ``[B, T+1, V]`` logits),
+    the log-probs, or a LinearHead's hidden states and weight."""
     if op.leaves is not None:
         leaves = op.leaves(x)
     elif op.matmuls is not None:

@@ -13,6 +13,7 @@ import torch
 
 import rlfuse
 from bench import cases, report
+from conftest import TOL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -222,6 +223,30 @@ def test_trl_chunked_head_peer_does_rlfuse_work(name):
         scale = b.abs().max().item()
         assert scale > 0, what
         assert (a - b).abs().max().item() <= 4 * PEER_GRAD_RTOL[torch.float32] * scale, what
+
+
+@pytest.mark.parametrize("name", ["token_logprobs", "token_logprobs_entropy"])
+def test_trl_logprobs_peer_does_rlfuse_work(name):
+    """The TRL peer of the log-prob ops (TRL 1.16's Triton ``selective_log_softmax_and_entropy``
+    over the same logits, in the interpreter): rlfuse's log-probs (and entropies) and their
+    gradient to the logits, fp32, to a few ulps (masked rows: 0 in both)."""
+    trl_module = pytest.importorskip(cases.TRL_MODULE)
+    shape = next(s for s in cases.make_shapes(quick=True)
+                 if s.V is not None and s.dtype == torch.float32)
+    x = cases.make_inputs(shape, "cpu", seed=4)
+    op = cases.OPS[name]
+    outputs = {}
+    for impl, lib in (("fused", rlfuse), ("trl", trl_module)):
+        out, leaves = cases.forward_fn(op, impl, lib, x)()
+        upstream = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i))
+                    for i, o in enumerate(out)]
+        outputs[impl] = ([o.detach() for o in out],
+                         torch.autograd.grad(out, leaves, upstream)[0])
+    (ours, ours_grad), (theirs, their_grad) = outputs["fused"], outputs["trl"]
+    assert len(ours) == len(theirs) == (2 if name.endswith("entropy") else 1)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **TOL["fp32_logprob"])
+    torch.testing.assert_close(ours_grad, their_grad, **TOL["fp32_grad"])
 
 
 def test_memory_mode_measures_peak_memory_side_by_side(tmp_path):
