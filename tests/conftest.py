@@ -23,29 +23,10 @@ import rlfuse.kernels.utils as kernel_utils  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _interpreter_rounds_bf16_as_a_gpu() -> None:
-    """Triton's interpreter casts fp32 to bf16 by truncation (its cast takes no rounding mode);
-    a GPU's cast (``cvt.rn.bf16.f32``) rounds to nearest even. The interpreter is made to round
-    as the GPU does (torch's own conversion), so that a bf16 output here has the bits it has
-    there."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    cast_impl = interpreter.InterpreterBuilder.cast_impl
-
-    def rounded(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(bits.view(torch.int16).numpy().view(np.uint16),
-                                            dst_type.scalar)
-        return cast_impl(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = rounded
-
-
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_rounds_bf16_as_a_gpu()
+    from tools.interpreter import round_bf16_as_a_gpu
+
+    round_bf16_as_a_gpu()
 
 # --------------------------------------------------------------------------------------------
 # Tolerances

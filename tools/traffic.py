@@ -345,14 +345,13 @@ def modes_of(op) -> Tuple[str, ...]:
     return tuple(m for m in TRAFFIC_MODES if m in op.fused_modes)
 
 
-def run_case(op, x, mode: str) -> Traffic:
-    """The fused traffic of the registry's ``op`` in ``mode``: ``fwd`` the forward alone (no
-    gradient recorded), ``bwd`` the backward alone (after an uncounted forward), ``fwd+bwd``
-    both."""
-    import rlfuse
+def run_case(op, x, mode: str, impl: str = "fused") -> Traffic:
+    """The traffic of the registry's ``op`` in ``mode`` by ``impl`` (rlfuse's fused kernels, or
+    a peer's: ``bench.cases.IMPLS``): ``fwd`` the forward alone (no gradient recorded), ``bwd``
+    the backward alone (after an uncounted forward), ``fwd+bwd`` both."""
     from bench import cases as bench_cases
 
-    forward = bench_cases.forward_fn(op, "fused", rlfuse, x)
+    forward = bench_cases.forward_fn(op, impl, bench_cases.load_impl(impl), x)
 
     def grad(outs, leaves):
         torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
@@ -367,6 +366,8 @@ def run_case(op, x, mode: str) -> Traffic:
     else:
         run = lambda: grad(*forward())  # noqa: E731
     window = op.window or (lambda x: (x.shape.T, 0))
+    if impl == "liger":         # Liger reads the whole [B, T + 1, V] output
+        window = lambda x: (x.shape.T + 1, 0)  # noqa: E731
     S, offset = window(x) if x.shape.V else (x.shape.T, 0)
     geometry = Geometry(B=x.shape.batch, S=S, T=x.shape.T, V=x.shape.V or 0, offset=offset,
                         mask=x.mask, element_size=x.shape.element_size if x.shape.V else 4,
