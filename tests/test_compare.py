@@ -23,7 +23,7 @@ def test_every_peer_is_measured(rows):
         (op, peer, dtype) for op, peer in compare.PEERS for dtype in ("bfloat16", "float32")]
     for row in rows:
         for impl in ("fused", row["peer"]):
-            reads, distinct, writes = row[impl]["traffic"]
+            reads, distinct, writes = row[impl]["kernels"]
             assert reads >= distinct > 0 and writes > 0, (row["op"], impl)
 
 
@@ -31,20 +31,21 @@ def test_rlfuse_moves_no_more_than_its_peers(rows):
     """The goal the table states, on the bytes: every shared op at most the peer's distinct
     reads and writes per actor row (the single pass reads a row twice, once from memory)."""
     for row in rows:
-        ours, theirs = row["fused"]["traffic"], row[row["peer"]]["traffic"]
+        ours, theirs = row["fused"]["kernels"], row[row["peer"]]["kernels"]
         assert ours[1] <= theirs[1] and ours[2] <= theirs[2], row
 
 
 def test_errors_are_against_float64(rows):
-    """fp32: every implementation within a few fp32 ulps of float64; bf16 gradients within a
-    bf16 unit (2^-8) of the gradient's scale, whoever rounds them."""
+    """fp32: every implementation within a few fp32 ulps of float64. bf16: the error is the
+    inputs' and the head's logits' rounding to bf16 (the float64 result rounds nothing), the
+    same for both sides; rlfuse's gradient error at most the peer's (the goal)."""
     for row in rows:
-        for impl in ("fused", row["peer"]):
-            value, grad = row[impl]["errors"]
+        ours, theirs = row["fused"]["errors"], row[row["peer"]]["errors"]
+        for impl, (value, grad) in (("fused", ours), (row["peer"], theirs)):
             if row["dtype"] == "float32":
                 assert value < 1e-6 and grad < 1e-6, (row["op"], impl)
-            else:
-                assert grad < 2.0 ** -8, (row["op"], impl)
+        if row["dtype"] == "bfloat16":
+            assert ours[1] <= 1.01 * theirs[1], row
     # the measure itself: a gradient off by one bf16 unit is seen
     x = torch.ones(3)
     assert compare._error(x + 2.0 ** -8, x.double()) == pytest.approx(2.0 ** -8)
@@ -56,4 +57,4 @@ def test_the_table_in_the_docs_is_the_tools():
     header = compare.format_table([], 1).splitlines()[2]
     assert header in table
     for op, peer in compare.PEERS:
-        assert f"| {op} | {compare.LABELS[peer]} |" in table
+        assert f"| {op} | {compare.LABELS[op, peer]} |" in table

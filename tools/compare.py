@@ -11,6 +11,7 @@ of the table with its reason.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from types import SimpleNamespace
 from typing import List, Optional, Sequence, Tuple
@@ -21,9 +22,12 @@ from tools import traffic
 from tools.interpreter import round_bf16_as_a_gpu
 
 # (op of bench.cases, the peer implementation that does the same work)
-PEERS = (("token_logprobs", "trl"), ("token_logprobs_entropy", "trl"), ("ppo_logits", "liger"))
-LABELS = {"trl": "TRL 1.16 `selective_log_softmax_and_entropy`",
-          "liger": "Liger `GrpoLossFunction`"}
+PEERS = (("token_logprobs", "trl"), ("token_logprobs_entropy", "trl"), ("ppo_logits", "liger"),
+         ("ppo_head", "trl"))
+LABELS = {("token_logprobs", "trl"): "TRL 1.16 `selective_log_softmax_and_entropy`",
+          ("token_logprobs_entropy", "trl"): "TRL 1.16 `selective_log_softmax_and_entropy`",
+          ("ppo_logits", "liger"): "Liger `GrpoLossFunction`",
+          ("ppo_head", "trl"): "TRL 1.16 `ChunkedLogProbFunction` (Triton), then the loss"}
 DTYPES = (torch.bfloat16, torch.float32)
 MARK_BEGIN, MARK_END = "<!-- compare:begin -->", "<!-- compare:end -->"
 
@@ -42,20 +46,39 @@ def as_float64(x: SimpleNamespace) -> SimpleNamespace:
     return out
 
 
-def _step(op, impl: str, x) -> Tuple[List[torch.Tensor], torch.Tensor]:
-    """``impl``'s outputs of ``op`` and their gradient to the ``[B, T, V]`` logits, for one fixed
-    upstream gradient per output (the same for every implementation): 1 for a loss (a
-    trainer's ``loss.backward()``), random numbers for per-token outputs."""
+def _step(op, impl: str, x) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """``impl``'s outputs of ``op`` and their gradients to its leaves (the ``[B, T, V]`` logits,
+    or a head's hidden states and weight), for one fixed upstream gradient per output (the same
+    for every implementation): 1 for a loss (a trainer's ``loss.backward()``), random numbers
+    for per-token outputs."""
     from bench import cases as bench_cases
 
-    outs, leaves = bench_cases.forward_fn(op, impl, bench_cases.load_impl(impl), x)()
-    upstream = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i),
-                            dtype=torch.float64).to(o.dtype) if o.dim() else torch.ones_like(o)
-                for i, o in enumerate(outs)]
-    (grad,) = torch.autograd.grad(outs, leaves, upstream)
+    with _triton_everywhere():
+        outs, leaves = bench_cases.forward_fn(op, impl, bench_cases.load_impl(impl), x)()
+        upstream = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i),
+                                dtype=torch.float64).to(o.dtype) if o.dim()
+                    else torch.ones_like(o) for i, o in enumerate(outs)]
+        grads = list(torch.autograd.grad(outs, leaves, upstream))
     if impl == "liger":         # its leaf is the whole [B, T + 1, V] output
-        grad = grad[:, :-1]
-    return [o.detach() for o in outs], grad
+        grads = [grads[0][:, :-1]]
+    return [o.detach() for o in outs], grads
+
+
+@contextlib.contextmanager
+def _triton_everywhere():
+    """TRL's chunked head takes its Triton kernels on CUDA only (torch tiles elsewhere): here,
+    in the interpreter, too."""
+    try:
+        from trl.kernels import chunked_logprob
+    except ImportError:
+        yield
+        return
+    gate = chunked_logprob._use_triton
+    chunked_logprob._use_triton = lambda device: True
+    try:
+        yield
+    finally:
+        chunked_logprob._use_triton = gate
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -65,10 +88,21 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def errors(op, impl: str, x, truth) -> Tuple[float, float]:
     """``(value error, gradient error)`` of ``impl`` on ``x`` against ``truth`` (the float64
-    reference's ``_step``)."""
-    outs, grad = _step(op, impl, x)
-    want_outs, want_grad = truth
-    return max(_error(o, w) for o, w in zip(outs, want_outs)), _error(grad, want_grad)
+    reference's ``_step``), each the largest over the outputs or the gradients."""
+    outs, grads = _step(op, impl, x)
+    want_outs, want_grads = truth
+    return (max(_error(o, w) for o, w in zip(outs, want_outs)),
+            max(_error(g, w) for g, w in zip(grads, want_grads)))
+
+
+def _traffic(op, impl: str, x) -> dict:
+    """Rows of logits per actor row (a head's chunk rows for the head ops) in the kernels, and
+    the torch ops over logits-sized tensors outside them."""
+    with _triton_everywhere():
+        t = traffic.run_case(op, x, "fwd+bwd", impl)
+    rows = t.per_row.get("chunk" if op.matmuls is not None else "actor")
+    return {"kernels": rows, "torch": traffic._torch_ops({"passes": t.passes},
+                                                        int(x.mask.sum()))}
 
 
 def compare(V: int, names: Sequence[str] = (), seed: int = 0) -> List[dict]:
@@ -96,9 +130,7 @@ def compare(V: int, names: Sequence[str] = (), seed: int = 0) -> List[dict]:
             truth = _step(op, "reference", as_float64(x))
             row = {"op": name, "peer": peer, "dtype": str(dtype).replace("torch.", "")}
             for impl in ("fused", peer):
-                row[impl] = {"traffic": traffic.run_case(op, x, "fwd+bwd", impl)
-                             .per_row.get("actor"),
-                             "errors": errors(op, impl, x, truth)}
+                row[impl] = dict(_traffic(op, impl, x), errors=errors(op, impl, x, truth))
             rows.append(row)
     return rows
 
@@ -108,28 +140,33 @@ def _ratio(a: float, b: float) -> str:
 
 
 def format_table(rows: List[dict], V: int) -> str:
-    """The markdown table of ``compare``'s rows, the ratio rlfuse / peer in every column."""
+    """The markdown table of ``compare``'s rows, the ratio rlfuse / peer of the reads."""
     lines = [
         f"rlfuse beside the peer that does the same work, on the same inputs (V = {V}, "
         f"B = {traffic.TRAFFIC_BATCH}, T = {traffic.TRAFFIC_T}), counted on the CPU by "
-        "`python -m tools.compare`: rows of logits read (distinct) / written per actor row in "
-        "the training step (Triton interpreter), and the max error against float64 of the "
-        "values and of the gradient to the logits, relative to the float64 result's scale. "
-        "Not time.", "",
-        "| op | peer | dtype | rlfuse R (distinct) / W | peer R (distinct) / W | "
-        "R ratio | value error rlfuse / peer | gradient error rlfuse / peer |",
-        "|" + "---|" * 8]
+        "`python -m tools.compare`: rows of logits read (distinct) / written in the kernels "
+        "per actor row of the training step (a head's: per row of its chunks), the torch ops "
+        "over logits-sized tensors outside them (rows read / written per actor row: a head's "
+        "matmuls, and on the CPU the casts of its weight gradient's accumulation), and the max "
+        "error against float64 of the values and of the gradients (to the logits; a head's: "
+        "to the hidden states and the weight), relative to the float64 result's scale. Not "
+        "time.", "",
+        "| op | peer | dtype | rlfuse kernels R (distinct) / W | peer kernels R (distinct) / W "
+        "| R ratio | torch ops rlfuse | torch ops peer | value error rlfuse / peer "
+        "| gradient error rlfuse / peer |",
+        "|" + "---|" * 10]
     for row in rows:
         if "missing" in row:
-            lines.append(f"| {row['op']} | {LABELS[row['peer']]} | | not installed: "
-                         f"{row['missing']} | | | | |")
+            lines.append(f"| {row['op']} | {LABELS[row['op'], row['peer']]} | | not installed: "
+                         f"{row['missing']} | | | | | | |")
             continue
         ours, theirs = row["fused"], row[row["peer"]]
         (v_ours, g_ours), (v_theirs, g_theirs) = ours["errors"], theirs["errors"]
         lines.append("| " + " | ".join([
-            row["op"], LABELS[row["peer"]], row["dtype"], _rw(ours["traffic"]),
-            _rw(theirs["traffic"]), _ratio(ours["traffic"][0], theirs["traffic"][0]),
-            f"{v_ours:.1e} / {v_theirs:.1e}", f"{g_ours:.1e} / {g_theirs:.1e}"]) + " |")
+            row["op"], LABELS[row["op"], row["peer"]], row["dtype"], _rw(ours["kernels"]),
+            _rw(theirs["kernels"]), _ratio(ours["kernels"][0], theirs["kernels"][0]),
+            ours["torch"], theirs["torch"], f"{v_ours:.1e} / {v_theirs:.1e}",
+            f"{g_ours:.1e} / {g_theirs:.1e}"]) + " |")
     return "\n".join(lines)
 
 
