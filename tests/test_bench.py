@@ -200,6 +200,17 @@ def test_a_run_stopped_after_a_case_leaves_its_files(tmp_path, monkeypatch):
     assert all(row["op"] in md for row in results["rows"])
 
 
+def _beside_trl(name, seed, step):
+    """``{impl: step(outputs, leaves)}`` of the fused ``name`` and its TRL peer on one fp32
+    batch."""
+    trl_module = pytest.importorskip(cases.TRL_MODULE)
+    shape = next(s for s in cases.make_shapes(quick=True)
+                 if s.V is not None and s.dtype == torch.float32)
+    x = cases.make_inputs(shape, "cpu", seed=seed)
+    return {impl: step(*cases.forward_fn(cases.OPS[name], impl, lib, x)())
+            for impl, lib in (("fused", rlfuse), ("trl", trl_module))}
+
+
 @pytest.mark.parametrize("name", ["ggpo_head", "gppo_head", "gr_opd_head", "ppo_head"])
 def test_trl_chunked_head_peer_does_rlfuse_work(name):
     """The TRL peer of the LinearHead ops (TRL 1.16's ChunkedLogProbFunction as its trainer
@@ -208,15 +219,8 @@ def test_trl_chunked_head_peer_does_rlfuse_work(name):
     each gradient's scale: the weight's gradient sums over every token)."""
     from conftest import PEER_GRAD_RTOL
 
-    trl_module = pytest.importorskip(cases.TRL_MODULE)
-    shape = next(s for s in cases.make_shapes(quick=True)
-                 if s.V is not None and s.dtype == torch.float32)
-    x = cases.make_inputs(shape, "cpu", seed=3)
-    op = cases.OPS[name]
-    outputs = {}
-    for impl, lib in (("fused", rlfuse), ("trl", trl_module)):
-        out, leaves = cases.forward_fn(op, impl, lib, x)()
-        outputs[impl] = (out[0].detach(), torch.autograd.grad(out[0], leaves))
+    outputs = _beside_trl(name, 3, lambda out, leaves: (
+        out[0].detach(), torch.autograd.grad(out[0], leaves)))
     (ours, ours_grads), (theirs, their_grads) = outputs["fused"], outputs["trl"]
     assert abs(ours.item() - theirs.item()) <= 1e-5 * max(1.0, abs(theirs.item()))
     for what, a, b in zip(("dhidden", "dweight"), ours_grads, their_grads):
@@ -230,18 +234,12 @@ def test_trl_logprobs_peer_does_rlfuse_work(name):
     """The TRL peer of the log-prob ops (TRL 1.16's Triton ``selective_log_softmax_and_entropy``
     over the same logits, in the interpreter): rlfuse's log-probs (and entropies) and their
     gradient to the logits, fp32, to a few ulps (masked rows: 0 in both)."""
-    trl_module = pytest.importorskip(cases.TRL_MODULE)
-    shape = next(s for s in cases.make_shapes(quick=True)
-                 if s.V is not None and s.dtype == torch.float32)
-    x = cases.make_inputs(shape, "cpu", seed=4)
-    op = cases.OPS[name]
-    outputs = {}
-    for impl, lib in (("fused", rlfuse), ("trl", trl_module)):
-        out, leaves = cases.forward_fn(op, impl, lib, x)()
+    def step(out, leaves):
         upstream = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i))
                     for i, o in enumerate(out)]
-        outputs[impl] = ([o.detach() for o in out],
-                         torch.autograd.grad(out, leaves, upstream)[0])
+        return [o.detach() for o in out], torch.autograd.grad(out, leaves, upstream)[0]
+
+    outputs = _beside_trl(name, 4, step)
     (ours, ours_grad), (theirs, their_grad) = outputs["fused"], outputs["trl"]
     assert len(ours) == len(theirs) == (2 if name.endswith("entropy") else 1)
     for a, b in zip(ours, theirs):
