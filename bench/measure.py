@@ -89,8 +89,12 @@ def _cpu_peak(step: Callable) -> int:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    return int(max((e["args"]["Total Allocated"] for e in events
-                    if e.get("name") == "[memory]"), default=0))
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    if not memory:
+        return 0
+    # the profiler's running total counts what was allocated before the step too
+    before = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    return int(max(e["args"]["Total Allocated"] for e in memory) - before)
 
 
 def head_gemms_ms(rows: int, hidden: int, vocab: int, dtype: torch.dtype,

@@ -247,6 +247,16 @@ def test_trl_logprobs_peer_does_rlfuse_work(name):
     torch.testing.assert_close(ours_grad, their_grad, **TOL["fp32_grad"])
 
 
+def test_cpu_peak_memory_is_the_steps_own():
+    """What an earlier measured step left alive is not this step's: the profiler's running
+    total carries it from one profile to the next."""
+    from bench import measure
+
+    cpu, kept = torch.device("cpu"), []
+    measure.peak_memory(lambda: kept.append(torch.ones(1 << 22)), cpu)      # 16 MiB, kept
+    assert measure.peak_memory(lambda: torch.empty(1 << 18).fill_(1), cpu) == 1 << 20
+
+
 def test_memory_mode_measures_peak_memory_side_by_side(tmp_path):
     """``--memory``: one untimed step per case, its peak memory, with every implementation of
     the head ops side by side (TRL's chunked head included when installed); the report renders
