@@ -272,8 +272,9 @@ def _drive():
                                                                  temperature=1.0), mask,
                                          divergence).loss)
 
-    # The batch-invariant head (kernels.matmul: the logits, the hidden states' and the weight's
-    # gradients), in bf16, fp32 and fp64 with a bias, from the log-prob and the single pass.
+    # The batch-invariant head (kernels.matmul, kernels.head_blocks: the logits, the hidden
+    # states' and the weight's gradients), in bf16, fp32 and fp64 with a bias, from the
+    # log-probs and a loss, and batch-invariant log-probs of logits in memory.
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         leaves = [x.detach().to(dtype).requires_grad_()
                   for x in (hidden, weight, torch.randn(V, generator=g))]
@@ -283,6 +284,9 @@ def _drive():
         (lp.sum() + ent.sum()).backward()
         backward(rlfuse.ppo_loss(invariant, old, adv_seq, mask, validate=False).loss)
         rlfuse.head_logits(*leaves).float().square().sum().backward()
+        # logits in memory reduced in the same fixed blocks (vocab_blocks.block_stats)
+        lp, ent = rlfuse.token_logprobs(torch.randn(B, T, V, generator=g).to(dtype), targets,
+                                        return_entropy=True, batch_invariant=True)
 
     # The single pass over a shard of a split vocabulary (ROW_STATS: the whole rows'
     # statistics given, gathered over the group), with the terms, as a LinearHead chunk calls it.
