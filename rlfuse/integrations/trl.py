@@ -210,7 +210,6 @@ class RLFuseGRPOTrainer(GRPOTrainer):
                 lambda x: self.accelerator.reduce(x, reduction="sum"))
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
-
     # ----------------------------------------------------------------------------------------
     # The loss
     # ----------------------------------------------------------------------------------------
