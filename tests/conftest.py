@@ -9,6 +9,7 @@ import importlib
 import math
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -24,6 +25,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
+    # the repository root (pytest.ini's pythonpath), for the workers that run a test file as
+    # a script
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tools.interpreter import round_bf16_as_a_gpu
 
     round_bf16_as_a_gpu()
