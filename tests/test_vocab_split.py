@@ -40,7 +40,7 @@ def run_workers(world: int, *args: str, worker: str = WORKER.name) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          str(world), str(WORKER.parent / worker), *args],
-        env=env, capture_output=True, text=True, timeout=420)
+        env=env, capture_output=True, text=True, timeout=720)   # a hang fails; 2 cores, shared
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for rank in range(world):
