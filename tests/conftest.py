@@ -9,8 +9,8 @@ import importlib
 import math
 import os
 import signal
-import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +24,19 @@ import rlfuse.kernels.utils as kernel_utils  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def process_env(*folders: Path, drop: tuple = (), **values: str) -> dict:
+    """The environment of a process a test starts: this one's, less ``drop``, with ``values``
+    set and ``folders`` (the repository root when none) ahead on ``PYTHONPATH``, so that a test
+    file run as a script imports ``tools`` through this file as pytest does."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    path = [str(f) for f in folders or (ROOT,)] + [os.environ.get("PYTHONPATH", "")]
+    return dict(env, **values, PYTHONPATH=os.pathsep.join(filter(None, path)))
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
-    # the repository root (pytest.ini's pythonpath), for the workers that run a test file as
-    # a script
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tools.interpreter import round_bf16_as_a_gpu
 
     round_bf16_as_a_gpu()

@@ -6,9 +6,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT, process_env
 FILES = {"bench.txt", "pytest.txt", "sweep.json", "sweep.md"}
 
 
@@ -27,17 +26,16 @@ def test_dry_run_writes_its_files(tmp_path):
             f"raise ModuleNotFoundError('{name}: hidden by the dry run')\n")
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, GPU_CHECK_CPU="1", OUT=str(out), PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join(filter(None, [str(hidden),
-                                                        os.environ.get("PYTHONPATH")])),
-               # hypothesis's pytest plugin, registered by the installed package, is not there
-               PYTEST_ADDOPTS="-p no:hypothesispytest",
-               RLFUSE_COMMIT="dryrun", GPU_TESTS="tests",
-               CUDA_TESTS="tests/test_numerics.py::test_exp_accurate",
-               # the headline's first ops (test_headline_cases: all of them)
-               BENCH_ARGS="--quick --N 16 --V 300 --impls fused,reference --cpu-reps 1 "
-                          "--op token_logprobs,gppo_logits,gppo_head")
-    env.pop("RLFUSE_REQUIRE_INTEGRATIONS", None)   # a missing package skips its module
+    env = process_env(
+        hidden, ROOT, GPU_CHECK_CPU="1", OUT=str(out), PYTHON=sys.executable,
+        drop=("RLFUSE_REQUIRE_INTEGRATIONS",),   # a missing package skips its module
+        # hypothesis's pytest plugin, registered by the installed package, is not there
+        PYTEST_ADDOPTS="-p no:hypothesispytest",
+        RLFUSE_COMMIT="dryrun", GPU_TESTS="tests",
+        CUDA_TESTS="tests/test_numerics.py::test_exp_accurate",
+        # the headline's first ops (test_headline_cases: all of them)
+        BENCH_ARGS="--quick --N 16 --V 300 --impls fused,reference --cpu-reps 1 "
+                   "--op token_logprobs,gppo_logits,gppo_head")
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
@@ -70,9 +68,7 @@ def test_a_test_past_its_time_limit_fails(tmp_path):
     (tmp_path / "test_slow.py").write_text(
         "import time\n\ndef test_slow():\n    time.sleep(30)\n\ndef test_fast():\n    pass\n")
     # the suite's conftest as a plugin (its time_limit fixture), imported from its folder
-    env = dict(os.environ, RLFUSE_TEST_TIMEOUT="2", TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"),
-                                                        os.environ.get("PYTHONPATH")])))
+    env = process_env(ROOT / "tests", ROOT, RLFUSE_TEST_TIMEOUT="2", TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-p", "conftest", str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)

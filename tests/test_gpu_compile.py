@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import process_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,8 +28,8 @@ def _nvidia_backend():
 @pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs them")
 def test_every_kernel_compiles_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")   # compile, don't reuse
+    env = process_env(drop=("TRITON_INTERPRET",),
+                      TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))   # compile, don't reuse
     proc = subprocess.run([sys.executable, "-m", "tools.gpu_compile", "--arch", "90", "--jobs",
                            "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -44,8 +46,7 @@ def test_warmup_compiles_the_headlines_own_kernels(tmp_path):
     stand-in vocabularies (``tools.gpu_compile.headline_stand_in``), they are the same keys."""
     from bench import cases
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = process_env(drop=("TRITON_INTERPRET",))
     out = tmp_path / "keys.json"
     proc = subprocess.run([sys.executable, "tests/launch_keys_worker.py", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)

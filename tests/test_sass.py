@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import process_env
+
 from rlfuse._names import GEOMETRIES, TOPOLOGIES
 from rlfuse.kernels.regions import ROOT_FOUND
 from tools import sass
@@ -180,7 +182,7 @@ def test_pins_fail_a_rise_only():
 def counted(tmp_path_factory):
     """``python -m tools.sass`` for sm_90 and sm_80 in a process of its own; its sass.json."""
     out = tmp_path_factory.mktemp("sass")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = process_env(drop=("TRITON_INTERPRET",))
     proc = subprocess.run([sys.executable, "-m", "tools.sass", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     print(proc.stdout)
@@ -253,8 +255,7 @@ def test_the_head_kernels_use_the_tensor_cores_without_spills():
     statistics, the backward's two products), compiled for sm_90 (``head_sass_worker.py``):
     bf16 multiplies on the tensor cores (HGMMA), no kernel touches local memory (no spill,
     no stack), bf16 and fp32, with and without a softcap."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = process_env(drop=("TRITON_INTERPRET",))
     proc = subprocess.run([sys.executable, "tests/head_sass_worker.py"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

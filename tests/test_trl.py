@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import APPROX, TOL, assert_three_way, integration  # noqa: E402
+from conftest import APPROX, TOL, assert_three_way, integration, process_env  # noqa: E402
 
 trl = integration("trl")
 transformers = integration("transformers")
@@ -711,7 +711,7 @@ def _distributed_worker(out_dir: str, engine: str) -> None:
 
 def _run_distributed(tmp_path, engine: str):
     """Both trainers' results under ``engine``: ``[(TRL's run, its parameters), (rlfuse's)]``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")   # DeepSpeed over gloo
+    env = process_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")   # DeepSpeed over gloo
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--standalone", __file__, str(tmp_path), engine],

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TOL, assert_three_way, integration
+from conftest import TOL, assert_three_way, integration, process_env
 
 trl = integration("trl")
 transformers = integration("transformers")
@@ -173,7 +173,7 @@ def test_engines_train_as_trl(engine, tmp_path):
     """DDP and FSDP2 (the heads' weights sharded, gathered whole once per step as TRL does) over
     two gloo processes whose completions end at different lengths: rlfuse's trainer ends with
     TRL's own parameters after the same logged losses, gradient norms and entropies."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = process_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--standalone", __file__, str(tmp_path), engine],

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TOL, assert_three_way, integration  # noqa: E402
+from conftest import TOL, assert_three_way, integration, process_env  # noqa: E402
 
 trl = integration("trl")
 import rlfuse  # noqa: E402
@@ -245,7 +245,7 @@ def test_two_processes_step_as_one_call(tmp_path):
     of groups: every micro-batch carries the step's token count over both processes, and the
     gradient averaged over them (as DDP averages it) is ``ggpo_loss`` over all four
     micro-batches in one call."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = process_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--standalone", __file__, str(tmp_path)],

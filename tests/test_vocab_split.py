@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import process_env
+
 import rlfuse
 
 WORKER = Path(__file__).resolve().parent / "vocab_split_worker.py"
@@ -34,9 +36,7 @@ def test_sequence_parallel_needs_the_vocabulary_group(lib):
 
 def run_workers(world: int, *args: str, worker: str = WORKER.name) -> None:
     """``world`` gloo processes of ``tests/<worker>``, each of which must print its ok."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1",   # tools: from the root
-               PYTHONPATH=os.pathsep.join(filter(None, [str(WORKER.parent.parent),
-                                                        os.environ.get("PYTHONPATH")])))
+    env = process_env(OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          str(world), str(WORKER.parent / worker), *args],
