@@ -23,9 +23,9 @@ import rlfuse
 from ._verl_aggregation import verl_aggregation
 
 
-def _group_size(index) -> int:
-    """The size of verl's groups of rows ``index`` (their uids): each uid one run of rows, every
-    run as long (verl's rollout order, which ``trainer.balance_batch`` would break)."""
+def _check_groups(index) -> None:
+    """Verl's groups of rows ``index`` (their uids) are each one run of rows, every run as long
+    and at least 2 (verl's rollout order, which ``trainer.balance_batch`` would break)."""
     uids = np.asarray(index)
     starts = np.flatnonzero(np.r_[True, uids[1:] != uids[:-1]])
     sizes = np.diff(np.r_[starts, len(uids)])
@@ -33,7 +33,6 @@ def _group_size(index) -> int:
             sizes[0] < 2:
         raise ValueError("rlfuse_ggpo: the rows of each uid must be one run of equal size >= 2 "
                          "(GGPO couples a group; set trainer.balance_batch=False)")
-    return int(sizes[0])
 
 
 def _beta(config) -> float:
@@ -55,7 +54,7 @@ def compute_ggpo_rewards(token_level_rewards: torch.Tensor, response_mask: torch
     if config is None or index is None:
         raise ValueError("rlfuse_ggpo: needs verl's algorithm config and the rows' uids")
     beta = _beta(config)
-    _group_size(index)
+    _check_groups(index)
     mask = response_mask.to(token_level_rewards.dtype)
     scaled = (token_level_rewards * mask).sum(-1, keepdim=True) / beta * mask
     return scaled, scaled

@@ -243,12 +243,6 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             weights = inputs["importance_sampling_ratio"].expand(mask.shape)
-        agg = self._aggregation(inputs, mask, train)
-
-        if args.rlfuse_loss == "gr_opd":   # GR-OPD's own aggregation over its advantages
-            weights, agg = None, dict(agg="seq-mean-token-mean",
-                                      loss_scale=agg.get("loss_scale", 1.0))
-
         if args.rlfuse_loss == "ggpo":
             # the paper's normaliser: the tokens of the optimizer step's whole minibatch (a
             # batch the trainer did not prepare: its own, over the processes)
@@ -256,6 +250,11 @@ class RLFuseGRPOTrainer(GRPOTrainer):
             if tokens is None:
                 tokens = self.accelerator.reduce(mask.sum().float(), reduction="sum")
             tokens = tokens.clamp(min=1.0) / self.accelerator.num_processes
+        else:
+            agg = self._aggregation(inputs, mask, train)
+        if args.rlfuse_loss == "gr_opd":   # GR-OPD's own aggregation over its advantages
+            weights, agg = None, dict(agg="seq-mean-token-mean",
+                                      loss_scale=agg.get("loss_scale", 1.0))
 
         def loss(policy):
             if args.rlfuse_loss == "ggpo":
