@@ -512,6 +512,9 @@ def _ops():
                   liger=distill_cases.liger_head, liger_modes=("fwd+bwd",),
                   trl=distill_cases.trl_head, fused_modes=("fwd+bwd",), modes=("fwd+bwd",),
                   matmuls=_DISTILL_HEAD_MATMULS))
+    ops.append(Op("distill_head_invariant", True,
+                  functools.partial(distill_cases.run_head, batch_invariant=True), _HEAD_FLOOR,
+                  fused_modes=("fwd+bwd",), modes=("fwd+bwd",), matmuls=_DISTILL_HEAD_MATMULS))
     # verl's top-k forward KL: the student's log-probs at a teacher's top-k ids
     ops.append(Op("distill_top_k_logits", True, distill_cases.run_top_k_logits,
                   _FLOORS["distill_top_k_logits"]))

@@ -51,9 +51,11 @@ def run_token_divergence(lib, x):
                                 validate=x.validate)
 
 
-def run_head(lib, x):
-    student = lib.LinearHead(x.hidden, x.weight, x.targets)
-    teacher = lib.LinearHead(x.teacher_hidden, x.teacher_weight, x.targets)
+def run_head(lib, x, batch_invariant=False):
+    """``batch_invariant``: both heads' tiles formed on the chip (``kernels.distill_blocks``)."""
+    student = lib.LinearHead(x.hidden, x.weight, x.targets, batch_invariant=batch_invariant)
+    teacher = lib.LinearHead(x.teacher_hidden, x.teacher_weight, x.targets,
+                             batch_invariant=batch_invariant)
     return lib.distill_loss(student, teacher, x.mask, JSD(BETA), validate=x.validate).loss
 
 

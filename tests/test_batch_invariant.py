@@ -394,11 +394,28 @@ def _ggpo(policy):
                             torch.ones(n, T, dtype=torch.bool), group_size=3, beta=0.1).loss
 
 
-@pytest.mark.parametrize("call", [_logprobs_and_entropies, _clip_with_terms, _ggpo],
-                         ids=["logprobs", "clip", "ggpo"])
+def _teacher(policy):
+    """The student's head with other hidden states and temperature, as a teacher."""
+    return policy._replace(hidden=policy.hidden.detach().flip(0), temperature=1.3)
+
+
+def _distill(policy):
+    mask = torch.ones(policy.targets.shape, dtype=torch.bool)
+    return rlfuse.distill_loss(policy, _teacher(policy), mask, rlfuse.divergences.JSD(0.3)).loss
+
+
+def _divergence(policy):
+    return rlfuse.token_divergence(policy, _teacher(policy), rlfuse.divergences.ReverseKL(),
+                                   torch.ones(policy.targets.shape, dtype=torch.bool)).sum()
+
+
+@pytest.mark.parametrize("call", [_logprobs_and_entropies, _clip_with_terms, _ggpo, _distill,
+                                  _divergence],
+                         ids=["logprobs", "clip", "ggpo", "distill_loss", "token_divergence"])
 def test_no_vocabulary_sized_tensor_is_formed(call):
-    """The batch-invariant head's log-probs and entropies (the old-log-prob pass) and its
-    losses (a token-local objective with its KL and entropy terms, GGPO), forward and backward,
+    """The batch-invariant head's log-probs and entropies (the old-log-prob pass), its losses
+    (a token-local objective with its KL and entropy terms, GGPO) and its distillation from a
+    batch-invariant teacher's head (the single pass and the two), forward and backward,
     allocate no tensor of a row's vocabulary, where the default head forms each chunk's logits:
     every tensor a torch op makes outside the kernels is recorded, rlfuse's ops entered (the
     probe sees the default head's ``[C, 1, V]``)."""
@@ -418,8 +435,9 @@ def test_no_vocabulary_sized_tensor_is_formed(call):
                 with self:
                     return opdef._init_fn(*args, **(kwargs or {}))
             out = func(*args, **(kwargs or {}))
-            if launches.in_kernel or func.overloadpacket.__name__.endswith("_"):
-                return out                 # a kernel's tiles, or an op in place
+            if launches.in_kernel or func.overloadpacket.__name__.endswith("_") or \
+                    func.is_view:
+                return out                 # a kernel's tiles, an op in place, or a view
             for x in torch.utils._pytree.tree_leaves(out):
                 if isinstance(x, torch.Tensor):
                     self.numel = max(self.numel, x.numel())

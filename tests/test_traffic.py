@@ -152,7 +152,11 @@ def _expected_distill(name, op, mode):
     student's gradient once (zeros at a masked row); the loss from logits does both in one
     launch (a row's 6 reads of 2 distinct rows). From heads (the loss's single pass) each
     model's chunk is formed once by a matmul, reduced, the student's gradient written into its
-    chunk after the divergence and read by the two products."""
+    chunk after the divergence and read by the two products; two batch-invariant heads read
+    and write no row of either model's logits, and allocate none (their tiles never leave the
+    chip)."""
+    if name.endswith("invariant"):
+        return {"actor": (0, 0, 0), "masked": (0, 0, 0), "chunk": (0, 0, 0)}, {}, 0.0
     fwd, bwd = (4, 2, 0), (2, 2, 1)
     if name == "distill_logits" and mode == "fwd+bwd":
         return {"actor": (6, 2, 1), "masked": (0, 0, 1)}, {}, 1.0

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from .._types import compute_dtype
-from ..kernels.head_blocks import head_backward
 from ..kernels.matmul import fixed_matmul
 from ..scaleout import sequence, vocab
 
@@ -105,18 +104,16 @@ class HeadGradients:
         if self.dbias is not None:
             self.dbias += dlogits.sum(0, dtype=self.dbias.dtype)
 
-    def add_tiles(self, h_rows: Tensor, rows: Tensor, targets: Tensor, keep: Tensor,
-                  head_args, softcapped: bool, stats: Tensor, entropy: Optional[Tensor],
-                  dlogp: Tensor, dentropy: Optional[Tensor]) -> None:
-        """``add`` of a batch-invariant chunk's log-probs (``dlogp``, ``dentropy`` and the
-        forward's ``stats``, ``entropy`` of its rows ``[C]``; ``keep``: the rows that count)
-        from its logits' tiles formed again on the chip (``kernels.head_blocks.head_backward``):
-        no ``[C, V]`` tensor, each row's hidden-state gradient its own over the vocabulary
-        blocks in order, the weight's and bias's summed over the rows in order."""
+    def add_tiles(self, h_rows: Tensor, rows: Tensor, backward) -> None:
+        """``add`` of a batch-invariant chunk's hidden rows ``h_rows`` from its logits' tiles
+        formed again on the chip by ``backward(dhidden, dweight, dbias)``, which adds into
+        them (``kernels.head_blocks.head_backward`` for log-probs,
+        ``kernels.distill_blocks.distill_head_backward`` for a divergence): no ``[C, V]``
+        tensor, each row's hidden-state gradient its own over the vocabulary blocks in order,
+        the weight's and bias's summed over the rows in order."""
         dh = None if self.dhidden is None else \
             torch.zeros(h_rows.shape, dtype=compute_dtype(h_rows.dtype), device=h_rows.device)
-        head_backward(h_rows, self.weight, self.bias, targets, keep, stats, entropy, dlogp,
-                      dentropy, head_args, softcapped, dh, self.dweight, self.dbias)
+        backward(dh, self.dweight, self.dbias)
         if dh is not None:
             self.dhidden.index_copy_(0, rows, dh.to(self.dhidden.dtype))
 

@@ -4,7 +4,10 @@ per model (never rounded to a bf16 head's dtype) and reduced by the divergence k
 (``kernels.distill``); its backward forms both chunks once more, writes the student's gradient
 in place into its chunk and turns it, in the head's dtype, into the gradients of the hidden
 states, weight and bias at once. No ``[N, V]`` tensor of either model exists. Over a split
-vocabulary (``group_name``) the chunks are formed once more for the statistics first.
+vocabulary (``group_name``) the chunks are formed once more for the statistics first. Two
+batch-invariant heads form no chunk at all: each chunk's logits exist only as tiles on the chip
+(``kernels.head_blocks`` for the statistics, ``kernels.distill_blocks`` for the divergence and
+the student's gradients).
 
 ``rlfuse::linear_distill_loss``, the single pass of ``distill_loss``: each position's upstream
 gradient is the aggregation's weight, known before the kernels, so each chunk of both models is
@@ -14,11 +17,14 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+import functools
+
 import torch
 from torch import Tensor
 
 from .._types import compute_dtype
 from ..kernels.distill import DISTILL_STATS, distill_bwd, distill_fwd
+from ..kernels.distill_blocks import TwoHeads, distill_blocks, distill_head_backward
 from ..kernels.head import HeadParams
 from ..kernels.logprobs import token_logprobs_fwd
 from ..scaleout.vocab import group_sum
@@ -27,6 +33,7 @@ from .head_matmuls import HeadGradients, chunk_logits
 from .linear_head import (Rows, head_gradients_fake, register_head_autograd,
                           register_single_pass_autograd)
 from .top_k import whole_rows
+from .vocab_blocks import head_block_row_stats
 
 
 def distill_stats_fake(student: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -46,11 +53,45 @@ class _Teacher:
         self.S, self.offset, self.T = teacher.shape[1], offset, T
         self.weight, self.bias, self.batch_invariant = weight, bias, batch_invariant
 
+    def on_chip(self, group_name: str) -> bool:
+        """Whether the chunks of this teacher and a student's head of the same batch
+        invariance are formed as tiles on the chip only (two batch-invariant heads, one
+        rank's whole vocabulary)."""
+        return self.batch_invariant and self.weight is not None and not group_name
+
+    def rows(self, tokens: Tensor) -> Tensor:
+        """The teacher's rows (hidden states or logits) of the chunk's ``tokens``."""
+        return self.flat[(tokens // self.T) * self.S + self.offset + tokens % self.T]
+
     def chunk(self, tokens: Tensor) -> Tensor:
-        rows = self.flat[(tokens // self.T) * self.S + self.offset + tokens % self.T]
         if self.weight is None:
-            return rows.unsqueeze(1)
-        return chunk_logits(rows, self.weight, self.bias, self.batch_invariant, fp32=True)
+            return self.rows(tokens).unsqueeze(1)
+        return chunk_logits(self.rows(tokens), self.weight, self.bias, self.batch_invariant,
+                            fp32=True)
+
+    def tiles(self, h_rows: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor,
+              keep: Tensor, heads, terms) -> TwoHeads:
+        """The launch arguments of a chunk of the student's ``h_rows`` and this teacher's rows
+        of its ``tokens`` (``keep``: the rows that count) on the chip."""
+        return TwoHeads(h_rows, weight, bias, heads[0], self.rows(tokens), self.weight,
+                        self.bias, heads[1], keep, terms)
+
+
+def _on_chip(tiles: TwoHeads, keep: Tensor, heads) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(value [C], entropy [C], stats [C, DISTILL_STATS])`` of a chunk of two batch-invariant
+    heads (``tiles``), masked rows 0: each model's statistics from its tiles
+    (``head_block_row_stats``), then the divergence from both models' tiles
+    (``distill_blocks``)."""
+    no_target = torch.zeros((keep.numel(), 1), dtype=torch.long, device=keep.device)
+    _, s = head_block_row_stats(*tiles.student, no_target, keep[:, None], heads[0], True,
+                                fp32=True)
+    _, t = head_block_row_stats(*tiles.teacher, no_target, keep[:, None], heads[1], False,
+                                fp32=True)
+    stats = torch.cat([s[:, 1:3], t[:, 1:3], torch.zeros_like(s[:, :1])], 1)
+    sums = distill_blocks(tiles, stats)
+    stats[:, -1] = sums[:, 1]
+    return (torch.where(keep, sums[:, 0], 0.0), s[:, 3],
+            torch.where(keep[:, None], stats, 0.0))
 
 
 @custom_op("linear_distill")
@@ -86,6 +127,12 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
     if group_name:
         entropy, stats = _split_heads(chunks, both, heads, stats, group_name)
     for tokens, rows in chunks:
+        if rows_of.on_chip(group_name):
+            keep = m_flat[tokens]
+            value[tokens], entropy[tokens], stats[tokens] = _on_chip(
+                rows_of.tiles(h_flat[rows], weight, bias, tokens, keep, heads,
+                              (function, params)), keep, heads)
+            continue
         value_c, entropy_c, stats_c = distill_fwd(*both(tokens, rows), *heads,
                                                   (function, params),
                                                   stats[tokens] if group_name else None)
@@ -149,6 +196,12 @@ def linear_distill_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Te
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
+        if rows_of.on_chip(group_name):
+            tiles = rows_of.tiles(h_rows, weight, bias, tokens, m_flat[tokens], heads,
+                                  (function, params))
+            grads.add_tiles(h_rows, rows, functools.partial(
+                distill_head_backward, tiles, stats[tokens], dvalue[tokens]))
+            continue
         logits = chunk_logits(h_rows, weight, bias, batch_invariant, fp32=True)
         distill_bwd(logits, 0, rows_of.chunk(tokens), m_flat[tokens, None], stats[tokens],
                     dvalue[tokens, None], *heads, (function, params), dlogits=logits)
@@ -198,6 +251,13 @@ def linear_distill_loss_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
+        if rows_of.on_chip(""):    # the forward's tiles, then the backward's
+            keep = m_flat[tokens]
+            tiles = rows_of.tiles(h_rows, weight, bias, tokens, keep, heads, (function, params))
+            value[tokens], entropy[tokens], stats_c = _on_chip(tiles, keep, heads)
+            grads.add_tiles(h_rows, rows, functools.partial(
+                distill_head_backward, tiles, stats_c, w_flat[tokens]))
+            continue
         logits = chunk_logits(h_rows, weight, bias, batch_invariant, fp32=True)
         t_logits, m = rows_of.chunk(tokens), m_flat[tokens, None]
         value_c, entropy_c, stats_c = distill_fwd(logits, t_logits, m, *heads,

@@ -17,6 +17,7 @@ multiplied (no host read) and the kernels give the masked ones zero gradient.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -28,6 +29,7 @@ from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_
 from ..kernels.scale_rows import scale_cast
 from ..kernels.token_functions import SUM_COLUMNS
 from ..kernels.head import HeadParams
+from ..kernels.head_blocks import head_backward
 from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd, register_backward_op
@@ -191,9 +193,10 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
         h_rows = h_flat[rows]
         if batch_invariant:     # the chunk's logits never formed whole
             keep = torch.ones_like(tokens, dtype=torch.bool) if m_flat is None else m_flat[tokens]
-            grads.add_tiles(h_rows, rows, y_flat[tokens], keep, *head.kernel_args(),
-                            stats[tokens], None if dentropy is None else entropy[tokens],
-                            dlogp[tokens], None if dentropy is None else dentropy[tokens])
+            grads.add_tiles(h_rows, rows, functools.partial(
+                head_backward, h_rows, weight, bias, y_flat[tokens], keep, stats[tokens],
+                None if dentropy is None else entropy[tokens], dlogp[tokens],
+                None if dentropy is None else dentropy[tokens], *head.kernel_args()))
             continue
         logits = chunk_logits(h_rows, weight, bias)
         token_logprobs_bwd(logits, y_flat[tokens, None],

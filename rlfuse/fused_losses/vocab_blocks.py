@@ -54,14 +54,17 @@ def block_row_stats(logits: Tensor, targets: Tensor, mask: Optional[Tensor], hea
 
 def head_block_row_stats(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor],
                          targets: Tensor, mask: Optional[Tensor], head: HeadParams,
-                         with_entropy: bool, group_name: str = "") -> Tuple[Tensor, Tensor]:
+                         with_entropy: bool, group_name: str = "", fp32: bool = False
+                         ) -> Tuple[Tensor, Tensor]:
     """``block_row_stats`` of the logits ``h_rows [C, H] @ weight.T (+ bias)`` as
-    ``head_matmuls.chunk_logits(..., batch_invariant=True)`` forms them (``targets``, ``mask``:
-    ``[C, 1]``), the same bits, from tiles that never leave the chip
+    ``head_matmuls.chunk_logits(..., batch_invariant=True, fp32=fp32)`` forms them
+    (``targets``, ``mask``: ``[C, 1]``), the same bits, from tiles that never leave the chip
     (``kernels.head_blocks``): no ``[C, V]`` tensor."""
+    logits_dtype = compute_dtype(weight.dtype) if fp32 else weight.dtype
+
     def blocks_and_targets(local):
         blocks, x_y = head_blocks(h_rows, weight, bias, local.reshape(-1), *head.kernel_args(),
-                                  with_entropy)
+                                  with_entropy, logits_dtype)
         return blocks, in_stat_units(x_y, head)
 
     return _row_stats(blocks_and_targets, weight.shape[0], targets, mask, head, with_entropy,

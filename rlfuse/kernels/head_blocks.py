@@ -32,6 +32,19 @@ BLOCK_H = 32
 
 
 @triton.jit
+def head_tile(h_ptr, w_ptr, bias_ptr, rows, cols, C, V, H, stride_hm, stride_hk, stride_wv,
+              stride_wk, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+              ACC: tl.constexpr, LOGITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The logits of ``rows`` and ``cols`` as ``fixed_matmul`` stores them: the fixed-order
+    tile (``fixed_tile``) plus the bias, rounded once to ``LOGITS``."""
+    acc = fixed_tile(h_ptr, w_ptr, rows, cols, C, V, H, stride_hm, stride_hk, stride_wk,
+                     stride_wv, IEEE, UPCAST, ACC, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(ACC)[None, :]
+    return acc.to(LOGITS)
+
+
+@triton.jit
 def _half(h_ptr, w_ptr, bias_ptr, rows, start, C, V, H, stride_hm, stride_hk, stride_wv,
           stride_wk, y, xy_ptr, live, head, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
           WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
@@ -41,11 +54,8 @@ def _half(h_ptr, w_ptr, bias_ptr, rows, start, C, V, H, stride_hm, stride_hk, st
     softcap, -inf past ``V``; the raw logit of each row whose target ``y`` lies there stored at
     ``xy_ptr + row``."""
     cols = start + tl.arange(0, HALF_BLOCK)
-    acc = fixed_tile(h_ptr, w_ptr, rows, cols, C, V, H, stride_hm, stride_hk, stride_wk,
-                     stride_wv, IEEE, UPCAST, ACC, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(ACC)[None, :]
-    logits = acc.to(LOGITS)
+    logits = head_tile(h_ptr, w_ptr, bias_ptr, rows, cols, C, V, H, stride_hm, stride_hk,
+                       stride_wv, stride_wk, HAS_BIAS, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
     at_target = cols[None, :] == y[:, None]
     hit = live & (y >= start) & (y < start + HALF_BLOCK)
     # one logit of the row where the target lies, zeros elsewhere: the sum is that logit
@@ -82,25 +92,28 @@ def _head_blocks_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, blocks_ptr, xy_ptr, C, V,
                 block_statistics(first, second, head[0], WITH_ENTROPY, ACC))
 
 
-_LOGITS = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16,
-           torch.float16: tl.float16}
+# the Triton dtype of a head's logits (the weight's)
+LOGITS_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64,
+                torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def head_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                targets: torch.Tensor, head_args, softcapped: bool, with_entropy: bool
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+                targets: torch.Tensor, head_args, softcapped: bool, with_entropy: bool,
+                logits_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(blocks [C, NB, BLOCK_COLUMNS], x_y [C])`` of the logits ``hidden [C, H] @ weight.T
     (+ bias)`` (``weight [V, H]``, any strides), never formed whole: the statistics of each
     block of ``VOCAB_BLOCK`` ids (the entropy 0 without ``with_entropy``) and the raw logit at
-    each row's ``targets [C]`` (in ``[0, V)``), in the weight's dtype, as ``block_stats`` and a
-    gather give them from ``fixed_matmul``'s logits; ``head_args``, ``softcapped``:
+    each row's ``targets [C]`` (in ``[0, V)``), in the weight's dtype (or ``logits_dtype``:
+    the compute dtype's, never rounded to a bf16 weight's), as ``block_stats`` and a gather
+    give them from ``fixed_matmul``'s logits; ``head_args``, ``softcapped``:
     ``HeadParams.kernel_args()``."""
     C, H = hidden.shape
     V = weight.shape[0]
     NB = triton.cdiv(V, VOCAB_BLOCK)
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
     blocks = empty((C, NB, len(BLOCK_COLUMNS)), dtype=acc, device=hidden.device)
-    x_y = empty((C,), dtype=weight.dtype, device=hidden.device)
+    logits_dtype = logits_dtype or weight.dtype
+    x_y = empty((C,), dtype=logits_dtype, device=hidden.device)
     if C and NB:
         ieee, upcast = dot_modes(hidden.dtype)
         _head_blocks_kernel[(triton.cdiv(C, BLOCK_M), NB)](
@@ -108,13 +121,13 @@ def head_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
             C, V, H, NB, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             head_args, HAS_BIAS=bias is not None, SOFTCAP=softcapped,
             WITH_ENTROPY=with_entropy, IEEE=ieee, UPCAST=upcast,
-            ACC=tl_compute_dtype(weight.dtype), LOGITS=_LOGITS[weight.dtype], BLOCK_M=BLOCK_M,
-            BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+            ACC=tl_compute_dtype(weight.dtype), LOGITS=LOGITS_DTYPE[logits_dtype],
+            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     return blocks, x_y
 
 
 @triton.jit
-def _active(rows, C, keep_ptr):
+def kept_rows(rows, C, keep_ptr):
     """The rows of the ``C`` whose gradient is taken (``keep``: 1)."""
     return (rows < C) & (tl.load(keep_ptr + rows, mask=rows < C, other=0) != 0)
 
@@ -148,11 +161,8 @@ def _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm,
     forward formed it, then ``rows.row_write_dlogits``' formula with each row's coefficients
     ``row`` (``_row_coefficients``)."""
     cols = start + tl.arange(0, HALF_BLOCK)
-    acc = fixed_tile(h_ptr, w_ptr, rows, cols, C, V, H, stride_hm, stride_hk, stride_wk,
-                     stride_wv, IEEE, UPCAST, ACC, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(ACC)[None, :]
-    x = acc.to(LOGITS).to(ACC)
+    x = head_tile(h_ptr, w_ptr, bias_ptr, rows, cols, C, V, H, stride_hm, stride_hk, stride_wv,
+                  stride_wk, HAS_BIAS, IEEE, UPCAST, ACC, LOGITS, BLOCK_K).to(ACC)
     dcap = 1.0
     if SOFTCAP:
         x, dcap = softcap(x, head[1], head[2], ACC)
@@ -163,7 +173,7 @@ def _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm,
 
 
 @triton.jit
-def _add_product(acc_ptr, stride_acc, out_rows, live, d, b_ptr, b_rows, b_live, stride_br,
+def add_tile_product(acc_ptr, stride_acc, out_rows, live, d, b_ptr, b_rows, b_live, stride_br,
                  stride_bh, H, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_H: tl.constexpr):
     """``acc[out_rows, :] += d @ B[b_rows, :]`` (``acc`` fp32 in memory, H columns), a
@@ -190,7 +200,7 @@ def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
     # weight, the vocabulary blocks in order
     head = fp64_values(head_args, ACC)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = _active(rows, C, keep_ptr)
+    live = kept_rows(rows, C, keep_ptr)
     y = tl.load(y_ptr + rows, mask=live, other=-1)
     row = _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head, SOFTCAP,
                             WITH_ENTROPY, ACC)
@@ -200,7 +210,7 @@ def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
                                     half * HALF_BLOCK, C, V, H, stride_hm, stride_hk,
                                     stride_wv, stride_wk, y, row, head, HAS_BIAS, SOFTCAP,
                                     WITH_ENTROPY, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
-            _add_product(dh_ptr, H, rows, live, d, w_ptr, cols, cols < V, stride_wv,
+            add_tile_product(dh_ptr, H, rows, live, d, w_ptr, cols, cols < V, stride_wv,
                          stride_wk, H, IEEE, UPCAST, BLOCK_H)
 
 
@@ -221,7 +231,7 @@ def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
     dbias = tl.zeros((HALF_BLOCK,), ACC)
     for tile in range(0, C, BLOCK_M):
         rows = tile + tl.arange(0, BLOCK_M)
-        live = _active(rows, C, keep_ptr)
+        live = kept_rows(rows, C, keep_ptr)
         y = tl.load(y_ptr + rows, mask=live, other=-1)
         row = _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head,
                                 SOFTCAP, WITH_ENTROPY, ACC)
@@ -229,7 +239,7 @@ def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
                              stride_hk, stride_wv, stride_wk, y, row, head, HAS_BIAS, SOFTCAP,
                              WITH_ENTROPY, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
         if NEED_WEIGHT:
-            _add_product(dw_ptr, H, cols, cols < V, tl.trans(d), h_ptr, rows, live,
+            add_tile_product(dw_ptr, H, cols, cols < V, tl.trans(d), h_ptr, rows, live,
                          stride_hm, stride_hk, H, IEEE, UPCAST, BLOCK_H)
         if NEED_BIAS:
             dbias += tl.sum(d.to(ACC), axis=0)
@@ -257,10 +267,11 @@ def head_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     with_entropy = dentropy is not None
     ieee, upcast = dot_modes(hidden.dtype)
     common = (hidden, weight, weight if bias is None else bias, targets.contiguous(),
-              keep.to(torch.uint8), stats.contiguous(), entropy.contiguous() if with_entropy else dlogp,
-              dlogp.contiguous(), dentropy.contiguous() if with_entropy else dlogp)
+              keep.to(torch.uint8), stats.contiguous(),
+              entropy.contiguous() if with_entropy else dlogp, dlogp.contiguous(),
+              dentropy.contiguous() if with_entropy else dlogp)
     constexprs = dict(SOFTCAP=softcapped, WITH_ENTROPY=with_entropy, IEEE=ieee, UPCAST=upcast,
-                      ACC=tl_compute_dtype(weight.dtype), LOGITS=_LOGITS[weight.dtype],
+                      ACC=tl_compute_dtype(weight.dtype), LOGITS=LOGITS_DTYPE[weight.dtype],
                       BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
     strides = (hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1))
     if dhidden is not None:

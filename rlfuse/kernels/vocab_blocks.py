@@ -6,7 +6,7 @@ A batch-invariant head (``LinearHead(..., batch_invariant=True)``) reduces each 
 combines the blocks here, always first to last over the global block index: the same bits
 whatever the other rows, and whether the blocks come from one rank or from the shards of a split
 vocabulary. A block's sums are taken by an explicit tree of pairwise additions
-(``_tree_sum``), so their bits are the program's, not those of the order a compiler gives a
+(``tree_sum``), so their bits are the program's, not those of the order a compiler gives a
 reduction over the layout it picked for the block (which differs between a tile loaded from
 memory and one formed by ``tl.dot``). With ``m_b``, ``log s_b``, ``H_b`` a block's max (before
 the temperature), log-sum and entropy:
@@ -36,7 +36,7 @@ _HALF_STEPS = tl.constexpr(6)      # log2(HALF_BLOCK)
 
 
 @triton.jit
-def _tree_sum(v, STEPS: tl.constexpr):
+def tree_sum(v, STEPS: tl.constexpr):
     """The sum over axis 1 of ``v [R, 2^STEPS]`` by a fixed tree: element j added to j + 1 for
     every even j, the same over what is left, and so on (each step one elementwise addition)."""
     for _ in tl.static_range(STEPS):
@@ -50,7 +50,7 @@ def half_statistics(x, inv_temp, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
     """``(m, s, w)`` of each row of half a block ``x [R, HALF_BLOCK]`` (logits in the compute
     dtype, -inf past the row's end) in the row kernels' units (``rows.row_logsumexp``: ``m``
     the max before the temperature): with ``u = (x - m) log2(e) / tau``, ``s = sum 2^u`` and
-    ``w = sum 2^u u`` (0 without ``WITH_ENTROPY``), each by ``_tree_sum``. A row of -inf gets
+    ``w = sum 2^u u`` (0 without ``WITH_ENTROPY``), each by ``tree_sum``. A row of -inf gets
     the lowest finite ``m`` and ``s = 0``."""
     if ACC == tl.float64:
         lowest = -1.7976931348623157e308
@@ -64,8 +64,8 @@ def half_statistics(x, inv_temp, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
     e = tl.math.exp2(u)
     w = tl.zeros_like(m)
     if WITH_ENTROPY:
-        w = _tree_sum(e * u, _HALF_STEPS)
-    return m, _tree_sum(e, _HALF_STEPS), w
+        w = tree_sum(e * u, _HALF_STEPS)
+    return m, tree_sum(e, _HALF_STEPS), w
 
 
 @triton.jit
@@ -201,4 +201,29 @@ def combine_blocks(blocks: torch.Tensor, inv_temp: float, with_entropy: bool) ->
         _combine_blocks_kernel[(triton.cdiv(R, _ROWS),)](
             blocks, out, R, NB, fp64_args((inv_temp,)), WITH_ENTROPY=with_entropy,
             BLOCK_R=_ROWS, ACC=tl_compute_dtype(blocks.dtype))
+    return out
+
+
+@triton.jit
+def _sum_blocks_kernel(blocks_ptr, out_ptr, R, NB, K: tl.constexpr, BLOCK_R: tl.constexpr):
+    # blocks [R, NB, K] and out [R, K] contiguous: one program per BLOCK_R rows, each row's
+    # blocks added first to last
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < R
+    row_ptr = blocks_ptr + rows.to(tl.int64) * NB * K
+    for k in tl.static_range(K):
+        total = tl.zeros([BLOCK_R], blocks_ptr.dtype.element_ty)
+        for b in range(NB):
+            total += tl.load(row_ptr + b * K + k, mask=live, other=0.0)
+        tl.store(out_ptr + rows.to(tl.int64) * K + k, total, mask=live)
+
+
+def sum_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """``[R, K]``: each row's sums ``blocks [R, NB, K]`` added over its blocks first to last
+    (the same bits whatever ``R``)."""
+    blocks = blocks.contiguous()
+    R, NB, K = blocks.shape
+    out = empty((R, K), dtype=blocks.dtype, device=blocks.device)
+    if R:
+        _sum_blocks_kernel[(triton.cdiv(R, _ROWS),)](blocks, out, R, NB, K=K, BLOCK_R=_ROWS)
     return out

@@ -1,0 +1,282 @@
+"""Distillation between two batch-invariant heads from tiles that never leave the chip: each
+program forms the logits of ``BLOCK_M`` rows and one vocabulary block of both the student's head
+and the teacher's (``head_blocks.head_tile``, in the compute dtype, as ``linear_distill`` forms
+a chunk's), turns them into log-probs with the rows' statistics (``head_blocks`` reduced by
+``vocab_blocks.combine_blocks``) and sums the divergence's terms over the block
+(``divergence_functions``, ``vocab_blocks.tree_sum``): ``[C, V / VOCAB_BLOCK, 2]`` sums, added
+over the blocks in order by ``vocab_blocks.sum_blocks``. The backward forms both tiles again,
+turns them into the student's gradient (rounded to the weight's dtype as ``linear_distill``
+rounds its chunk's) and adds it into the gradients of the student's hidden states (each row's
+over the vocabulary blocks in order) and weight and bias (over the rows in order, no atomics):
+every row's bits its own whatever the batch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .divergence_functions import divergence_args
+from .head import HeadParams, softcap
+from .head_blocks import BLOCK_H, LOGITS_DTYPE, add_tile_product, head_tile, kept_rows
+from .matmul import BLOCK_K, BLOCK_M, NUM_WARPS, dot_modes
+from .utils import empty, fp64_values, tl_compute_dtype
+from .vocab_blocks import BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, sum_blocks, tree_sum
+
+# Columns of the per-row statistics the kernels read: each model's max and log-sum (the
+# ``DISTILL_STATS`` of ``kernels.distill``, aux last)
+_N_STATS = tl.constexpr(5)
+_HALF_STEPS = tl.constexpr(6)      # log2(HALF_BLOCK)
+
+
+@triton.jit
+def _log_probs(x, cols, V, m, log_s, head, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """A tile's log-probs ``(x − m) inv_temp − log s`` (``m``, ``log_s``: its rows'; x through
+    the head's softcap), -inf past ``V``, and ``dx/dlogit / (cap cap_in)`` (1 without a
+    softcap)."""
+    inside = cols[None, :] < V
+    if SOFTCAP:
+        x, dx = softcap(x, head[1], head[2], ACC)
+        return tl.where(inside, (x - m[:, None]) * head[0] - log_s[:, None],
+                        float("-inf")), dx
+    else:
+        return tl.where(inside, (x - m[:, None]) * head[0] - log_s[:, None],
+                        float("-inf")), 1.0
+
+
+@triton.jit
+def _both_halves(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, start, C, V, H_s, H_t,
+                 s_strides, t_strides, stats, s_head, t_head, S_BIAS: tl.constexpr,
+                 T_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
+                 IEEE: tl.constexpr, UPCAST: tl.constexpr, T_IEEE: tl.constexpr,
+                 T_UPCAST: tl.constexpr, ACC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``(s, t, ds, cols)``: both models' log-probs of ``rows`` and the ``HALF_BLOCK`` ids from
+    ``start`` (``stats``: the rows' ``(m_s, log s_s, m_t, log s_t, aux)``; ``s_strides``,
+    ``t_strides``: each model's hidden states' and weight's strides) and the softcap's
+    derivative of the student's."""
+    cols = start + tl.arange(0, HALF_BLOCK)
+    x = head_tile(sh_ptr, sw_ptr, sb_ptr, rows, cols, C, V, H_s, s_strides[0], s_strides[1],
+                  s_strides[2], s_strides[3], S_BIAS, IEEE, UPCAST, ACC, ACC, BLOCK_K)
+    y = head_tile(th_ptr, tw_ptr, tb_ptr, rows, cols, C, V, H_t, t_strides[0], t_strides[1],
+                  t_strides[2], t_strides[3], T_BIAS, T_IEEE, T_UPCAST, ACC, ACC, BLOCK_K)
+    s, ds = _log_probs(x, cols, V, stats[0], stats[1], s_head, S_SOFTCAP, ACC)
+    t, unused_dt = _log_probs(y, cols, V, stats[2], stats[3], t_head, T_SOFTCAP, ACC)
+    return s, t, ds, cols
+
+
+@triton.jit
+def _scalars(s_head_args, t_head_args, hyper, ACC: tl.constexpr):
+    """Both heads' ``(inv_temp, cap, cap_in)`` and the divergence's parameters."""
+    return (fp64_values(s_head_args, ACC), fp64_values(t_head_args, ACC),
+            fp64_values(hyper, ACC))
+
+
+@triton.jit
+def _row_stats(stats_ptr, rows, live, ACC: tl.constexpr):
+    """The rows' ``(m_s, log s_s, m_t, log s_t, aux)`` (0 at rows not ``live``)."""
+    at = stats_ptr + rows.to(tl.int64) * _N_STATS
+    return (tl.load(at, mask=live, other=0.0).to(ACC),
+            tl.load(at + 1, mask=live, other=0.0).to(ACC),
+            tl.load(at + 2, mask=live, other=0.0).to(ACC),
+            tl.load(at + 3, mask=live, other=0.0).to(ACC),
+            tl.load(at + 4, mask=live, other=0.0).to(ACC))
+
+
+@triton.jit
+def _distill_blocks_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
+                           out_ptr, C, V, H_s, H_t, NB, s_wv, s_wk, t_wv, t_wk,
+                           s_head_args, t_head_args, hyper,
+                           DIVERGENCE: tl.constexpr, S_BIAS: tl.constexpr, T_BIAS: tl.constexpr,
+                           S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                           UPCAST: tl.constexpr, T_IEEE: tl.constexpr, T_UPCAST: tl.constexpr,
+                           ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per BLOCK_M rows and vocabulary block: out [C, NB, 2] (the divergence's terms
+    # and aux terms summed over the block)
+    s_head, t_head, params = _scalars(s_head_args, t_head_args, hyper, ACC)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    block = tl.program_id(1)
+    live = kept_rows(rows, C, keep_ptr)
+    stats = _row_stats(stats_ptr, rows, live, ACC)
+    term = tl.zeros([BLOCK_M], ACC)
+    aux = tl.zeros([BLOCK_M], ACC)
+    for half in tl.static_range(2):
+        s, t, unused_ds, unused_cols = _both_halves(
+            sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows,
+            block * BLOCK_IDS + half * HALF_BLOCK, C, V, H_s, H_t, (H_s, 1, s_wv, s_wk),
+            (H_t, 1, t_wv, t_wk), stats, s_head, t_head, S_BIAS, T_BIAS, S_SOFTCAP,
+            T_SOFTCAP, IEEE, UPCAST, T_IEEE, T_UPCAST, ACC, BLOCK_K)
+        term_v, aux_v, unused_grad = DIVERGENCE(s, t, tl.zeros_like(s), params)
+        term += tree_sum(term_v, _HALF_STEPS)
+        aux += tree_sum(aux_v, _HALF_STEPS)
+    at = out_ptr + (rows.to(tl.int64) * NB + block) * 2
+    tl.store(at, term, mask=live)
+    tl.store(at + 1, aux, mask=live)
+
+
+@triton.jit
+def _student_dlogits(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, live, start, C, V,
+                     H_s, H_t, s_strides, t_strides, stats, g, s_head, t_head, params,
+                     DIVERGENCE: tl.constexpr, S_BIAS: tl.constexpr, T_BIAS: tl.constexpr,
+                     S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                     UPCAST: tl.constexpr, T_IEEE: tl.constexpr, T_UPCAST: tl.constexpr,
+                     ACC: tl.constexpr, GRAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``(the student's gradient, cols)`` of ``rows`` and the ``HALF_BLOCK`` ids from
+    ``start``: ``g ∂D/∂z_v`` times the softcap's derivative (``g``: each row's upstream
+    gradient over the temperature, ``_backward_rows``), 0 past ``V`` and at rows not ``live``,
+    rounded to ``GRAD`` (the weight's dtype)."""
+    s, t, ds, cols = _both_halves(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, start,
+                                  C, V, H_s, H_t, s_strides, t_strides, stats, s_head, t_head,
+                                  S_BIAS, T_BIAS, S_SOFTCAP, T_SOFTCAP, IEEE, UPCAST, T_IEEE,
+                                  T_UPCAST, ACC, BLOCK_K)
+    unused_term, unused_aux, d = DIVERGENCE(s, t, stats[4][:, None], params)
+    d = g[:, None] * d * ds
+    return tl.where(live[:, None] & (cols[None, :] < V), d, 0.0).to(GRAD), cols
+
+
+@triton.jit
+def _backward_rows(rows, C, keep_ptr, stats_ptr, dvalue_ptr, s_head, S_SOFTCAP: tl.constexpr,
+                   ACC: tl.constexpr):
+    """``(live, stats, g)`` of ``rows``: whether each counts, its statistics (``_row_stats``)
+    and its upstream gradient times ``dz/dlogit`` (the temperature's, and the softcap's
+    constant factor ``cap cap_in``)."""
+    live = kept_rows(rows, C, keep_ptr)
+    g = tl.load(dvalue_ptr + rows, mask=live, other=0.0).to(ACC) * s_head[0]
+    if S_SOFTCAP:
+        g = g * s_head[1] * s_head[2]
+    return live, _row_stats(stats_ptr, rows, live, ACC), g
+
+
+@triton.jit
+def _distill_dhidden_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
+                            dvalue_ptr, dh_ptr, C, V, H_s, H_t, NB, s_wv, s_wk, t_wv, t_wk,
+                            s_head_args, t_head_args, hyper,
+                            DIVERGENCE: tl.constexpr, S_BIAS: tl.constexpr,
+                            T_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr,
+                            T_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                            T_IEEE: tl.constexpr, T_UPCAST: tl.constexpr, ACC: tl.constexpr,
+                            GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_H: tl.constexpr):
+    # one program per BLOCK_M rows: dh [C, H_s] (fp32, zeros) += the student's gradient's tiles
+    # times its weight, the vocabulary blocks in order
+    s_head, t_head, params = _scalars(s_head_args, t_head_args, hyper, ACC)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live, stats, g = _backward_rows(rows, C, keep_ptr, stats_ptr, dvalue_ptr, s_head,
+                                    S_SOFTCAP, ACC)
+    for block in range(NB):
+        for half in tl.static_range(2):
+            d, cols = _student_dlogits(
+                sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, live,
+                block * BLOCK_IDS + half * HALF_BLOCK, C, V, H_s, H_t,
+                (H_s, 1, s_wv, s_wk), (H_t, 1, t_wv, t_wk), stats, g, s_head, t_head,
+                params, DIVERGENCE, S_BIAS, T_BIAS, S_SOFTCAP, T_SOFTCAP, IEEE, UPCAST, T_IEEE,
+                T_UPCAST, ACC, GRAD, BLOCK_K)
+            add_tile_product(dh_ptr, H_s, rows, live, d, sw_ptr, cols, cols < V, s_wv, s_wk,
+                             H_s, IEEE, UPCAST, BLOCK_H)
+
+
+@triton.jit
+def _distill_dweight_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
+                            dvalue_ptr, dw_ptr, db_ptr, C, V, H_s, H_t, s_wv, s_wk, t_wv, t_wk,
+                            s_head_args, t_head_args, hyper,
+                            DIVERGENCE: tl.constexpr, S_BIAS: tl.constexpr,
+                            T_BIAS: tl.constexpr, NEED_WEIGHT: tl.constexpr,
+                            NEED_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr,
+                            T_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                            T_IEEE: tl.constexpr, T_UPCAST: tl.constexpr, ACC: tl.constexpr,
+                            GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_H: tl.constexpr):
+    # one program per HALF_BLOCK ids: dw [V, H_s] (fp32) += the student's gradient's tiles
+    # transposed times its hidden rows, the rows in order (no atomics); db [V] += their sums
+    s_head, t_head, params = _scalars(s_head_args, t_head_args, hyper, ACC)
+    start = tl.program_id(0) * HALF_BLOCK
+    cols = start + tl.arange(0, HALF_BLOCK)
+    dbias = tl.zeros((HALF_BLOCK,), ACC)
+    for tile in range(0, C, BLOCK_M):
+        rows = tile + tl.arange(0, BLOCK_M)
+        live, stats, g = _backward_rows(rows, C, keep_ptr, stats_ptr, dvalue_ptr, s_head,
+                                        S_SOFTCAP, ACC)
+        d, unused_cols = _student_dlogits(
+            sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, live, start, C, V, H_s, H_t,
+            (H_s, 1, s_wv, s_wk), (H_t, 1, t_wv, t_wk), stats, g, s_head, t_head,
+            params, DIVERGENCE, S_BIAS, T_BIAS, S_SOFTCAP, T_SOFTCAP, IEEE, UPCAST, T_IEEE,
+            T_UPCAST, ACC, GRAD, BLOCK_K)
+        if NEED_WEIGHT:
+            add_tile_product(dw_ptr, H_s, cols, cols < V, tl.trans(d), sh_ptr, rows, live, H_s,
+                             1, H_s, IEEE, UPCAST, BLOCK_H)
+        if NEED_BIAS:
+            dbias += tl.sum(d.to(ACC), axis=0)
+    if NEED_BIAS:
+        at = db_ptr + cols
+        tl.store(at, tl.load(at, mask=cols < V, other=0.0) + dbias, mask=cols < V)
+
+
+class TwoHeads:
+    """The launch arguments of a student's head (``hidden [C, H_s]``, ``weight [V, H_s]``,
+    ``bias``, ``HeadParams``) and a teacher's over the same ``C`` rows (each model's hidden
+    rows made contiguous), the divergence's ``terms`` between them, and ``keep [C]``: the rows
+    that count. ``student``, ``teacher``: each model's ``(hidden, weight, bias)``."""
+
+    def __init__(self, hidden, weight, bias, head: HeadParams, t_hidden, t_weight, t_bias,
+                 t_head: HeadParams, keep: torch.Tensor, terms):
+        if t_weight.shape[0] != weight.shape[0]:
+            raise ValueError(f"teacher.weight: the student's vocabulary of {weight.shape[0]} "
+                             f"ids, got {t_weight.shape[0]}")
+        hidden, t_hidden = hidden.contiguous(), t_hidden.contiguous()
+        self.student, self.teacher = (hidden, weight, bias), (t_hidden, t_weight, t_bias)
+        self.C, self.V = hidden.shape[0], weight.shape[0]
+        self.weight, self.grad_dtype = weight, LOGITS_DTYPE[weight.dtype]
+        divergence, hyper = divergence_args(terms)
+        (s_args, s_cap), (t_args, t_cap) = head.kernel_args(), t_head.kernel_args()
+        ieee, upcast = dot_modes(hidden.dtype)
+        t_ieee, t_upcast = dot_modes(t_hidden.dtype)
+        self.pointers = (hidden, weight, weight if bias is None else bias, t_hidden, t_weight,
+                         t_weight if t_bias is None else t_bias, keep.to(torch.uint8))
+        self.sizes = (hidden.shape[1], t_hidden.shape[1])
+        self.strides = (weight.stride(0), weight.stride(1), t_weight.stride(0),
+                        t_weight.stride(1))
+        self.scalars = (s_args, t_args, hyper)
+        self.acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        self.constexprs = dict(
+            DIVERGENCE=divergence, S_BIAS=bias is not None, T_BIAS=t_bias is not None,
+            S_SOFTCAP=s_cap, T_SOFTCAP=t_cap, IEEE=ieee, UPCAST=upcast, T_IEEE=t_ieee,
+            T_UPCAST=t_upcast, ACC=tl_compute_dtype(weight.dtype), BLOCK_M=BLOCK_M,
+            BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+
+
+def distill_blocks(heads: TwoHeads, stats: torch.Tensor) -> torch.Tensor:
+    """``[C, 2]``: each row's divergence and aux sum (``kernels.distill``'s) between the two
+    heads of ``heads`` for the rows' ``stats [C, DISTILL_STATS]`` (each model's max and
+    log-sum as ``combine_blocks`` gives them), from tiles formed on the chip, summed over each
+    block then over the blocks in order; rows not kept: unspecified."""
+    NB = triton.cdiv(heads.V, VOCAB_BLOCK)
+    blocks = empty((heads.C, NB, 2), dtype=heads.acc, device=stats.device)
+    if heads.C and NB:
+        _distill_blocks_kernel[(triton.cdiv(heads.C, BLOCK_M), NB)](
+            *heads.pointers, stats.contiguous(), blocks, heads.C, heads.V, *heads.sizes, NB,
+            *heads.strides, *heads.scalars, **heads.constexprs)
+    return sum_blocks(blocks)
+
+
+def distill_head_backward(heads: TwoHeads, stats: torch.Tensor, dvalue: torch.Tensor,
+                          dhidden: Optional[torch.Tensor], dweight: Optional[torch.Tensor],
+                          dbias: Optional[torch.Tensor]) -> None:
+    """The gradients of ``distill_blocks``' divergences for ``dvalue [C]`` (``stats``: with the
+    forward's aux in its last column) added into the student's ``dhidden [C, H_s]``,
+    ``dweight [V, H_s]`` and ``dbias [V]`` (contiguous, in the compute dtype; None: not
+    wanted) from both heads' tiles formed again on the chip, the student's gradient rounded to
+    its weight's dtype; rows not kept count for nothing, whatever their hidden states.
+    ``dhidden``: each row's over the vocabulary blocks in order; ``dweight``, ``dbias``: over
+    the rows in order (no atomics)."""
+    C, V = heads.C, heads.V
+    common = (*heads.pointers, stats.contiguous(), dvalue.contiguous())
+    constexprs = dict(heads.constexprs, GRAD=heads.grad_dtype, BLOCK_H=BLOCK_H)
+    if C and dhidden is not None:
+        _distill_dhidden_kernel[(triton.cdiv(C, BLOCK_M),)](
+            *common, dhidden, C, V, *heads.sizes, triton.cdiv(V, VOCAB_BLOCK),
+            *heads.strides, *heads.scalars, **constexprs)
+    if C and (dweight is not None or dbias is not None):
+        _distill_dweight_kernel[(triton.cdiv(V, HALF_BLOCK),)](
+            *common, dweight, dbias, C, V, *heads.sizes, *heads.strides, *heads.scalars,
+            NEED_WEIGHT=dweight is not None, NEED_BIAS=dbias is not None, **constexprs)
