@@ -22,17 +22,21 @@ def test_every_peer_is_measured(rows):
     assert [(r["op"], r["peer"], r["dtype"]) for r in rows] == [
         (op, peer, dtype) for op, peer in compare.PEERS for dtype in ("bfloat16", "float32")]
     for row in rows:
-        for impl in ("fused", row["peer"]):
-            reads, distinct, writes = row[impl]["kernels"]
-            assert reads >= distinct > 0 and writes > 0, (row["op"], impl)
+        reads, distinct, writes = row["fused"]["kernels"]
+        assert reads >= distinct > 0 and writes > 0, row["op"]
+        reads, distinct, writes = row[row["peer"]]["kernels"]
+        assert reads >= distinct >= 0 and writes >= 0, row["op"]
+        # a peer in torch (Liger's fused-linear JSD) moves its rows in torch ops only
+        assert min(row[row["peer"]]["total"]) > 0, row["op"]
 
 
 def test_rlfuse_moves_no_more_than_its_peers(rows):
-    """The goal the table states, on the bytes: every shared op at most the peer's distinct
-    reads and writes per actor row (the single pass reads a row twice, once from memory)."""
+    """The goal the table states, on the bytes: every shared op at most the peer's reads and
+    writes per actor row in all, the kernels' (distinct reads: the single pass reads a row
+    twice, once from memory) and the torch ops'."""
     for row in rows:
-        ours, theirs = row["fused"]["kernels"], row[row["peer"]]["kernels"]
-        assert ours[1] <= theirs[1] and ours[2] <= theirs[2], row
+        ours, theirs = row["fused"]["total"], row[row["peer"]]["total"]
+        assert ours[0] <= theirs[0] and ours[1] <= theirs[1], row
 
 
 def test_errors_are_against_float64(rows):

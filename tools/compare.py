@@ -23,11 +23,13 @@ from tools.interpreter import round_bf16_as_a_gpu
 
 # (op of bench.cases, the peer implementation that does the same work)
 PEERS = (("token_logprobs", "trl"), ("token_logprobs_entropy", "trl"), ("ppo_logits", "liger"),
-         ("ppo_head", "trl"))
+         ("ppo_head", "trl"), ("distill_head", "trl"), ("distill_head", "liger"))
 LABELS = {("token_logprobs", "trl"): "TRL 1.16 `selective_log_softmax_and_entropy`",
           ("token_logprobs_entropy", "trl"): "TRL 1.16 `selective_log_softmax_and_entropy`",
           ("ppo_logits", "liger"): "Liger `GrpoLossFunction`",
-          ("ppo_head", "trl"): "TRL 1.16 `ChunkedLogProbFunction` (Triton), then the loss"}
+          ("ppo_head", "trl"): "TRL 1.16 `ChunkedLogProbFunction` (Triton), then the loss",
+          ("distill_head", "trl"): "TRL 1.16 `ChunkedDivergenceFunction` (JSD)",
+          ("distill_head", "liger"): "Liger `LigerFusedLinearJSDLoss`"}
 DTYPES = (torch.bfloat16, torch.float32)
 MARK_BEGIN, MARK_END = "<!-- compare:begin -->", "<!-- compare:end -->"
 
@@ -59,7 +61,7 @@ def _step(op, impl: str, x) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
                                 dtype=torch.float64).to(o.dtype) if o.dim()
                     else torch.ones_like(o) for i, o in enumerate(outs)]
         grads = list(torch.autograd.grad(outs, leaves, upstream))
-    if impl == "liger":         # its leaf is the whole [B, T + 1, V] output
+    if impl == "liger" and op.matmuls is None:   # its leaf: the whole [B, T + 1, V] output
         grads = [grads[0][:, :-1]]
     return [o.detach() for o in outs], grads
 
@@ -100,9 +102,13 @@ def _traffic(op, impl: str, x) -> dict:
     the torch ops over logits-sized tensors outside them."""
     with _triton_everywhere():
         t = traffic.run_case(op, x, "fwd+bwd", impl)
-    rows = t.per_row.get("chunk" if op.matmuls is not None else "actor")
-    return {"kernels": rows, "torch": traffic._torch_ops({"passes": t.passes},
-                                                        int(x.mask.sum()))}
+    rows = t.per_row.get("chunk" if op.matmuls is not None else "actor") or (0.0, 0.0, 0.0)
+    actor = int(x.mask.sum())
+    torch_rw = tuple(sum(p[i] for p in t.passes) / actor for i in (1, 2))
+    # in all: the kernels' distinct reads and their writes, and the torch ops'
+    total = (rows[1] + torch_rw[0], rows[2] + torch_rw[1])
+    return {"kernels": rows, "torch": traffic._torch_ops({"passes": t.passes}, actor),
+            "total": total}
 
 
 def compare(V: int, names: Sequence[str] = (), seed: int = 0) -> List[dict]:
@@ -140,19 +146,22 @@ def _ratio(a: float, b: float) -> str:
 
 
 def format_table(rows: List[dict], V: int) -> str:
-    """The markdown table of ``compare``'s rows, the ratio rlfuse / peer of the reads."""
+    """The markdown table of ``compare``'s rows, the ratio rlfuse / peer of the reads in all
+    (the kernels' distinct reads and the torch ops')."""
     lines = [
         f"rlfuse beside the peer that does the same work, on the same inputs (V = {V}, "
         f"B = {traffic.TRAFFIC_BATCH}, T = {traffic.TRAFFIC_T}), counted on the CPU by "
         "`python -m tools.compare`: rows of logits read (distinct) / written in the kernels "
         "per actor row of the training step (a head's: per row of its chunks), the torch ops "
         "over logits-sized tensors outside them (rows read / written per actor row: a head's "
-        "matmuls, and on the CPU the casts of its weight gradient's accumulation), and the max "
+        "matmuls, and on the CPU the casts of its weight gradient's accumulation; a peer "
+        "written in torch has only these), the ratio rlfuse / peer of the reads in all (the "
+        "kernels' distinct reads and the torch ops'), and the max "
         "error against float64 of the values and of the gradients (to the logits; a head's: "
         "to the hidden states and the weight), relative to the float64 result's scale. Not "
         "time.", "",
         "| op | peer | dtype | rlfuse kernels R (distinct) / W | peer kernels R (distinct) / W "
-        "| R ratio | torch ops rlfuse | torch ops peer | value error rlfuse / peer "
+        "| reads in all, ratio | torch ops rlfuse | torch ops peer | value error rlfuse / peer "
         "| gradient error rlfuse / peer |",
         "|" + "---|" * 10]
     for row in rows:
@@ -164,7 +173,7 @@ def format_table(rows: List[dict], V: int) -> str:
         (v_ours, g_ours), (v_theirs, g_theirs) = ours["errors"], theirs["errors"]
         lines.append("| " + " | ".join([
             row["op"], LABELS[row["op"], row["peer"]], row["dtype"], _rw(ours["kernels"]),
-            _rw(theirs["kernels"]), _ratio(ours["kernels"][0], theirs["kernels"][0]),
+            _rw(theirs["kernels"]), _ratio(ours["total"][0], theirs["total"][0]),
             ours["torch"], theirs["torch"], f"{v_ours:.1e} / {v_theirs:.1e}",
             f"{g_ours:.1e} / {g_theirs:.1e}"]) + " |")
     return "\n".join(lines)
