@@ -15,6 +15,7 @@ logits ops.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -413,6 +414,23 @@ def _packed(lib, x):
     index = torch.where(inside, batch * T + t, -1).reshape(-1)
     targets = torch.where(inside, x.targets[batch, t.clamp(0, T - 1)], 0).reshape(-1)
     return lib.Logits(x.full_output.reshape(B * S, V), targets, index=index)
+
+
+@contextlib.contextmanager
+def trl_triton_everywhere():
+    """TRL's chunked head takes its Triton kernels on CUDA only (torch tiles elsewhere): within
+    this, on any device (the interpreter's CPU tensors, a compile-only drive) too."""
+    try:
+        from trl.kernels import chunked_logprob
+    except ImportError:
+        yield
+        return
+    gate = chunked_logprob._use_triton
+    chunked_logprob._use_triton = lambda device: True
+    try:
+        yield
+    finally:
+        chunked_logprob._use_triton = gate
 
 
 def _variants():

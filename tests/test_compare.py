@@ -55,6 +55,19 @@ def test_errors_are_against_float64(rows):
     assert compare._error(x + 2.0 ** -8, x.double()) == pytest.approx(2.0 ** -8)
 
 
+def test_rlfuse_issues_no_more_instructions_than_its_peers(rows):
+    """The goal on the instructions: per logit in the step's Triton kernels (sm_90 SASS, bf16),
+    rlfuse at most the peer's, wherever the peer has Triton kernels (Liger's fused-linear JSD
+    is torch)."""
+    bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
+    assert bf16 and all(r["sass"] is not None for r in bf16), [r.get("sass_missing") for r in bf16]
+    for row in bf16:
+        ours, theirs = row["sass"]["fused"], row["sass"][row["peer"]]
+        assert ours["kernels"] and ours["instructions"] > 0 and ours["mufu"] > 0, row["op"]
+        if theirs["kernels"]:
+            assert ours["instructions"] <= theirs["instructions"], (row["op"], ours, theirs)
+
+
 def test_the_table_in_the_docs_is_the_tools():
     text = (ROOT / "docs" / "performance.md").read_text()
     table = text[text.index(compare.MARK_BEGIN):text.index(compare.MARK_END)]

@@ -2,8 +2,10 @@
 the CPU (``python -m tools.compare``): TRL 1.16's Triton log-probs and entropy
 (``selective_log_softmax_and_entropy``) and Liger-Kernel's Triton GRPO loss. For each shared op
 (``PEERS``): the rows of logits each implementation moves per actor row in its training step
-(the Triton interpreter's count, ``tools.traffic``) and its error against float64 (the value and
-the gradient to the logits, each relative to the float64 result's scale) in bf16 and fp32.
+(the Triton interpreter's count, ``tools.traffic``), its error against float64 (the value and
+the gradient to the logits, each relative to the float64 result's scale) in bf16 and fp32, and
+the instructions and MUFU operations per logit of its Triton kernels in bf16 (their sm_90 SASS,
+``tools.step_sass``).
 
 Bytes and errors, not time: the GPU headline run (``bench/gpu_check.sh``) times the same peers.
 The interpreter runs every peer's own Triton kernels; a peer that is not installed is left out
@@ -11,8 +13,8 @@ of the table with its reason.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 from typing import List, Optional, Sequence, Tuple
 
@@ -55,7 +57,7 @@ def _step(op, impl: str, x) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     for per-token outputs."""
     from bench import cases as bench_cases
 
-    with _triton_everywhere():
+    with bench_cases.trl_triton_everywhere():
         outs, leaves = bench_cases.forward_fn(op, impl, bench_cases.load_impl(impl), x)()
         upstream = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i),
                                 dtype=torch.float64).to(o.dtype) if o.dim()
@@ -64,23 +66,6 @@ def _step(op, impl: str, x) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     if impl == "liger" and op.matmuls is None:   # its leaf: the whole [B, T + 1, V] output
         grads = [grads[0][:, :-1]]
     return [o.detach() for o in outs], grads
-
-
-@contextlib.contextmanager
-def _triton_everywhere():
-    """TRL's chunked head takes its Triton kernels on CUDA only (torch tiles elsewhere): here,
-    in the interpreter, too."""
-    try:
-        from trl.kernels import chunked_logprob
-    except ImportError:
-        yield
-        return
-    gate = chunked_logprob._use_triton
-    chunked_logprob._use_triton = lambda device: True
-    try:
-        yield
-    finally:
-        chunked_logprob._use_triton = gate
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -100,7 +85,9 @@ def errors(op, impl: str, x, truth) -> Tuple[float, float]:
 def _traffic(op, impl: str, x) -> dict:
     """Rows of logits per actor row (a head's chunk rows for the head ops) in the kernels, and
     the torch ops over logits-sized tensors outside them."""
-    with _triton_everywhere():
+    from bench import cases as bench_cases
+
+    with bench_cases.trl_triton_everywhere():
         t = traffic.run_case(op, x, "fwd+bwd", impl)
     rows = t.per_row.get("chunk" if op.matmuls is not None else "actor") or (0.0, 0.0, 0.0)
     actor = int(x.mask.sum())
@@ -138,7 +125,30 @@ def compare(V: int, names: Sequence[str] = (), seed: int = 0) -> List[dict]:
             for impl in ("fused", peer):
                 row[impl] = dict(_traffic(op, impl, x), errors=errors(op, impl, x, truth))
             rows.append(row)
+    _add_sass(rows)
     return rows
+
+
+def _add_sass(rows: List[dict]) -> None:
+    """Each bf16 row's instructions and MUFU operations per logit of rlfuse's and the peer's
+    Triton kernels in the step (``tools.step_sass``, sm_90 compile-only); ``sass`` None where
+    this Triton cannot compile for NVIDIA (no backend) with the reason."""
+    import tempfile
+
+    from tools import step_sass
+
+    bf16 = [r for r in rows if r.get("dtype") == "bfloat16"]
+    pairs = sorted({(r["op"], impl) for r in bf16 for impl in ("fused", r["peer"])})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            counts = step_sass.step_counts(pairs, Path(tmp) / "counts.json")
+    except RuntimeError as error:
+        for row in bf16:
+            row["sass"] = None
+            row["sass_missing"] = str(error).splitlines()[-1]
+        return
+    for row in bf16:
+        row["sass"] = {impl: counts[f"{row['op']}:{impl}"] for impl in ("fused", row["peer"])}
 
 
 def _ratio(a: float, b: float) -> str:
@@ -156,18 +166,21 @@ def format_table(rows: List[dict], V: int) -> str:
         "over logits-sized tensors outside them (rows read / written per actor row: a head's "
         "matmuls, and on the CPU the casts of its weight gradient's accumulation; a peer "
         "written in torch has only these), the ratio rlfuse / peer of the reads in all (the "
-        "kernels' distinct reads and the torch ops'), and the max "
+        "kernels' distinct reads and the torch ops'), the instructions and MUFU operations "
+        "per logit (per thread) in the vocabulary loops of the step's Triton kernels compiled "
+        "for sm_90 in bf16 (`tools.step_sass`: a model, not time), and the max "
         "error against float64 of the values and of the gradients (to the logits; a head's: "
         "to the hidden states and the weight), relative to the float64 result's scale. Not "
         "time.", "",
         "| op | peer | dtype | rlfuse kernels R (distinct) / W | peer kernels R (distinct) / W "
         "| reads in all, ratio | torch ops rlfuse | torch ops peer | value error rlfuse / peer "
-        "| gradient error rlfuse / peer |",
-        "|" + "---|" * 10]
+        "| gradient error rlfuse / peer | instructions / MUFU per logit, rlfuse | "
+        "instructions / MUFU per logit, peer |",
+        "|" + "---|" * 12]
     for row in rows:
         if "missing" in row:
             lines.append(f"| {row['op']} | {LABELS[row['op'], row['peer']]} | | not installed: "
-                         f"{row['missing']} | | | | | | |")
+                         f"{row['missing']} | | | | | | | | |")
             continue
         ours, theirs = row["fused"], row[row["peer"]]
         (v_ours, g_ours), (v_theirs, g_theirs) = ours["errors"], theirs["errors"]
@@ -175,8 +188,19 @@ def format_table(rows: List[dict], V: int) -> str:
             row["op"], LABELS[row["op"], row["peer"]], row["dtype"], _rw(ours["kernels"]),
             _rw(theirs["kernels"]), _ratio(ours["total"][0], theirs["total"][0]),
             ours["torch"], theirs["torch"], f"{v_ours:.1e} / {v_theirs:.1e}",
-            f"{g_ours:.1e} / {g_theirs:.1e}"]) + " |")
+            f"{g_ours:.1e} / {g_theirs:.1e}", *_sass_cells(row)]) + " |")
     return "\n".join(lines)
+
+
+def _sass_cells(row: dict) -> List[str]:
+    """The instructions / MUFU cells of a row: bf16 rows only (the SASS is bf16's); a peer
+    without Triton kernels in the step (torch only) has none."""
+    if row["dtype"] != "bfloat16":
+        return ["", ""]
+    if row.get("sass") is None:
+        return ["not compiled: " + row.get("sass_missing", ""), ""]
+    return [f"{c['instructions']:.1f} / {c['mufu']:.2f}" if c["kernels"] else "no Triton kernel"
+            for c in (row["sass"]["fused"], row["sass"][row["peer"]])]
 
 
 def _rw(counts: Optional[Tuple[float, float, float]]) -> str:
