@@ -34,9 +34,9 @@ def policy_loss(policy, args, old_logprobs: Optional[Tensor], ref_logprobs: Opti
                 entropy: Optional[Tensor] = None) -> LossOutput:
     """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``); ``entropy``:
     the entropies of ``[B, T]`` log-probs ``policy``, when known. With the ``counts`` of
-    ``args`` (context parallelism in place, ``scaleout.context``) the policy holds chunks of whole sequences: a
-    token-local objective's loss over them with the whole sequences' weights, its sums (the
-    metrics') summed over the group."""
+    ``args`` (context parallelism in place, ``scaleout.context``) the policy holds chunks of
+    whole sequences: a token-local objective's loss over them with the whole sequences'
+    weights, its sums (the metrics') summed over the group."""
     objective, mask, cdt = args.objective, args.mask, args.info.compute_dtype
     old, adv, ref = _detached(old_logprobs), args.advantages.detach(), _detached(ref_logprobs)
     weights = _detached(args.weights)
