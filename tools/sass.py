@@ -443,6 +443,11 @@ def row_counts(row: dict, vocab: int) -> Tuple[int, int]:
     return body, mufu
 
 
+def issued(ins: Instruction, labels: Dict[str, int]) -> bool:
+    """Whether an instruction issues: not a NOP, nor the branch to itself that ends a kernel."""
+    return ins.base != "NOP" and not (ins.base == "BRA" and labels.get(ins.target) == ins.addr)
+
+
 def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num_warps: int,
             resources: Dict[str, int], shared: int, arch: int, sass: str) -> dict:
     """One kernel variant's row of the table: its loops, counts per logit and the model."""
@@ -460,8 +465,7 @@ def analyse(label: str, dtype: str, kernel: str, constexprs: Dict[str, str], num
              if lp.inner and not lp.loads and not lp.stores}
     repeats = {i.addr: fixed.get(lp.header, 0) for lp in loops if lp.inner
                for i in lp.instructions}
-    per_row = [i for i in instructions if i.base != "NOP"
-               and not (i.base == "BRA" and labels.get(i.target) == i.addr)
+    per_row = [i for i in instructions if issued(i, labels)
                for _ in range(repeats.get(i.addr, 1))]
     classes = Counter()
     for lp in counted:

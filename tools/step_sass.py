@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # rlfuse's row kernels, TRL 1.16's, Liger's GRPO loss
 BLOCK_NAMES = ("BLOCK_V", "BLOCK_SIZE", "BLOCK_N")
 ARCH = 90
-V = 151936       # the headline vocabulary: the blocks its launches choose
 
 
 def _count(name: str, kernel, constexprs: Dict[str, str]) -> Optional[Tuple[float, float]]:
@@ -45,8 +44,7 @@ def _count(name: str, kernel, constexprs: Dict[str, str]) -> Optional[Tuple[floa
     if loops:
         body = [i for lp in loops for i in lp.instructions]
     else:       # one block per program (a grid over the row's blocks): the whole kernel
-        body = [i for i in instructions if i.base != "NOP"
-                and not (i.base == "BRA" and labels.get(i.target) == i.addr)]
+        body = [i for i in instructions if sass.issued(i, labels)]
     return len(body) / per_thread, sum(i.cls == "mufu" for i in body) / per_thread
 
 
@@ -55,7 +53,7 @@ def worker(pairs: Sequence[Tuple[str, str]]) -> Dict[str, dict]:
     bf16 (this process compiles: ``TRITON_INTERPRET`` unset or 0)."""
     import torch
 
-    from tools import compile_only
+    from tools import compile_only, sass
 
     launched = []      # (kernel name, hash) of each launch
 
@@ -72,7 +70,9 @@ def worker(pairs: Sequence[Tuple[str, str]]) -> Dict[str, dict]:
 
     out = {}
     for op_name, impl in pairs:
-        shape = cases.Shape(N=6, V=V, dtype=torch.bfloat16, batch=2, group_size=2, hidden=8)
+        # the headline vocabulary: the blocks its launches choose
+        shape = cases.Shape(N=6, V=sass.HEADLINE_V, dtype=torch.bfloat16, batch=2,
+                            group_size=2, hidden=8)
         op, x = cases.OPS[op_name], cases.make_inputs(shape, "cpu")
         launched.clear()
         with cases.trl_triton_everywhere():

@@ -29,17 +29,24 @@ N_STATS = tl.constexpr(len(DISTILL_STATS))
 
 
 @triton.jit
-def _log_probs(row_ptr, cols, V, m, log_s, head, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
-    """A block of a row's log-probs ``(x − m) z_scale − log s`` (x: the logit, through the head's
-    softcap with ``SOFTCAP``; ``head``: its ``(inv_temp, cap, cap_in)``, ``HeadParams``), -inf
-    past the row, and ``dx/dlogit / (cap cap_in)`` (1 without a softcap)."""
+def log_probs_of(x, inside, m, log_s, head, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """Log-probs ``(x − m) inv_temp − log s`` of logits ``x`` in the compute dtype (through the
+    head's softcap with ``SOFTCAP``; ``head``: its ``(inv_temp, cap, cap_in)``,
+    ``HeadParams``; ``m``, ``log_s``: their rows' statistics, broadcast to ``x``), -inf where
+    not ``inside``, and ``dx/dlogit / (cap cap_in)`` (1 without a softcap)."""
     inv_temp, cap, cap_in = head
-    x = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(ACC)
     if SOFTCAP:
         x, dx = softcap(x, cap, cap_in, ACC)
-        return tl.where(cols < V, (x - m) * inv_temp - log_s, float("-inf")), dx
+        return tl.where(inside, (x - m) * inv_temp - log_s, float("-inf")), dx
     else:
-        return tl.where(cols < V, (x - m) * inv_temp - log_s, float("-inf")), 1.0
+        return tl.where(inside, (x - m) * inv_temp - log_s, float("-inf")), 1.0
+
+
+@triton.jit
+def _log_probs(row_ptr, cols, V, m, log_s, head, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """``log_probs_of`` a block of a row's logits, -inf past the row."""
+    x = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(ACC)
+    return log_probs_of(x, cols < V, m, log_s, head, SOFTCAP, ACC)
 
 
 @triton.jit

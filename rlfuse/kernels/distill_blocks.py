@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .._types import compute_dtype
+from .distill import log_probs_of
 from .divergence_functions import divergence_args
-from .head import HeadParams, softcap
+from .head import HeadParams
 from .head_blocks import BLOCK_H, LOGITS_DTYPE, add_tile_product, head_tile, kept_rows
 from .matmul import BLOCK_K, BLOCK_M, NUM_WARPS, dot_modes
 from .utils import empty, fp64_values, tl_compute_dtype
@@ -29,21 +31,6 @@ from .vocab_blocks import BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, sum_blocks, tree_s
 # ``DISTILL_STATS`` of ``kernels.distill``, aux last)
 _N_STATS = tl.constexpr(5)
 _HALF_STEPS = tl.constexpr(6)      # log2(HALF_BLOCK)
-
-
-@triton.jit
-def _log_probs(x, cols, V, m, log_s, head, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
-    """A tile's log-probs ``(x − m) inv_temp − log s`` (``m``, ``log_s``: its rows'; x through
-    the head's softcap), -inf past ``V``, and ``dx/dlogit / (cap cap_in)`` (1 without a
-    softcap)."""
-    inside = cols[None, :] < V
-    if SOFTCAP:
-        x, dx = softcap(x, head[1], head[2], ACC)
-        return tl.where(inside, (x - m[:, None]) * head[0] - log_s[:, None],
-                        float("-inf")), dx
-    else:
-        return tl.where(inside, (x - m[:, None]) * head[0] - log_s[:, None],
-                        float("-inf")), 1.0
 
 
 @triton.jit
@@ -61,8 +48,11 @@ def _both_halves(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, start, C,
                   s_strides[2], s_strides[3], S_BIAS, IEEE, UPCAST, ACC, ACC, BLOCK_K)
     y = head_tile(th_ptr, tw_ptr, tb_ptr, rows, cols, C, V, H_t, t_strides[0], t_strides[1],
                   t_strides[2], t_strides[3], T_BIAS, T_IEEE, T_UPCAST, ACC, ACC, BLOCK_K)
-    s, ds = _log_probs(x, cols, V, stats[0], stats[1], s_head, S_SOFTCAP, ACC)
-    t, unused_dt = _log_probs(y, cols, V, stats[2], stats[3], t_head, T_SOFTCAP, ACC)
+    inside = cols[None, :] < V
+    s, ds = log_probs_of(x, inside, stats[0][:, None], stats[1][:, None], s_head, S_SOFTCAP,
+                         ACC)
+    t, unused_dt = log_probs_of(y, inside, stats[2][:, None], stats[3][:, None], t_head,
+                                T_SOFTCAP, ACC)
     return s, t, ds, cols
 
 
@@ -226,7 +216,7 @@ class TwoHeads:
         hidden, t_hidden = hidden.contiguous(), t_hidden.contiguous()
         self.student, self.teacher = (hidden, weight, bias), (t_hidden, t_weight, t_bias)
         self.C, self.V = hidden.shape[0], weight.shape[0]
-        self.weight, self.grad_dtype = weight, LOGITS_DTYPE[weight.dtype]
+        self.grad_dtype = LOGITS_DTYPE[weight.dtype]
         divergence, hyper = divergence_args(terms)
         (s_args, s_cap), (t_args, t_cap) = head.kernel_args(), t_head.kernel_args()
         ieee, upcast = dot_modes(hidden.dtype)
@@ -237,7 +227,7 @@ class TwoHeads:
         self.strides = (weight.stride(0), weight.stride(1), t_weight.stride(0),
                         t_weight.stride(1))
         self.scalars = (s_args, t_args, hyper)
-        self.acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        self.acc = compute_dtype(weight.dtype)
         self.constexprs = dict(
             DIVERGENCE=divergence, S_BIAS=bias is not None, T_BIAS=t_bias is not None,
             S_SOFTCAP=s_cap, T_SOFTCAP=t_cap, IEEE=ieee, UPCAST=upcast, T_IEEE=t_ieee,
