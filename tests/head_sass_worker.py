@@ -1,6 +1,6 @@
 """Compiles the batch-invariant head's kernels (``kernels.head_blocks``: the forward's block
 statistics, the backward's two products; ``kernels.distill_blocks``: a divergence between two
-such heads and its two products) for sm_90 without a GPU (``tools.compile_only``) and prints,
+such heads, or such a head and logits in memory, and its two products) for sm_90 without a GPU (``tools.compile_only``) and prints,
 per kernel, dtype and softcap, its tensor-core instructions, local-memory accesses and
 resources as JSON lines; run without ``TRITON_INTERPRET``."""
 import json
@@ -35,6 +35,12 @@ for dtype in (torch.bfloat16, torch.float32):
         distill_blocks(heads, torch.zeros(C, 5))
         distill_head_backward(heads, torch.zeros(C, 5), rows, torch.zeros(C, H),
                               torch.zeros(V, H), torch.zeros(V))
+        logits = torch.randn(C, V).to(dtype)       # a teacher's logits: no softcap
+        heads = TwoHeads(hidden, weight, bias, head, logits, None, None, HeadParams(1.2), keep,
+                         JSD(0.5).terms(), t_rows=torch.arange(C) * V)
+        distill_blocks(heads, torch.zeros(C, 5))
+        distill_head_backward(heads, torch.zeros(C, 5), rows, torch.zeros(C, H),
+                              torch.zeros(V, H), torch.zeros(V))
         for key in set(compile_only.COMPILED) - before:
             kernel, constexprs = compile_only.COMPILED[key]
             if key[0] == "_sum_blocks_kernel":
@@ -42,6 +48,7 @@ for dtype in (torch.bfloat16, torch.float32):
             text = sass.disassemble(kernel.asm["cubin"])
             counts = Counter(re.findall(r"\b(HGMMA|HMMA|LDL|STL)\b", text))
             print(json.dumps({"kernel": key[0], "dtype": str(dtype).split(".")[1],
-                              "softcap": bool(head.softcap), **counts,
+                              "softcap": bool(head.softcap),
+                              "teacher_logits": constexprs.get("T_LOGITS") == "True", **counts,
                               **compile_only.resources(kernel)}))
 sys.exit(1 if compile_only.FAILED else 0)

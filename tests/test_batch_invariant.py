@@ -409,13 +409,29 @@ def _divergence(policy):
                                    torch.ones(policy.targets.shape, dtype=torch.bool)).sum()
 
 
+def _from_logits(policy):
+    """``distill_loss`` and ``token_divergence`` beside the teacher's logits, formed outside
+    the probe (a teacher's own forward)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        teacher = rlfuse.Logits(rlfuse.reference.head_logits(
+            policy.hidden.detach().flip(0), policy.weight, policy.bias), policy.targets,
+            temperature=1.3)
+    mask = torch.ones(policy.targets.shape, dtype=torch.bool)
+    return rlfuse.distill_loss(policy, teacher, mask, rlfuse.divergences.JSD(0.3)).loss + \
+        rlfuse.token_divergence(policy, teacher, rlfuse.divergences.ReverseKL(), mask).sum()
+
+
 @pytest.mark.parametrize("call", [_logprobs_and_entropies, _clip_with_terms, _ggpo, _distill,
-                                  _divergence],
-                         ids=["logprobs", "clip", "ggpo", "distill_loss", "token_divergence"])
+                                  _divergence, _from_logits],
+                         ids=["logprobs", "clip", "ggpo", "distill_loss", "token_divergence",
+                              "from_teacher_logits"])
 def test_no_vocabulary_sized_tensor_is_formed(call):
     """The batch-invariant head's log-probs and entropies (the old-log-prob pass), its losses
     (a token-local objective with its KL and entropy terms, GGPO) and its distillation from a
-    batch-invariant teacher's head (the single pass and the two), forward and backward,
+    batch-invariant teacher's head or the teacher's logits (the single pass and the two),
+    forward and backward,
     allocate no tensor of a row's vocabulary, where the default head forms each chunk's logits:
     every tensor a torch op makes outside the kernels is recorded, rlfuse's ops entered (the
     probe sees the default head's ``[C, 1, V]``)."""

@@ -142,31 +142,36 @@ def test_batch_invariant_head_on_the_gpu(dtype):
     assert torch.equal(rlfuse.policy_logprobs(plain).detach(), lp.detach())
 
 
+@pytest.mark.parametrize("teacher_form", ["head", "logits"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_batch_invariant_distillation_on_the_gpu(dtype):
-    """Two batch-invariant heads (``kernels.distill_blocks``, tensor cores in bf16): a
-    position's divergence and the student's hidden-state gradient the same bits alone and among
-    300 random rows, at two chunk sizes, at real hidden sizes and a vocabulary of many blocks,
-    and against float64 by the three-way rule (the reference's batch-invariant heads: each
-    row's matmul its own)."""
+def test_batch_invariant_distillation_on_the_gpu(dtype, teacher_form):
+    """A batch-invariant student head beside a batch-invariant teacher head or the teacher's
+    logits (``kernels.distill_blocks``, tensor cores in bf16): a position's divergence and the
+    student's hidden-state gradient the same bits alone and among 300 random rows, at two chunk
+    sizes, at real hidden sizes and a vocabulary of many blocks, and against float64 by the
+    three-way rule (the reference's batch-invariant heads: each row's matmul its own)."""
     from rlfuse.divergences import JSD
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(9)
     Tq, H, H_t, Vh = 7, 1024, 1536, 30011
+    width = H_t if teacher_form == "head" else Vh
     weight = (torch.randn(Vh, H, generator=gen) / H ** 0.5).to(device, dtype)
     t_weight = (torch.randn(Vh, H_t, generator=gen) / H_t ** 0.5).to(device, dtype)
     row = torch.randn(1, Tq + 1, H, generator=gen).to(device, dtype)
-    t_row = torch.randn(1, Tq, H_t, generator=gen).to(device, dtype)
+    t_row = (3 * torch.randn(1, Tq, width, generator=gen)).to(device, dtype)
 
-    def results(hidden, t_hidden, chunk, lib=rlfuse, wide=False):
+    def results(hidden, t_rows, chunk, lib=rlfuse, wide=False):
         cast = (lambda x: x.double()) if wide else (lambda x: x)
         hidden = cast(hidden).clone().requires_grad_()
         targets = torch.zeros(hidden.shape[0], Tq, dtype=torch.long, device=device)
         student = lib.LinearHead(hidden, cast(weight), targets, chunk_tokens=chunk,
                                  softcap=30.0, batch_invariant=True)
-        teacher = lib.LinearHead(cast(t_hidden), cast(t_weight), targets, temperature=0.8,
-                                 batch_invariant=True)
+        if teacher_form == "head":
+            teacher = lib.LinearHead(cast(t_rows), cast(t_weight), targets, temperature=0.8,
+                                     batch_invariant=True)
+        else:
+            teacher = lib.Logits(cast(t_rows), targets, temperature=0.8)
         value = lib.token_divergence(student, teacher, JSD(0.5))
         value.sum().backward()
         return value.detach(), hidden.grad
@@ -174,13 +179,13 @@ def test_batch_invariant_distillation_on_the_gpu(dtype):
     alone = results(row, t_row, None)
     for chunk in (None, 333):
         hidden = torch.randn(300, Tq + 1, H, generator=gen).to(device, dtype)
-        t_hidden = torch.randn(300, Tq, H_t, generator=gen).to(device, dtype)
-        hidden[211], t_hidden[211] = row[0], t_row[0]
-        for got, want in zip(results(hidden, t_hidden, chunk), alone):
+        t_rows = (3 * torch.randn(300, Tq, width, generator=gen)).to(device, dtype)
+        hidden[211], t_rows[211] = row[0], t_row[0]
+        for got, want in zip(results(hidden, t_rows, chunk), alone):
             assert torch.equal(got[211], want[0]), chunk
-    got = results(hidden[:40], t_hidden[:40], None)
-    ref = results(hidden[:40], t_hidden[:40], None, lib=rlfuse.reference)
-    ref64 = results(hidden[:40], t_hidden[:40], None, lib=rlfuse.reference, wide=True)
+    got = results(hidden[:40], t_rows[:40], None)
+    ref = results(hidden[:40], t_rows[:40], None, lib=rlfuse.reference)
+    ref64 = results(hidden[:40], t_rows[:40], None, lib=rlfuse.reference, wide=True)
     for name, a, r, r64 in zip(("value", "dhidden"), got, ref, ref64):
         assert_three_way(a.double(), r.double(), r64, name, atol_dtype=a.dtype)
 

@@ -253,7 +253,7 @@ def test_counts_held_to_their_pins(counted):
 def test_the_head_kernels_use_the_tensor_cores_without_spills():
     """The batch-invariant head's kernels (``kernels.head_blocks``: the forward's block
     statistics, the backward's two products; ``kernels.distill_blocks``: a divergence between
-    two such heads and its two products), compiled for sm_90 (``head_sass_worker.py``):
+    two such heads, or such a head and logits in memory, and its two products), compiled for sm_90 (``head_sass_worker.py``):
     bf16 multiplies on the tensor cores (HGMMA), no kernel touches local memory (no spill,
     no stack), bf16 and fp32, with and without a softcap."""
     env = process_env(drop=("TRITON_INTERPRET",))
@@ -261,11 +261,12 @@ def test_the_head_kernels_use_the_tensor_cores_without_spills():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {(r["kernel"], r["dtype"], r["softcap"]) for r in rows} == {
-        (k, d, s) for k in ("_head_blocks_kernel", "_head_dhidden_kernel", "_head_dweight_kernel",
-                            "_distill_blocks_kernel", "_distill_dhidden_kernel",
-                            "_distill_dweight_kernel")
-        for d in ("bfloat16", "float32") for s in (False, True)}
+    distill = ("_distill_blocks_kernel", "_distill_dhidden_kernel", "_distill_dweight_kernel")
+    assert {(r["kernel"], r["dtype"], r["softcap"], r["teacher_logits"]) for r in rows} == {
+        (k, d, s, t) for k in ("_head_blocks_kernel", "_head_dhidden_kernel",
+                               "_head_dweight_kernel") + distill
+        for d in ("bfloat16", "float32") for s in (False, True)
+        for t in ((False, True) if k in distill else (False,))}
     for r in rows:
         where = f"{r['kernel']} {r['dtype']} softcap={r['softcap']}"
         assert r.get("LDL", 0) == r.get("STL", 0) == r["stack"] == r["local"] == 0, where

@@ -283,13 +283,18 @@ def _drive():
         lp, ent = rlfuse.policy_logprobs(invariant, return_entropy=True)
         (lp.sum() + ent.sum()).backward()
         backward(rlfuse.ppo_loss(invariant, old, adv_seq, mask, validate=False).loss)
-        # distillation between two batch-invariant heads (kernels.distill_blocks), capped
-        # and not: the two passes and the single pass
+        # distillation from a batch-invariant head (kernels.distill_blocks), capped and not,
+        # beside a batch-invariant teacher head and the teacher's logits: the two passes and
+        # the single pass
         teacher_head = invariant._replace(hidden=leaves[0].detach(), temperature=1.3)
+        teacher_logits = rlfuse.Logits(torch.randn(B, T + 1, V, generator=g).to(dtype),
+                                       targets, temperature=1.3)
         for student in (invariant, invariant._replace(softcap=30.0, logit_scale=0.5)):
             divergence = divergences.JSD(0.5)
-            rlfuse.token_divergence(student, teacher_head, divergence, mask).sum().backward()
-            backward(rlfuse.distill_loss(student, teacher_head, mask, divergence).loss)
+            for teacher_model in (teacher_head, teacher_logits):
+                rlfuse.token_divergence(student, teacher_model, divergence,
+                                        mask).sum().backward()
+                backward(rlfuse.distill_loss(student, teacher_model, mask, divergence).loss)
         rlfuse.head_logits(*leaves).float().square().sum().backward()
         # logits in memory reduced in the same fixed blocks (vocab_blocks.block_stats)
         lp, ent = rlfuse.token_logprobs(torch.randn(B, T, V, generator=g).to(dtype), targets,

@@ -4,10 +4,11 @@ per model (never rounded to a bf16 head's dtype) and reduced by the divergence k
 (``kernels.distill``); its backward forms both chunks once more, writes the student's gradient
 in place into its chunk and turns it, in the head's dtype, into the gradients of the hidden
 states, weight and bias at once. No ``[N, V]`` tensor of either model exists. Over a split
-vocabulary (``group_name``) the chunks are formed once more for the statistics first. Two
-batch-invariant heads form no chunk at all: each chunk's logits exist only as tiles on the chip
-(``kernels.head_blocks`` for the statistics, ``kernels.distill_blocks`` for the divergence and
-the student's gradients).
+vocabulary (``group_name``) the chunks are formed once more for the statistics first. A
+batch-invariant student head forms no chunk at all beside a batch-invariant teacher head or the
+teacher's logits: each chunk's logits exist only as tiles on the chip (``kernels.head_blocks``
+for the statistics, ``kernels.distill_blocks`` for the divergence and the student's
+gradients).
 
 ``rlfuse::linear_distill_loss``, the single pass of ``distill_loss``: each position's upstream
 gradient is the aggregation's weight, known before the kernels, so each chunk of both models is
@@ -45,19 +46,27 @@ def distill_stats_fake(student: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, T
 
 class _Teacher:
     """A chunk's rows of the teacher: of its hidden states through its head (``weight`` given)
-    or of its logits, at the flat rows ``b S_t + teacher_offset + t`` of the chunk's tokens."""
+    or of its logits, at the flat rows ``b S_t + teacher_offset + t`` of the chunk's tokens
+    (``mask [B, T]``: the positions that count)."""
 
     def __init__(self, teacher: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                 offset: int, T: int, batch_invariant: bool):
-        self.flat = teacher.reshape(-1, teacher.shape[-1])
-        self.S, self.offset, self.T = teacher.shape[1], offset, T
+                 offset: int, mask: Tensor, batch_invariant: bool):
+        self.teacher = teacher
+        self.S, self.offset, self.mask, self.T = teacher.shape[1], offset, mask, mask.shape[1]
         self.weight, self.bias, self.batch_invariant = weight, bias, batch_invariant
+        self.logit_stats = None
+
+    @functools.cached_property
+    def flat(self) -> Tensor:
+        """The teacher's rows ``[B S_t, H_t or V]`` (a copy where its strides do not merge)."""
+        return self.teacher.reshape(-1, self.teacher.shape[-1])
 
     def on_chip(self, group_name: str) -> bool:
-        """Whether the chunks of this teacher and a student's head of the same batch
-        invariance are formed as tiles on the chip only (two batch-invariant heads, one
-        rank's whole vocabulary)."""
-        return self.batch_invariant and self.weight is not None and not group_name
+        """Whether the chunks of a batch-invariant student head beside this teacher are formed
+        as tiles on the chip only (a batch-invariant teacher head, or logits read in place at
+        unit stride; one rank's whole vocabulary)."""
+        return self.batch_invariant and not group_name and \
+            (self.weight is not None or self.teacher.stride(-1) == 1)
 
     def rows(self, tokens: Tensor) -> Tensor:
         """The teacher's rows (hidden states or logits) of the chunk's ``tokens``."""
@@ -73,21 +82,41 @@ class _Teacher:
               keep: Tensor, heads, terms) -> TwoHeads:
         """The launch arguments of a chunk of the student's ``h_rows`` and this teacher's rows
         of its ``tokens`` (``keep``: the rows that count) on the chip."""
+        if self.weight is None:
+            at = (tokens // self.T) * self.teacher.stride(0) + \
+                (self.offset + tokens % self.T) * self.teacher.stride(1)
+            return TwoHeads(h_rows, weight, bias, heads[0], self.teacher, None, None, heads[1],
+                            keep, terms, t_rows=at)
         return TwoHeads(h_rows, weight, bias, heads[0], self.rows(tokens), self.weight,
                         self.bias, heads[1], keep, terms)
 
+    def stats(self, tiles: TwoHeads, tokens: Tensor, keep: Tensor, head: HeadParams) -> Tensor:
+        """The teacher's ``(max, log-sum)`` ``[C, 2]`` of a chunk's ``tokens``: a head's from its
+        tiles (``head_block_row_stats``), logits' from their rows, read in place by the row
+        kernel (every position of the mask at the first chunk)."""
+        if self.weight is None:
+            if self.logit_stats is None:
+                no_target = torch.zeros(self.mask.shape, dtype=torch.long, device=keep.device)
+                self.logit_stats = token_logprobs_fwd(self.teacher, no_target, self.mask, head,
+                                                      False, self.offset)[1]
+            return self.logit_stats[tokens]
+        no_target = torch.zeros((keep.numel(), 1), dtype=torch.long, device=keep.device)
+        _, t = head_block_row_stats(*tiles.teacher, no_target, keep[:, None], head, False,
+                                    fp32=True)
+        return t[:, 1:3]
 
-def _on_chip(tiles: TwoHeads, keep: Tensor, heads) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(value [C], entropy [C], stats [C, DISTILL_STATS])`` of a chunk of two batch-invariant
-    heads (``tiles``), masked rows 0: each model's statistics from its tiles
-    (``head_block_row_stats``), then the divergence from both models' tiles
-    (``distill_blocks``)."""
+
+def _on_chip(tiles: TwoHeads, rows_of: _Teacher, tokens: Tensor, keep: Tensor, heads
+             ) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(value [C], entropy [C], stats [C, DISTILL_STATS])`` of a chunk of a batch-invariant
+    student head and a teacher (``tiles``), masked rows 0: the student's statistics from its
+    tiles (``head_block_row_stats``) and the teacher's (``_Teacher.stats``), then the
+    divergence from both models' tiles (``distill_blocks``)."""
     no_target = torch.zeros((keep.numel(), 1), dtype=torch.long, device=keep.device)
     _, s = head_block_row_stats(*tiles.student, no_target, keep[:, None], heads[0], True,
                                 fp32=True)
-    _, t = head_block_row_stats(*tiles.teacher, no_target, keep[:, None], heads[1], False,
-                                fp32=True)
-    stats = torch.cat([s[:, 1:3], t[:, 1:3], torch.zeros_like(s[:, :1])], 1)
+    stats = torch.cat([s[:, 1:3], rows_of.stats(tiles, tokens, keep, heads[1]).to(s.dtype),
+                       torch.zeros_like(s[:, :1])], 1)
     sums = distill_blocks(tiles, stats)
     stats[:, -1] = sums[:, 1]
     return (torch.where(keep, sums[:, 0], 0.0), s[:, 3],
@@ -115,7 +144,8 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
     entropy = torch.zeros(B * T, dtype=acc, device=hidden.device)
     stats = torch.zeros((B * T, len(DISTILL_STATS)), dtype=acc, device=hidden.device)
     h_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), mask.reshape(-1)
-    rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, T, batch_invariant)
+    rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, mask,
+                       batch_invariant)
     heads = (HeadParams(temperature, logit_scale, softcap),
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
     chunks = Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens)
@@ -131,7 +161,7 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
             keep = m_flat[tokens]
             value[tokens], entropy[tokens], stats[tokens] = _on_chip(
                 rows_of.tiles(h_flat[rows], weight, bias, tokens, keep, heads,
-                              (function, params)), keep, heads)
+                              (function, params)), rows_of, tokens, keep, heads)
             continue
         value_c, entropy_c, stats_c = distill_fwd(*both(tokens, rows), *heads,
                                                   (function, params),
@@ -191,7 +221,8 @@ def linear_distill_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Te
     T = mask.shape[1]
     h_flat, m_flat, dvalue = hidden.reshape(-1, hidden.shape[-1]), mask.reshape(-1), \
         dvalue.reshape(-1)
-    rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, T, batch_invariant)
+    rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, mask,
+                       batch_invariant)
     heads = (HeadParams(temperature, logit_scale, softcap),
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
@@ -246,7 +277,8 @@ def linear_distill_loss_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor
     grads = HeadGradients(hidden, weight, bias, tuple(needs), batch_invariant=batch_invariant)
     h_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), mask.reshape(-1)
     w_flat = token_weights.reshape(-1)
-    rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, T, batch_invariant)
+    rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, mask,
+                       batch_invariant)
     heads = (HeadParams(temperature, logit_scale, softcap),
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
@@ -254,7 +286,8 @@ def linear_distill_loss_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor
         if rows_of.on_chip(""):    # the forward's tiles, then the backward's
             keep = m_flat[tokens]
             tiles = rows_of.tiles(h_rows, weight, bias, tokens, keep, heads, (function, params))
-            value[tokens], entropy[tokens], stats_c = _on_chip(tiles, keep, heads)
+            value[tokens], entropy[tokens], stats_c = _on_chip(tiles, rows_of, tokens, keep,
+                                                               heads)
             grads.add_tiles(h_rows, rows, functools.partial(
                 distill_head_backward, tiles, stats_c, w_flat[tokens]))
             continue
