@@ -80,8 +80,11 @@ def peak_memory(step: Callable, device: torch.device) -> Optional[int]:
 
 
 def _cpu_peak(step: Callable) -> int:
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()        # no garbage from before the step freed during it
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     with tempfile.TemporaryDirectory() as tmp:

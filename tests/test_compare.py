@@ -55,6 +55,19 @@ def test_errors_are_against_float64(rows):
     assert compare._error(x + 2.0 ** -8, x.double()) == pytest.approx(2.0 ** -8)
 
 
+def test_peak_memory_is_measured(rows):
+    """The step's extra peak memory per actor token, both sides: from logits at least the
+    gradient the step returns (a row of logits per token), rlfuse's at most the peer's (the
+    goal); a head's above nothing."""
+    for row in rows:
+        ours, theirs = row["fused"]["peak"], row[row["peer"]]["peak"]
+        assert ours > 0 and theirs > 0, row["op"]
+        if not row["op"].endswith("_head"):
+            row_bytes = 300 * getattr(torch, row["dtype"]).itemsize
+            assert ours >= row_bytes, row
+            assert ours <= theirs, row
+
+
 def test_rlfuse_issues_no_more_instructions_than_its_peers(rows):
     """The goal on the instructions: per logit in the step's Triton kernels (sm_90 SASS, bf16),
     rlfuse at most the peer's, wherever the peer has Triton kernels (Liger's fused-linear JSD

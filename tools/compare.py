@@ -73,13 +73,20 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.double() - want).abs().max().item() / scale
 
 
-def errors(op, impl: str, x, truth) -> Tuple[float, float]:
-    """``(value error, gradient error)`` of ``impl`` on ``x`` against ``truth`` (the float64
-    reference's ``_step``), each the largest over the outputs or the gradients."""
-    outs, grads = _step(op, impl, x)
-    want_outs, want_grads = truth
-    return (max(_error(o, w) for o, w in zip(outs, want_outs)),
-            max(_error(g, w) for g, w in zip(grads, want_grads)))
+def errors(op, impl: str, x, truth) -> Tuple[Tuple[float, float], float]:
+    """``((value error, gradient error), extra peak bytes per actor token)`` of ``impl`` on
+    ``x``: each error against ``truth`` (the float64 reference's ``_step``) the largest over
+    the outputs or the gradients; the peak what the step allocates beyond its inputs at most
+    at once (``bench.measure.peak_memory``: the CPU profiler's running total, the outputs and
+    the gradients included), over the actor tokens."""
+    from bench import measure
+
+    result = []
+    peak = measure.peak_memory(lambda: result.append(_step(op, impl, x)), torch.device("cpu"))
+    (outs, grads), (want_outs, want_grads) = result[0], truth
+    return ((max(_error(o, w) for o, w in zip(outs, want_outs)),
+             max(_error(g, w) for g, w in zip(grads, want_grads))),
+            peak / int(x.mask.sum()))
 
 
 def _traffic(op, impl: str, x) -> dict:
@@ -123,7 +130,8 @@ def compare(V: int, names: Sequence[str] = (), seed: int = 0) -> List[dict]:
             truth = _step(op, "reference", as_float64(x))
             row = {"op": name, "peer": peer, "dtype": str(dtype).replace("torch.", "")}
             for impl in ("fused", peer):
-                row[impl] = dict(_traffic(op, impl, x), errors=errors(op, impl, x, truth))
+                error, peak = errors(op, impl, x, truth)
+                row[impl] = dict(_traffic(op, impl, x), errors=error, peak=peak)
             rows.append(row)
     _add_sass(rows)
     return rows
@@ -168,27 +176,33 @@ def format_table(rows: List[dict], V: int) -> str:
         "written in torch has only these), the ratio rlfuse / peer of the reads in all (the "
         "kernels' distinct reads and the torch ops'), the instructions and MUFU operations "
         "per logit (per thread) in the vocabulary loops of the step's Triton kernels compiled "
-        "for sm_90 in bf16 (`tools.step_sass`: a model, not time), and the max "
+        "for sm_90 in bf16 (`tools.step_sass`: a model, not time), the max "
         "error against float64 of the values and of the gradients (to the logits; a head's: "
-        "to the hidden states and the weight), relative to the float64 result's scale. Not "
+        "to the hidden states and the weight), relative to the float64 result's scale, and "
+        "the extra peak memory of the step per actor token in units of one row of logits in "
+        "the dtype (what it allocates beyond its inputs at most at once, its outputs and "
+        "gradients included: the CPU profiler's count, `bench.measure.peak_memory`). Not "
         "time.", "",
         "| op | peer | dtype | rlfuse kernels R (distinct) / W | peer kernels R (distinct) / W "
         "| reads in all, ratio | torch ops rlfuse | torch ops peer | value error rlfuse / peer "
         "| gradient error rlfuse / peer | instructions / MUFU per logit, rlfuse | "
-        "instructions / MUFU per logit, peer |",
-        "|" + "---|" * 12]
+        "instructions / MUFU per logit, peer | peak memory per actor token, rlfuse / peer "
+        "(rows of logits) |",
+        "|" + "---|" * 13]
     for row in rows:
         if "missing" in row:
             lines.append(f"| {row['op']} | {LABELS[row['op'], row['peer']]} | | not installed: "
-                         f"{row['missing']} | | | | | | | | |")
+                         f"{row['missing']} | | | | | | | | | |")
             continue
         ours, theirs = row["fused"], row[row["peer"]]
         (v_ours, g_ours), (v_theirs, g_theirs) = ours["errors"], theirs["errors"]
+        row_bytes = V * torch.empty((), dtype=getattr(torch, row["dtype"])).element_size()
         lines.append("| " + " | ".join([
             row["op"], LABELS[row["op"], row["peer"]], row["dtype"], _rw(ours["kernels"]),
             _rw(theirs["kernels"]), _ratio(ours["total"][0], theirs["total"][0]),
             ours["torch"], theirs["torch"], f"{v_ours:.1e} / {v_theirs:.1e}",
-            f"{g_ours:.1e} / {g_theirs:.1e}", *_sass_cells(row)]) + " |")
+            f"{g_ours:.1e} / {g_theirs:.1e}", *_sass_cells(row),
+            f"{ours['peak'] / row_bytes:.2f} / {theirs['peak'] / row_bytes:.2f}"]) + " |")
     return "\n".join(lines)
 
 
