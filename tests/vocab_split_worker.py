@@ -603,6 +603,72 @@ def check_invariant_over_ranks(group, rank, world):
         raise AssertionError(f"rank {rank}: a shard of a partial block was accepted")
 
 
+def check_rows_over_ranks(group, rank, world):
+    """A batch-invariant head over the split: a row's log-probs, its divergence from a
+    batch-invariant teacher head and its hidden-state gradient (each rank's part summed in rank
+    order) the same bits alone and among other rows, at other places (an all-reduce's ring,
+    gloo's too, orders an element's sum by its place in the tensor); fp32 and bf16."""
+    from rlfuse.divergences import JSD
+    from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
+    from rlfuse.scaleout import sequence, vocab as split
+
+    # the sums in rank order are the sums (integers: exact in any order), at a size that is
+    # no multiple of the ranks, and to each rank's rows of the sequence-parallel blocks
+    x = torch.randint(-50, 50, (7, 3), generator=torch.Generator().manual_seed(rank)).double()
+    summed, ordered = x.clone(), x.clone()
+    split.group_sum(summed, group.group_name)
+    split.ordered_sum(ordered, group.group_name)
+    assert torch.equal(summed, ordered), rank
+    x = torch.randint(-50, 50, (3 * world * 2, 4), generator=torch.Generator().manual_seed(rank))
+    summed, ordered = x.double(), x.double()
+    sequence.sum_to_own_rows(summed, 3, group.group_name)
+    sequence.sum_to_own_rows(ordered, 3, group.group_name, ordered=True)
+    assert torch.equal(summed, ordered), rank
+    g = torch.Generator().manual_seed(23)
+    vocab, width, t_width, t = 2 * world * VOCAB_BLOCK, 6, 5, 3
+    shard = slice(rank * vocab // world, (rank + 1) * vocab // world)
+    for dtype, teacher_form in ((torch.float32, "head"), (torch.bfloat16, "logits")):
+        weight = torch.randn(vocab, width, generator=g).to(dtype)
+        t_weight = torch.randn(vocab, t_width, generator=g).to(dtype)
+
+        def rows(n):
+            return (torch.randn(n, t + 1, width, generator=g).to(dtype),
+                    (torch.randn(n, t, t_width, generator=g) if teacher_form == "head" else
+                     3 * torch.randn(n, t + 1, vocab, generator=g)).to(dtype),
+                    torch.randint(0, vocab, (n, t), generator=g))
+
+        def results(hidden, t_rows, targets, chunk, cols=shard, grp=group):
+            hidden = hidden.clone().requires_grad_()
+            student = rlfuse.LinearHead(hidden, weight[cols], targets, offset=1,
+                                        chunk_tokens=chunk, vocab_parallel_group=grp,
+                                        batch_invariant=True)
+            if teacher_form == "head":
+                teacher = rlfuse.LinearHead(t_rows, t_weight[cols], targets, temperature=1.3,
+                                            vocab_parallel_group=grp, batch_invariant=True)
+            else:
+                teacher = rlfuse.Logits(t_rows[..., cols], targets, temperature=1.3, offset=1,
+                                        vocab_parallel_group=grp)
+            lp = rlfuse.policy_logprobs(student)
+            value = rlfuse.token_divergence(student, teacher, JSD(0.5))
+            (lp.sum() + value.sum()).backward()
+            return lp.detach(), value.detach(), hidden.grad
+
+        row = rows(1)
+        alone = results(*row, None)
+        for n, place, chunk in ((5, 3, None), (14, 9, 7)):
+            batch = rows(n)
+            for x, x_row in zip(batch, row):
+                x[place] = x_row[0]
+            split = results(*batch, chunk)
+            for i, (got, want) in enumerate(zip(split, alone)):
+                assert torch.equal(got[place], want[0]), (dtype, rank, world, n, i)
+        # the split's against one process's whole head (its divergence's sums in another
+        # order)
+        for i, (got, want) in enumerate(zip(split, results(*batch, chunk, slice(None), None))):
+            torch.testing.assert_close(got, want, rtol=0, atol=SPLIT_GRAD_TOL[dtype] * max(
+                1.0, want.abs().max().item()), msg=lambda m: f"split {i}: {m}")
+
+
 def check_counts(rank, world):
     mask = torch.zeros(2, world, dtype=torch.bool)
     mask[0, :rank + 1] = True                       # rank r: r + 1 tokens in one sequence
@@ -643,6 +709,7 @@ def main():
         check_opcheck(d, group, rank, world)
     check_bad_input(group, rank, world)
     check_invariant_over_ranks(group, rank, world)
+    check_rows_over_ranks(group, rank, world)
     check_counts(rank, world)
     dist.barrier()
     dist.destroy_process_group()

@@ -75,7 +75,8 @@ class HeadGradients:
     chunks add up; empty tensors stand for the ones nobody needs. ``group_name``: the head is a
     shard of a vocabulary split over that group, and the hidden states' gradient, a partial sum
     of each rank's, is kept in the compute dtype and summed over the group by ``results``.
-    ``batch_invariant``: the products by the fixed-order matmul (``kernels.matmul``).
+    ``batch_invariant``: the products by the fixed-order matmul (``kernels.matmul``), and that
+    sum in rank order (``vocab.ordered_sum``).
     ``row_blocks``: the rows are every rank's sequence shard (``scaleout.sequence``), and the
     hidden states' gradient is reduce-scattered to this rank's instead."""
 
@@ -126,9 +127,10 @@ class HeadGradients:
         bias's as accumulated (fp32), for a backward that scales and casts them at once."""
         if self.group_name and self.dhidden is not None:
             if self.row_blocks:
-                sequence.sum_to_own_rows(self.dhidden, self.row_blocks, self.group_name)
+                sequence.sum_to_own_rows(self.dhidden, self.row_blocks, self.group_name,
+                                         self.batch_invariant)
             else:
-                vocab.group_sum(self.dhidden, self.group_name)
+                vocab.group_sum(self.dhidden, self.group_name, self.batch_invariant)
             self.group_name = ""
         dhidden = None if self.dhidden is None else self.dhidden.view(hidden.shape).to(hidden.dtype)
 

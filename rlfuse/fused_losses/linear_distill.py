@@ -6,9 +6,9 @@ in place into its chunk and turns it, in the head's dtype, into the gradients of
 states, weight and bias at once. No ``[N, V]`` tensor of either model exists. Over a split
 vocabulary (``group_name``) the chunks are formed once more for the statistics first. A
 batch-invariant student head forms no chunk at all beside a batch-invariant teacher head or the
-teacher's logits: each chunk's logits exist only as tiles on the chip (``kernels.head_blocks``
-for the statistics, ``kernels.distill_blocks`` for the divergence and the student's
-gradients).
+teacher's logits, over a split vocabulary too: each chunk's logits exist only as tiles on the
+chip (``kernels.head_blocks`` for the statistics, ``kernels.distill_blocks`` for the divergence
+and the student's gradients), the sums over a split's ranks added in rank order.
 
 ``rlfuse::linear_distill_loss``, the single pass of ``distill_loss``: each position's upstream
 gradient is the aggregation's weight, known before the kernels, so each chunk of both models is
@@ -61,11 +61,12 @@ class _Teacher:
         """The teacher's rows ``[B S_t, H_t or V]`` (a copy where its strides do not merge)."""
         return self.teacher.reshape(-1, self.teacher.shape[-1])
 
-    def on_chip(self, group_name: str) -> bool:
+    @property
+    def on_chip(self) -> bool:
         """Whether the chunks of a batch-invariant student head beside this teacher are formed
         as tiles on the chip only (a batch-invariant teacher head, or logits read in place at
-        unit stride; one rank's whole vocabulary)."""
-        return self.batch_invariant and not group_name and \
+        unit stride)."""
+        return self.batch_invariant and \
             (self.weight is not None or self.teacher.stride(-1) == 1)
 
     def rows(self, tokens: Tensor) -> Tensor:
@@ -90,32 +91,38 @@ class _Teacher:
         return TwoHeads(h_rows, weight, bias, heads[0], self.rows(tokens), self.weight,
                         self.bias, heads[1], keep, terms)
 
-    def stats(self, tiles: TwoHeads, tokens: Tensor, keep: Tensor, head: HeadParams) -> Tensor:
-        """The teacher's ``(max, log-sum)`` ``[C, 2]`` of a chunk's ``tokens``: a head's from its
-        tiles (``head_block_row_stats``), logits' from their rows, read in place by the row
-        kernel (every position of the mask at the first chunk)."""
+    def stats(self, tiles: TwoHeads, tokens: Tensor, keep: Tensor, head: HeadParams,
+              group_name: str) -> Tensor:
+        """The teacher's ``(max, log-sum)`` ``[C, 2]`` of a chunk's ``tokens`` (over a split
+        vocabulary: the whole rows'): a head's from its tiles (``head_block_row_stats``),
+        logits' from their rows, read in place by the row kernel (every position of the mask
+        at the first chunk; a split's shards combined by ``top_k.whole_rows``)."""
         if self.weight is None:
             if self.logit_stats is None:
                 no_target = torch.zeros(self.mask.shape, dtype=torch.long, device=keep.device)
-                self.logit_stats = token_logprobs_fwd(self.teacher, no_target, self.mask, head,
-                                                      False, self.offset)[1]
+                shard = token_logprobs_fwd(self.teacher, no_target, self.mask, head, False,
+                                           self.offset)[1]
+                self.logit_stats, _ = whole_rows(shard, torch.zeros_like(shard[:, 0]), head,
+                                                 group_name)
             return self.logit_stats[tokens]
         no_target = torch.zeros((keep.numel(), 1), dtype=torch.long, device=keep.device)
         _, t = head_block_row_stats(*tiles.teacher, no_target, keep[:, None], head, False,
-                                    fp32=True)
+                                    group_name, fp32=True)
         return t[:, 1:3]
 
 
-def _on_chip(tiles: TwoHeads, rows_of: _Teacher, tokens: Tensor, keep: Tensor, heads
-             ) -> Tuple[Tensor, Tensor, Tensor]:
+def _on_chip(tiles: TwoHeads, rows_of: _Teacher, tokens: Tensor, keep: Tensor, heads,
+             group_name: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     """``(value [C], entropy [C], stats [C, DISTILL_STATS])`` of a chunk of a batch-invariant
     student head and a teacher (``tiles``), masked rows 0: the student's statistics from its
     tiles (``head_block_row_stats``) and the teacher's (``_Teacher.stats``), then the
-    divergence from both models' tiles (``distill_blocks``)."""
+    divergence from both models' tiles (``distill_blocks``); ``group_name``: the whole rows'
+    statistics and entropy, the divergence and its aux sum this shard's."""
     no_target = torch.zeros((keep.numel(), 1), dtype=torch.long, device=keep.device)
     _, s = head_block_row_stats(*tiles.student, no_target, keep[:, None], heads[0], True,
-                                fp32=True)
-    stats = torch.cat([s[:, 1:3], rows_of.stats(tiles, tokens, keep, heads[1]).to(s.dtype),
+                                group_name, fp32=True)
+    stats = torch.cat([s[:, 1:3],
+                       rows_of.stats(tiles, tokens, keep, heads[1], group_name).to(s.dtype),
                        torch.zeros_like(s[:, :1])], 1)
     sums = distill_blocks(tiles, stats)
     stats[:, -1] = sums[:, 1]
@@ -154,14 +161,14 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
         return (chunk_logits(h_flat[rows], weight, bias, batch_invariant, fp32=True),
                 rows_of.chunk(tokens), m_flat[tokens, None])
 
-    if group_name:
+    if group_name and not rows_of.on_chip:
         entropy, stats = _split_heads(chunks, both, heads, stats, group_name)
     for tokens, rows in chunks:
-        if rows_of.on_chip(group_name):
+        if rows_of.on_chip:
             keep = m_flat[tokens]
             value[tokens], entropy[tokens], stats[tokens] = _on_chip(
                 rows_of.tiles(h_flat[rows], weight, bias, tokens, keep, heads,
-                              (function, params)), rows_of, tokens, keep, heads)
+                              (function, params)), rows_of, tokens, keep, heads, group_name)
             continue
         value_c, entropy_c, stats_c = distill_fwd(*both(tokens, rows), *heads,
                                                   (function, params),
@@ -171,7 +178,7 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
             entropy[tokens] = entropy_c[:, 0]
     if group_name:
         sums = torch.stack([value, stats[:, -1]], -1)
-        group_sum(sums, group_name)
+        group_sum(sums, group_name, batch_invariant)
         value, stats[:, -1] = sums[:, 0].contiguous(), sums[:, 1]
         entropy = torch.where(m_flat, entropy, 0.0)
     return value.view(B, T), entropy.view(B, T), stats
@@ -227,7 +234,7 @@ def linear_distill_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Te
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
-        if rows_of.on_chip(group_name):
+        if rows_of.on_chip:
             tiles = rows_of.tiles(h_rows, weight, bias, tokens, m_flat[tokens], heads,
                                   (function, params))
             grads.add_tiles(h_rows, rows, functools.partial(
@@ -283,7 +290,7 @@ def linear_distill_loss_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
     for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
         h_rows = h_flat[rows]
-        if rows_of.on_chip(""):    # the forward's tiles, then the backward's
+        if rows_of.on_chip:    # the forward's tiles, then the backward's
             keep = m_flat[tokens]
             tiles = rows_of.tiles(h_rows, weight, bias, tokens, keep, heads, (function, params))
             value[tokens], entropy[tokens], stats_c = _on_chip(tiles, rows_of, tokens, keep,

@@ -95,22 +95,26 @@ def row_blocks(policy) -> int:
     return 1 if policy.hidden.dim() == 2 else policy.hidden.shape[0]
 
 
-def sum_to_own_rows(grad: Tensor, blocks: int, group_name: str) -> None:
+def sum_to_own_rows(grad: Tensor, blocks: int, group_name: str, ordered: bool = False) -> None:
     """``grad`` (the rows of a ``GatheredRowsHead``: ``blocks`` blocks of every rank's rows in
     rank order, flattened to ``[N, H]``), summed over the group at this rank's rows and 0 at
-    the others, in place: one reduce-scatter."""
+    the others, in place: one reduce-scatter (``ordered``: each element in rank order,
+    ``vocab.rank_order_reduce_scatter``)."""
     import torch.distributed as dist
 
-    from .vocab import group_of
+    from .vocab import group_of, rank_order_reduce_scatter
 
     group = group_of(group_name)
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     by_rank = grad.view(blocks, ranks, -1, grad.shape[-1]).transpose(0, 1)
-    own = grad.new_empty(by_rank.shape[1:])
-    dist.reduce_scatter_tensor(own.view(-1, grad.shape[-1]),
-                               by_rank.reshape(-1, grad.shape[-1]), group=group)
+    if ordered:
+        own = rank_order_reduce_scatter(by_rank.reshape(ranks, -1), group)
+    else:
+        own = grad.new_empty(by_rank.shape[1:])
+        dist.reduce_scatter_tensor(own.view(-1, grad.shape[-1]),
+                                   by_rank.reshape(-1, grad.shape[-1]), group=group)
     grad.zero_()
-    by_rank[rank] = own
+    by_rank[rank] = own.view(by_rank.shape[1:])
 
 
 def gather_sequence(policy):

@@ -105,11 +105,48 @@ def shard_targets(targets: Tensor, vocab_local: int, group_name: str) -> Tuple[T
     return local_targets(targets, vocab_local, dist.get_rank(group_of(group_name)))
 
 
-def group_sum(x: Tensor, group_name: str) -> None:
-    """``x`` summed over the group named ``group_name``, in place (one all-reduce)."""
+def group_sum(x: Tensor, group_name: str, ordered: bool = False) -> None:
+    """``x`` summed over the group named ``group_name``, in place (one all-reduce); ``ordered``:
+    each element in rank order (``ordered_sum``)."""
     import torch.distributed as dist
 
-    dist.all_reduce(x, group=group_of(group_name))
+    if ordered:
+        ordered_sum(x, group_name)
+    else:
+        dist.all_reduce(x, group=group_of(group_name))
+
+
+def rank_order_reduce_scatter(parts: Tensor, group) -> Tensor:
+    """``parts [W, ...]`` (part ``r`` for rank ``r`` of the ``W`` in ``group``) summed over the
+    group at this rank, rank 0's first, then 1's, ...: every element's sum in one order whatever
+    the tensor's size or the element's place in it (one all-to-all), where a reduce-scatter's
+    or an all-reduce's ring orders it by the element's place."""
+    import torch.distributed as dist
+
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts.contiguous(), group=group)
+    total = received[0].clone()
+    for part in received[1:]:
+        total += part
+    return total
+
+
+def ordered_sum(x: Tensor, group_name: str) -> None:
+    """``x`` (contiguous) summed over the group named ``group_name`` in place, every element in
+    rank order (``rank_order_reduce_scatter`` of its ``W`` slices, then one all-gather): a
+    batch-invariant head's sums over a split vocabulary."""
+    import torch.distributed as dist
+
+    group = group_of(group_name)
+    ranks = dist.get_world_size(group)
+    flat = x.view(-1)
+    width = -(-flat.numel() // ranks)
+    parts = flat.new_zeros(ranks * width)
+    parts[:flat.numel()] = flat
+    mine = rank_order_reduce_scatter(parts.view(ranks, width), group)
+    slices = [torch.empty_like(mine) for _ in range(ranks)]
+    dist.all_gather(slices, mine, group=group)
+    flat.copy_(torch.cat(slices)[:flat.numel()])
 
 def whole_rows(x_y: Tensor, stats: Tensor, entropy: Tensor, targets: Tensor, vocab_local: int,
                mask: Optional[Tensor], inv_temp: float, with_entropy: bool,
