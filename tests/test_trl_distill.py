@@ -137,6 +137,36 @@ def test_default_precision(tmp_path):
     assert all(math.isfinite(h["loss"]) and math.isfinite(h["entropy"]) for h in logged)
 
 
+def test_batch_invariant_heads_under_the_default_precision(tmp_path, monkeypatch):
+    """``rlfuse_batch_invariant=True`` with TRL's default config (bf16 autocast): the first
+    step's loss and gradients keep the three-way rule against TRL's fp32 run, TRL's own bf16
+    run the yardstick, through the batch-invariant heads' tiles."""
+    from rlfuse.integrations import _trl_distill
+
+    seen, loss_fn = [], _trl_distill.chunked_divergence_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["batch_invariant"])
+        return loss_fn(*args, **kwargs)
+
+    monkeypatch.setattr(_trl_distill, "chunked_divergence_loss", spy)
+    nets = (student(), teacher())
+    theirs32, _, inputs = trainers(tmp_path, nets=nets, bf16=False)
+    results = [step(theirs32, inputs)]
+    theirs, ours, _ = trainers(tmp_path, nets=nets)
+    ours.args.rlfuse_batch_invariant = True
+    assert ours.accelerator.mixed_precision == "bf16"
+    for trainer in (ours, theirs):
+        with trainer.accelerator.autocast():
+            results.append(step(trainer, inputs))
+    assert seen == [True], seen
+    (ref32, ref32_g, _), (got, got_g, _), (ref, ref_g, _) = results
+    assert_three_way(got, ref, ref32, "loss", atol_dtype=torch.bfloat16)
+    for name in ref32_g:
+        assert_three_way(got_g[name], ref_g[name], ref32_g[name], name,
+                         atol_dtype=torch.bfloat16)
+
+
 def _distributed_worker(out_dir: str, engine: str) -> None:
     """One process of ``torchrun --nproc_per_node 2 tests/test_trl_distill.py DIR ENGINE``: two
     SGD steps of TRL's trainer, then of rlfuse's, under ``engine`` (DDP or FSDP2 through
