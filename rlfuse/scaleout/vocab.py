@@ -148,6 +148,7 @@ def ordered_sum(x: Tensor, group_name: str) -> None:
     dist.all_gather(slices, mine, group=group)
     flat.copy_(torch.cat(slices)[:flat.numel()])
 
+
 def whole_rows(x_y: Tensor, stats: Tensor, entropy: Tensor, targets: Tensor, vocab_local: int,
                mask: Optional[Tensor], inv_temp: float, with_entropy: bool,
                group_name: str) -> Tuple[Tensor, Tensor, Tensor]:
