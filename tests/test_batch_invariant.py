@@ -476,3 +476,39 @@ def test_no_vocabulary_sized_tensor_is_formed(call):
     assert largest[False, False] >= rows * vocab and largest[False, True] >= rows * vocab
     # not even one row's vocabulary (the blocks' statistics: 3 numbers per block of 128 ids)
     assert largest[True, False] < vocab and largest[True, True] < vocab
+
+
+def _nvidia_backend():
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+def test_one_binary_for_any_row_count():
+    """The head's kernels compile to one binary for 1, 17 and 10,000 rows: the keys of Triton's
+    cache of compiled kernels (the kernel, its constexprs, its options and the specialisation of
+    its arguments) of the log-probs, entropies and their gradients and of the distillation from
+    a teacher head and from teacher logits, forward and backward, recorded for sm_90 without
+    compiling (``row_count_keys_worker.py``). Triton specialises an integer argument equal to 1
+    or divisible by 16 into another binary; the row counts are kept out of it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import process_env
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "tests/row_count_keys_worker.py", "1", "17", "10000"],
+                          cwd=root, env=process_env(drop=("TRITON_INTERPRET",)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    keys = json.loads(proc.stdout.splitlines()[-1])
+    kernels = {key.split("'")[1] for key in keys["1"]}
+    assert {"_head_blocks_kernel", "_head_dhidden_kernel", "_head_dweight_kernel",
+            "_distill_blocks_kernel", "_distill_dhidden_kernel",
+            "_distill_dweight_kernel"} <= kernels, kernels
+    assert keys["1"] == keys["17"] == keys["10000"]

@@ -91,7 +91,7 @@ def _row_stats(stats_ptr, rows, live, ACC: tl.constexpr):
             tl.load(at + 4, mask=live, other=0.0).to(ACC))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])   # one binary for any row count
 def _distill_blocks_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
                            out_ptr, C, V, H_s, H_t, NB, s_wv, s_wk, t_wv, t_wk,
                            s_head_args, t_head_args, hyper,
@@ -157,7 +157,7 @@ def _backward_rows(rows, C, keep_ptr, stats_ptr, dvalue_ptr, s_head, S_SOFTCAP: 
     return live, _row_stats(stats_ptr, rows, live, ACC), g
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])   # one binary for any row count
 def _distill_dhidden_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
                             dvalue_ptr, dh_ptr, C, V, H_s, H_t, NB, s_wv, s_wk, t_wv, t_wk,
                             s_head_args, t_head_args, hyper,
@@ -186,7 +186,7 @@ def _distill_dhidden_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep
                              H_s, IEEE, UPCAST, BLOCK_H)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])   # one binary for any row count
 def _distill_dweight_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
                             dvalue_ptr, dw_ptr, db_ptr, C, V, H_s, H_t, s_wv, s_wk, t_wv, t_wk,
                             s_head_args, t_head_args, hyper,

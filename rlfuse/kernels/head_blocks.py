@@ -68,7 +68,7 @@ def _half(h_ptr, w_ptr, bias_ptr, rows, start, C, V, H, stride_hm, stride_hk, st
                            WITH_ENTROPY, ACC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])   # one binary for any row count
 def _head_blocks_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, blocks_ptr, xy_ptr, C, V, H, NB,
                         stride_hm, stride_hk, stride_wv, stride_wk, head_args,
                         HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -189,7 +189,7 @@ def add_tile_product(acc_ptr, stride_acc, out_rows, live, d, b_ptr, b_rows, b_li
         tl.store(at, acc, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])   # one binary for any row count
 def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, entropy_ptr,
                          g_ptr, dent_ptr, dh_ptr, C, V, H, NB, stride_hm, stride_hk, stride_wv,
                          stride_wk, head_args, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -214,7 +214,7 @@ def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
                          stride_wk, H, IEEE, UPCAST, BLOCK_H)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])   # one binary for any row count
 def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, entropy_ptr,
                          g_ptr, dent_ptr, dw_ptr, db_ptr, C, V, H, stride_hm, stride_hk, stride_wv,
                          stride_wk, head_args, HAS_BIAS: tl.constexpr, NEED_WEIGHT: tl.constexpr,

@@ -57,7 +57,7 @@ def fixed_dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     return product
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "K"])   # one binary for any row count
 def _matmul_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr,
     M, N, K,

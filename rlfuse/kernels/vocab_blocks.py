@@ -118,7 +118,7 @@ def _load_half(logits_ptr, row_at, live, start, V, cap, cap_in, SOFTCAP: tl.cons
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "T"])   # one binary for any row count
 def _block_stats_kernel(logits_ptr, out_ptr, R, T, NB, V, stride_b, stride_t, head_args,
                         SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                         BLOCK_R: tl.constexpr, ACC: tl.constexpr):
@@ -155,7 +155,7 @@ def block_stats(logits: torch.Tensor, head_args, softcapped: bool,
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])   # one binary for any row count
 def _combine_blocks_kernel(blocks_ptr, out_ptr, R, NB, scalars,
                            WITH_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr,
                            ACC: tl.constexpr):
@@ -204,7 +204,7 @@ def combine_blocks(blocks: torch.Tensor, inv_temp: float, with_entropy: bool) ->
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])   # one binary for any row count
 def _sum_blocks_kernel(blocks_ptr, out_ptr, R, NB, K: tl.constexpr, BLOCK_R: tl.constexpr):
     # blocks [R, NB, K] and out [R, K] contiguous: one program per BLOCK_R rows, each row's
     # blocks added first to last
