@@ -36,6 +36,15 @@ def process_env(*folders: Path, drop: tuple = (), **values: str) -> dict:
     return dict(env, **values, PYTHONPATH=os.pathsep.join(filter(None, path)))
 
 
+def nvidia_backend() -> bool:
+    """Whether this Triton can compile for NVIDIA GPUs (the compile-only sm_90 tests)."""
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     from tools.interpreter import round_bf16_as_a_gpu
 

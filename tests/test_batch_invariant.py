@@ -8,7 +8,7 @@ import torch
 
 import rlfuse
 import rlfuse.reference
-from conftest import TOL
+from conftest import TOL, nvidia_backend, process_env
 from rlfuse.kernels.head import HeadParams
 from rlfuse.kernels.head_blocks import head_blocks
 from rlfuse.kernels.matmul import BLOCK_M, fixed_matmul
@@ -478,15 +478,7 @@ def test_no_vocabulary_sized_tensor_is_formed(call):
     assert largest[True, False] < vocab and largest[True, True] < vocab
 
 
-def _nvidia_backend():
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+@pytest.mark.skipif(not nvidia_backend(), reason="this triton has no NVIDIA backend")
 def test_one_binary_for_any_row_count():
     """The head's kernels compile to one binary for 1, 17 and 10,000 rows: the keys of Triton's
     cache of compiled kernels (the kernel, its constexprs, its options and the specialisation of
@@ -498,8 +490,6 @@ def test_one_binary_for_any_row_count():
     import subprocess
     import sys
     from pathlib import Path
-
-    from conftest import process_env
 
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "tests/row_count_keys_worker.py", "1", "17", "10000"],

@@ -11,21 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import process_env
+from conftest import nvidia_backend, process_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _nvidia_backend():
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+@pytest.mark.skipif(not nvidia_backend(), reason="this triton has no NVIDIA backend")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs them")
 def test_every_kernel_compiles_for_sm90(tmp_path):
     env = process_env(drop=("TRITON_INTERPRET",),
@@ -37,7 +29,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+@pytest.mark.skipif(not nvidia_backend(), reason="this triton has no NVIDIA backend")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU check compiles on the GPU itself")
 def test_warmup_compiles_the_headlines_own_kernels(tmp_path):
     """The GPU check's warm-up drives the headline's cases with the keys they have in Triton's

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import process_env
+from conftest import nvidia_backend, process_env
 
 from rlfuse._names import GEOMETRIES, TOPOLOGIES
 from rlfuse.kernels.regions import ROOT_FOUND
@@ -53,14 +53,6 @@ EXPECTED = ({f"{label}, bf16" for label in LABELS + BF16_ONLY} |
 assert len(CELLS) == 16 and EXPECTED == (
     {f"{label}, {dtype}" for label, _, _, dtypes in sass.VARIANTS for dtype in dtypes} |
     {f"{label}, {sass.CELL_DTYPE}" for label, *_ in sass.cell_variants()})
-
-
-def _nvidia_backend():
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
 
 
 # A listing in nvdisasm's form: an outer loop (0x20-0xf0) around an inner loop (0x30-0xc0) that
@@ -190,7 +182,7 @@ def counted(tmp_path_factory):
     return json.loads((out / "sass.json").read_text())
 
 
-@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+@pytest.mark.skipif(not nvidia_backend(), reason="this triton has no NVIDIA backend")
 def test_every_row_kernel_counted(counted):
     assert sorted(r["arch"] for r in counted["results"]) == [80, 90]
     for result in counted["results"]:
@@ -218,7 +210,7 @@ def test_every_row_kernel_counted(counted):
                     assert m["mufu_over_memory"] > 0, f"{where} {gpu}"
 
 
-@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+@pytest.mark.skipif(not nvidia_backend(), reason="this triton has no NVIDIA backend")
 def test_every_row_kernel_within_the_issue_budget(counted):
     """Counted over the whole row (the code outside the vocabulary loops with its fixed loops),
     every row kernel issues its instructions in less time than it moves its bytes at the
@@ -233,7 +225,7 @@ def test_every_row_kernel_within_the_issue_budget(counted):
                                                     f"{m['issue_over_memory']:.2f}")
 
 
-@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+@pytest.mark.skipif(not nvidia_backend(), reason="this triton has no NVIDIA backend")
 def test_counts_held_to_their_pins(counted):
     pins = json.loads(PINS.read_text())
     version = counted["results"][0]["triton"]
@@ -249,7 +241,7 @@ def test_counts_held_to_their_pins(counted):
     assert not unpinned, f"kernels without a pin ({refresh}):\n" + "\n".join(unpinned)
 
 
-@pytest.mark.skipif(not _nvidia_backend(), reason="this triton has no NVIDIA backend")
+@pytest.mark.skipif(not nvidia_backend(), reason="this triton has no NVIDIA backend")
 def test_the_head_kernels_use_the_tensor_cores_without_spills():
     """The batch-invariant head's kernels (``kernels.head_blocks``: the forward's block
     statistics, the backward's two products; ``kernels.distill_blocks``: a divergence between
