@@ -47,6 +47,15 @@ def _row_results(hidden, targets, head, *, chunk_tokens=None, offset=0, lib=rlfu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", sorted(HEADS))
 def test_a_row_is_its_own_whatever_the_batch(dtype, name, lib):
+    _a_row_is_its_own(dtype, name, lib)
+
+
+@pytest.mark.parametrize("name", ["plain", "softcapped"])
+def test_an_fp16_row_is_its_own_whatever_the_batch(name):
+    _a_row_is_its_own(torch.float16, name, rlfuse)
+
+
+def _a_row_is_its_own(dtype, name, lib):
     """One row alone, then among random companions in batches of 2 to 14 rows (70 tokens: past
     one tile of the matmul's rows), at several positions and chunk sizes: the same bits (the
     reference: each row's matmul its own)."""
