@@ -581,8 +581,10 @@ def load_impl(name: str):
         return CompiledReference()
     if name == "liger":
         return importlib.import_module(LIGER_MODULE)
-    if name == "trl":
-        return importlib.import_module(TRL_MODULE)
+    if name == "trl":      # its kernels alone where TRL's dependencies are missing
+        from . import trl_kernels
+
+        return trl_kernels.load(TRL_MODULE)
     raise ValueError(f"--impls: expected some of {', '.join(IMPLS)}, got {name!r}")
 
 

@@ -8,11 +8,12 @@
 #      compiles every kernel variant the public API launches for this GPU's arch, J processes
 #      at once, the headline's own first (the same keys in Triton's cache as the headline's
 #      launches: tests/test_gpu_compile.py); meanwhile the environment is recorded and rlfuse
-#      (and a carried Liger wheel) installed.
+#      (and the carried Liger and TRL wheels, without their dependencies: TRL's kernels are
+#      loaded alone, bench/trl_kernels.py) installed.
 #   1. the headline benchmarks at once, beside the warm-up (each case compiles what the cache
 #      lacks: the first number once its case has compiled; python -m bench --headline:
 #      N 16384, V 151936, bf16, every op on logits and on a LinearHead at H 4096; fused, eager
-#      reference, Liger, then torch.compile(reference); the floor, GB/s, TFLOP/s beside the
+#      reference, Liger, TRL, then torch.compile(reference); the floor, GB/s, TFLOP/s beside the
 #      plain GEMMs of the same shapes timed in the run), within BENCH_S
 #                                                   -> <gpu>-<commit>.json, .md, .png
 #   2. the GPU tests (-m gpu, -v, each test failed after TEST_TIMEOUT s), once the warm-up has
@@ -24,7 +25,8 @@
 #                                                   -> sweep.json, sweep.md
 # Everything else (environment, warm-up, exit codes) goes to bench.txt: 7 files in $OUT.
 #
-# On the dev machine, once (wheels/ is git-ignored):   pip download liger-kernel --no-deps -d wheels/
+# On the dev machine, once (wheels/ is git-ignored):
+#     pip download liger-kernel trl==1.16.* --no-deps -d wheels/
 # then the device tool's `run` with carry=["wheels"], timeout_s=600 and the command
 #     RLFUSE_COMMIT=<git rev-parse --short HEAD> bash bench/gpu_check.sh
 # (the commit written into the command: the copy there has no .git). Afterwards copy the JSON files
@@ -87,7 +89,7 @@ phase "environment"
         if compgen -G "wheels/*.whl" > /dev/null; then
             "$PY" -m pip install --quiet --no-deps wheels/*.whl || echo "installing wheels/ failed"
         else
-            echo "no wheels/*.whl: Liger-Kernel will be reported missing"
+            echo "no wheels/*.whl: Liger-Kernel and TRL will be reported missing"
         fi
     fi
 } 2>&1 | tee -a "$LOG"

@@ -277,3 +277,23 @@ def test_memory_mode_measures_peak_memory_side_by_side(tmp_path):
     assert rows["reference"]["peak_mem_bytes"] >= 16 * 300 * 4
     table = report.markdown(results)
     assert "peak MiB trl" in table and "fused vs trl" in table
+
+
+def test_trl_kernels_load_without_trls_dependencies():
+    """The GPU check's machine has torch and triton only: TRL installed without its
+    dependencies (``transformers``, ``accelerate``, ``datasets`` unimportable) gives its
+    kernels alone (``bench.trl_kernels``), whose values and gradients on the benchmark's
+    inputs are the bits of TRL's own import (``trl_kernels_worker.py``)."""
+    pytest.importorskip("trl")
+    from conftest import process_env
+    from trl_kernels_worker import OPS, outputs
+
+    proc = subprocess.run([sys.executable, "tests/trl_kernels_worker.py"], cwd=ROOT,
+                          env=process_env(TRITON_INTERPRET="1"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    alone = json.loads(proc.stdout.splitlines()[-1])
+    whole = outputs()
+    assert sorted(alone) == sorted(whole) == sorted(OPS)
+    for name in OPS:
+        assert alone[name] == whole[name], name
