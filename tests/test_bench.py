@@ -283,17 +283,20 @@ def test_trl_kernels_load_without_trls_dependencies():
     """The GPU check's machine has torch and triton only: TRL installed without its
     dependencies (``transformers``, ``accelerate``, ``datasets`` unimportable) gives its
     kernels alone (``bench.trl_kernels``), whose values and gradients on the benchmark's
-    inputs are the bits of TRL's own import (``trl_kernels_worker.py``)."""
+    inputs are the bits of TRL's own import (``trl_kernels_worker.py``, each in a process of
+    its own on one thread: the torch ops' sums in one order)."""
     pytest.importorskip("trl")
     from conftest import process_env
-    from trl_kernels_worker import OPS, outputs
+    from trl_kernels_worker import OPS
 
-    proc = subprocess.run([sys.executable, "tests/trl_kernels_worker.py"], cwd=ROOT,
-                          env=process_env(TRITON_INTERPRET="1"), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    alone = json.loads(proc.stdout.splitlines()[-1])
-    whole = outputs()
+    def run(*args):
+        proc = subprocess.run([sys.executable, "tests/trl_kernels_worker.py", *args], cwd=ROOT,
+                              env=process_env(TRITON_INTERPRET="1"), capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    alone, whole = run("--kernels-only"), run()
     assert sorted(alone) == sorted(whole) == sorted(OPS)
     for name in OPS:
         assert alone[name] == whole[name], name

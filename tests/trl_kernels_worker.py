@@ -1,9 +1,10 @@
 """TRL's Triton kernels on the benchmark's inputs (its log-probs and entropy, its chunked head,
 its chunked divergence; the values and the gradients of a training step, ``tools.compare``'s
-step): ``outputs()``. Run as a script, with ``transformers``, ``accelerate`` and ``datasets``
-made unimportable first, as on the GPU check's machine, so that ``bench.trl_kernels`` loads
-TRL's kernels alone; it prints them as JSON (``tests/test_bench.py`` compares them with TRL's
-own import). In the Triton interpreter."""
+step), printed as JSON. With ``--kernels-only``, ``transformers``, ``accelerate`` and
+``datasets`` are made unimportable first, as on the GPU check's machine, so that
+``bench.trl_kernels`` loads TRL's kernels alone; without it TRL is imported whole
+(``tests/test_bench.py`` runs both, in processes alike, and compares them). In the Triton
+interpreter."""
 import json
 import sys
 
@@ -26,10 +27,14 @@ def outputs() -> dict:
 
 
 if __name__ == "__main__":
-    for missing in ("transformers", "accelerate", "datasets"):
-        sys.modules[missing] = None        # import raises ImportError
-    result = outputs()
-    import trl.trainer.utils
+    import torch
 
-    assert getattr(trl.trainer.utils, "KERNELS_ONLY", False), "TRL was imported whole"
+    torch.set_num_threads(1)               # one order for the torch ops' sums in every run
+    kernels_only = "--kernels-only" in sys.argv
+    if kernels_only:
+        for missing in ("transformers", "accelerate", "datasets"):
+            sys.modules[missing] = None        # import raises ImportError
+    result = outputs()
+    loaded = getattr(sys.modules["trl.trainer.utils"], "KERNELS_ONLY", False)
+    assert loaded == kernels_only, f"TRL's kernels alone: {loaded}"
     print(json.dumps(result))
