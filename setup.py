@@ -9,14 +9,17 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=find_packages(include=["rlfuse", "rlfuse.*"]),
+    package_data={"rlfuse.integrations.config": ["*.yaml"]},
     install_requires=["torch>=2.10", "triton>=3.3"],
     extras_require={
         # trl, deepspeed, megatron-core and verl: the integrations are tested against the real
         # packages. verl is installed with --no-deps by `make setup` (its own pins clash with
-        # ours); these are what its core_algos, its actor loss and its model patches import.
+        # ours); these are what its core_algos, its actor loss, its model patches, its workers
+        # and its trainer import (hydra: the GR-OPD recipe's config).
         "test": ["pytest", "pytest-xdist", "hypothesis", "numpy", "liger-kernel==0.8.5",
                  "trl==1.16.0", "deepspeed==0.19.8", "megatron-core==0.16.1", "ray",
-                 "tensordict", "omegaconf", "codetiming", "orjson", "pillow"],
+                 "tensordict", "omegaconf", "codetiming", "orjson", "pillow", "hydra-core",
+                 "uvicorn", "fastapi", "torchdata", "cachetools"],
         "bench": ["matplotlib", "numpy", "liger-kernel"],
         "train": ["transformers", "peft"],
     },

@@ -1,7 +1,7 @@
 """verl's loss aggregation as rlfuse's arguments (``rlfuse.integrations.verl``)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -38,3 +38,12 @@ def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor,
         if loss_agg_mode == "seq-mean-token-sum-norm" and factor is not None:
             out["loss_scale"] = response_mask.shape[-1] / factor
     return out
+
+
+def verl_clip(config) -> Tuple[float, float]:
+    """``(low, high)`` of verl's actor config: ``clip_ratio_low`` / ``clip_ratio_high``, each
+    ``clip_ratio`` where unset."""
+    eps = config.clip_ratio
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else eps
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else eps
+    return low, high

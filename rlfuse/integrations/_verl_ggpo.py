@@ -35,14 +35,15 @@ def _check_groups(index) -> None:
                          "(GGPO couples a group; set trainer.balance_batch=False)")
 
 
-def _beta(config) -> float:
-    """β of verl's KL in the reward, which must be on, k1 and fixed."""
+def kl_in_reward_coef(config, name: str, what: str) -> float:
+    """The coefficient of verl's KL in the reward (``algorithm`` config ``config``), which must
+    be on, k1 and fixed; ``name`` and ``what`` (the coefficient's meaning) for the error."""
     kl_ctrl = config.get("kl_ctrl") or {}
     if not config.get("use_kl_in_reward") or config.get("kl_penalty") != "kl" or \
             kl_ctrl.get("type") != "fixed" or not kl_ctrl.get("kl_coef", 0.0) > 0:
-        raise ValueError("rlfuse_ggpo: needs algorithm.use_kl_in_reward=True, "
-                         "algorithm.kl_penalty=kl, algorithm.kl_ctrl.type=fixed and "
-                         "algorithm.kl_ctrl.kl_coef=beta > 0 (GGPO's KL to the reference)")
+        raise ValueError(f"{name}: needs algorithm.use_kl_in_reward=True, "
+                         f"algorithm.kl_penalty=kl, algorithm.kl_ctrl.type=fixed and "
+                         f"algorithm.kl_ctrl.kl_coef={what}")
     return float(kl_ctrl.get("kl_coef"))
 
 
@@ -53,7 +54,7 @@ def compute_ggpo_rewards(token_level_rewards: torch.Tensor, response_mask: torch
     module), the groups checked whole and in order."""
     if config is None or index is None:
         raise ValueError("rlfuse_ggpo: needs verl's algorithm config and the rows' uids")
-    beta = _beta(config)
+    beta = kl_in_reward_coef(config, "rlfuse_ggpo", "beta > 0 (GGPO's KL to the reference)")
     _check_groups(index)
     mask = response_mask.to(token_level_rewards.dtype)
     scaled = (token_level_rewards * mask).sum(-1, keepdim=True) / beta * mask

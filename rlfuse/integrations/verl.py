@@ -13,7 +13,9 @@ verl's mode computes, read from the same config fields (``clip_ratio*``, ``tau_p
 ``actor/rlfuse_overflow`` where the objective can overflow. ``rlfuse_gppo`` is
 ``rlfuse.gppo_loss`` with the seed's region (chi2 / atomic / delta 0.04); :func:`register_gppo`
 registers other regions under other names. ``rlfuse_ggpo`` is GGPO as an advantage estimator
-and a policy loss over verl's KL in the reward (``_verl_ggpo``). :func:`kl_penalty` is verl's ``kl_penalty`` by
+and a policy loss over verl's KL in the reward (``_verl_ggpo``), ``rlfuse_gr_opd`` GR-OPD's
+(``_verl_gr_opd``, trained by ``python -m rlfuse.integrations.verl_gr_opd``, whose reference
+worker holds the teacher). :func:`kl_penalty` is verl's ``kl_penalty`` by
 ``rlfuse.kl_penalty``. The losses take verl's ``[B, T]`` log-probs; the import also makes
 ``fused_kernels_backend="rlfuse"`` a backend of verl's fused-kernel forward, which computes
 those log-probs and the entropy from the last hidden state (``_verl_backend``), and
@@ -39,20 +41,13 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 
 import rlfuse
 from rlfuse import objectives
-from . import _verl_ggpo  # noqa: F401  (registers GGPO's estimator and loss)
-from ._verl_aggregation import verl_aggregation
+from . import _verl_ggpo, _verl_gr_opd  # noqa: F401  (GGPO's and GR-OPD's estimators, losses)
+from ._verl_aggregation import verl_aggregation, verl_clip
 from ._verl_backend import (BACKEND, install, linear_cross_entropy, log_probs_and_entropy,
                             patch_forward_with_backends, patch_megatron)
 
 __all__ = ["BACKEND", "MODES", "kl_penalty", "linear_cross_entropy", "log_probs_and_entropy",
            "patch_forward_with_backends", "patch_megatron", "register_gppo", "verl_aggregation"]
-
-
-def _clip(config) -> Tuple[float, float]:
-    eps = config.clip_ratio
-    low = config.clip_ratio_low if config.clip_ratio_low is not None else eps
-    high = config.clip_ratio_high if config.clip_ratio_high is not None else eps
-    return low, high
 
 
 def _policy_config(config):
@@ -69,15 +64,15 @@ _DPPO_METRICS = {"actor/pg_clipfrac": "dropped_frac", "actor/ppo_kl": "approx_kl
 
 
 def _dppo(cls):
-    return lambda c: cls(clip=_clip(c), truncation=c.get("clip_ratio_c", 20.0))
+    return lambda c: cls(clip=verl_clip(c), truncation=c.get("clip_ratio_c", 20.0))
 
 
 MODES: Dict[str, Tuple[Callable, Optional[str], Dict[str, Any]]] = {
-    "vanilla": (lambda c: objectives.Clip(clip=_clip(c), dual_clip=c.get("clip_ratio_c", 3.0)),
+    "vanilla": (lambda c: objectives.Clip(clip=verl_clip(c), dual_clip=c.get("clip_ratio_c", 3.0)),
                 None, _CLIP_METRICS),
     "dppo_tv": (_dppo(objectives.DPPOTV), None, _DPPO_METRICS),
     "dppo_kl": (_dppo(objectives.DPPOKL), None, _DPPO_METRICS),
-    "gspo": (lambda c: objectives.GSPO(clip=_clip(c)), None,
+    "gspo": (lambda c: objectives.GSPO(clip=verl_clip(c)), None,
              {"actor/pg_clipfrac": ("clip_frac_low", "clip_frac_high"),
               "actor/ppo_kl": "approx_kl", "actor/pg_clipfrac_lower": None}),
     "sapo": (lambda c: objectives.SAPO(tau_pos=c.tau_pos, tau_neg=c.tau_neg),
@@ -85,7 +80,7 @@ MODES: Dict[str, Tuple[Callable, Optional[str], Dict[str, Any]]] = {
                                      "actor/pg_clipfrac_lower": None}),
     "gpg": (lambda c: objectives.GPG(), None, {}),
     "clip_cov": (lambda c: objectives.ClipCov(
-        clip=_clip(c), clip_cov_ratio=_or(_policy_config(c).clip_cov_ratio, 0.0002),
+        clip=verl_clip(c), clip_cov_ratio=_or(_policy_config(c).clip_cov_ratio, 0.0002),
         clip_cov_lb=_or(_policy_config(c).clip_cov_lb, 1.0),
         clip_cov_ub=_or(_policy_config(c).clip_cov_ub, 5.0)), None,
         {"actor/pg_clipfrac": "cut_frac", "actor/ppo_kl": "approx_kl"}),
@@ -93,12 +88,12 @@ MODES: Dict[str, Tuple[Callable, Optional[str], Dict[str, Any]]] = {
         kl_cov_ratio=_or(_policy_config(c).kl_cov_ratio, 0.0002),
         ppo_kl_coef=_or(_policy_config(c).ppo_kl_coef, 1.0)), None,
         {"actor/ppo_kl": "approx_kl"}),
-    "geo_mean": (lambda c: objectives.GeoMean(clip=_clip(c)), "own",
+    "geo_mean": (lambda c: objectives.GeoMean(clip=verl_clip(c)), "own",
                  {"actor/pg_clipfrac": "clip_frac_high", "actor/ppo_kl": "approx_kl",
                   "actor/pg_clipfrac_lower": "clip_frac_low"}),
     "dro": (lambda c: objectives.DRO(dro_beta=_policy_config(c).dro_beta), None,
             {"actor/ppo_kl": "approx_kl"}),
-    "cispo": (lambda c: objectives.CISPO(clip=_clip(c)), None,
+    "cispo": (lambda c: objectives.CISPO(clip=verl_clip(c)), None,
               {"actor/pg_clipfrac": "clip_frac", "actor/ppo_kl": "approx_kl",
                "actor/pg_clipfrac_lower": None}),
 }

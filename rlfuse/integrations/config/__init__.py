@@ -1,0 +1,1 @@
+"""Hydra configs of the verl recipes (``verl_gr_opd``)."""
