@@ -9,7 +9,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=find_packages(include=["rlfuse", "rlfuse.*"]),
-    package_data={"rlfuse.integrations.config": ["*.yaml"]},
+    package_data={"rlfuse.integrations": ["*.yaml"]},
     install_requires=["torch>=2.10", "triton>=3.3"],
     extras_require={
         # trl, deepspeed, megatron-core and verl: the integrations are tested against the real

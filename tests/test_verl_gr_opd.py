@@ -38,7 +38,7 @@ def recipe(*overrides, teacher="/models/teacher", checked=True):
     """verl's whole config as ``verl_gr_opd`` composes it (``checked``: after its checks, as the
     runner hands it to verl's trainer)."""
     extra = [f"algorithm.rlfuse_gr_opd.teacher={teacher}"] if teacher else []
-    with initialize_config_module(config_module="rlfuse.integrations.config",
+    with initialize_config_module(config_module="rlfuse.integrations",
                                   version_base=None):
         config = compose("rlfuse_gr_opd", overrides=[*SIZES, *extra, *overrides])
     if checked:

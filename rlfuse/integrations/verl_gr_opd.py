@@ -3,7 +3,7 @@
     python -m rlfuse.integrations.verl_gr_opd algorithm.rlfuse_gr_opd.teacher=<teacher> \\
         actor_rollout_ref.model.path=<student> data.train_files=... <any verl setting>
 
-verl's PPO trainer (``config/rlfuse_gr_opd.yaml``: verl's ``ppo_trainer`` with the
+verl's PPO trainer (``rlfuse_gr_opd.yaml``: verl's ``ppo_trainer`` with the
 ``rlfuse_gr_opd`` advantage estimator and policy loss, verl's KL in the reward with a coefficient
 of 1, no task reward) run by verl's own legacy runner, with one change no verl setting makes: its
 reference worker is verl's worker loaded with the teacher's weights (verl's own loads the
@@ -99,7 +99,7 @@ class GROPDTaskRunner(TaskRunner.__ray_actor_class__):
         super().run(config)
 
 
-@hydra.main(config_path="config", config_name="rlfuse_gr_opd", version_base=None)
+@hydra.main(config_path=".", config_name="rlfuse_gr_opd", version_base=None)
 def main(config) -> None:
     """verl's ``main_ppo`` with :class:`GROPDTaskRunner`."""
     from verl.trainer.main_ppo import run_ppo

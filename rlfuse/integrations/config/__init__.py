@@ -1,1 +1,0 @@
-"""Hydra configs of the verl recipes (``verl_gr_opd``)."""
