@@ -1,5 +1,5 @@
 """GGPO in TRL as the paper trains it (the real package): with TRL's defaults and nothing but
-``rlfuse_loss="ggpo"`` and its β, the optimizer step's gradient is ``ggpo_loss`` over the step's
+``rlfuse_loss="ggpo"``, the optimizer step's gradient is ``ggpo_loss`` over the step's
 whole minibatch in one call (the paper's normaliser, whatever ``loss_type``; the groups whose
 rewards all agree left out), and the reference is refreshed by a copy of the policy."""
 import os
@@ -14,11 +14,11 @@ from conftest import TOL, assert_three_way, integration, process_env  # noqa: E4
 trl = integration("trl")
 import rlfuse  # noqa: E402
 import rlfuse.reference  # noqa: E402
+from rlfuse.integrations._trl_config import GGPO_BETA as BETA  # noqa: E402
 from rlfuse.integrations._trl_ggpo import STEP_TOKENS  # noqa: E402
 from rlfuse.integrations.trl import RLFuseGRPOConfig, RLFuseGRPOTrainer  # noqa: E402
 from test_trl import config, dataset, eos_model, tokenizer  # noqa: E402
 
-BETA = 0.1
 
 
 def prompt_reward(prompts, completions, **kwargs):
@@ -40,8 +40,14 @@ def odd_prompts():
                         if int(row["prompt"].split()[0][1:]) % 2])
 
 
+def ggpo_config(tmp_path, **kw):
+    """TRL's defaults, the test's sizes and ``kw``: β unset unless in ``kw``."""
+    args = {k: v for k, v in config(tmp_path).items() if k != "beta"}
+    return dict(args, **kw)
+
+
 def ggpo_trainer(tmp_path, data=None, **kw):
-    args = dict(config(tmp_path, beta=BETA), **kw)
+    args = ggpo_config(tmp_path, **kw)
     return RLFuseGRPOTrainer(model=eos_model(), reward_funcs=prompt_reward,
                              train_dataset=data or dataset(),
                              processing_class=tokenizer(),
@@ -183,14 +189,14 @@ def test_the_step_under_trls_default_bf16(tmp_path):
 def test_the_reference_is_refreshed_by_a_copy(tmp_path):
     """rlfuse_loss="ggpo" turns TRL's reference sync on with alpha 1 (a copy) unless the user
     sets them; after a step the reference is the policy, bit for bit."""
-    defaults = RLFuseGRPOConfig(**config(tmp_path, beta=BETA), rlfuse_loss="ggpo")
+    defaults = RLFuseGRPOConfig(**ggpo_config(tmp_path), rlfuse_loss="ggpo")
     assert defaults.sync_ref_model is True and defaults.ref_model_mixup_alpha == 1.0
     plain = RLFuseGRPOConfig(**config(tmp_path), rlfuse_loss="ppo")
     theirs = trl.GRPOConfig(**config(tmp_path))
     assert (plain.sync_ref_model, plain.ref_model_mixup_alpha) == \
         (theirs.sync_ref_model, theirs.ref_model_mixup_alpha)
-    own = RLFuseGRPOConfig(**config(tmp_path, beta=BETA, sync_ref_model=True,
-                                    ref_model_mixup_alpha=0.5), rlfuse_loss="ggpo")
+    own = RLFuseGRPOConfig(**ggpo_config(tmp_path, sync_ref_model=True,
+                                         ref_model_mixup_alpha=0.5), rlfuse_loss="ggpo")
     assert own.ref_model_mixup_alpha == 0.5
     trainer = ggpo_trainer(tmp_path, odd_prompts(), max_steps=1, ref_model_sync_steps=1)
     before = [p.detach().clone() for p in trainer.ref_model.parameters()]
@@ -199,6 +205,18 @@ def test_the_reference_is_refreshed_by_a_copy(tmp_path):
     assert any(not torch.equal(b, p) for b, p in zip(before, policy))
     for ref, p in zip(trainer.ref_model.parameters(), policy):
         assert torch.equal(ref, p)
+
+
+def test_beta_where_unset(tmp_path):
+    """β unset: rlfuse's GGPO default with rlfuse_loss="ggpo", TRL's with the other losses; a
+    β the user sets is kept, and 0 (no GGPO) refused."""
+    assert ggpo_trainer(tmp_path).args.beta == BETA > 0
+    for loss in ("ppo", "gppo", "gr_opd"):
+        assert RLFuseGRPOConfig(**ggpo_config(tmp_path), rlfuse_loss=loss).beta == \
+            trl.GRPOConfig(**ggpo_config(tmp_path)).beta
+    assert ggpo_trainer(tmp_path, beta=0.25).args.beta == 0.25
+    with pytest.raises(ValueError, match=r"beta=0.0 with rlfuse_loss='ggpo' \(beta is GGPO's"):
+        ggpo_trainer(tmp_path, beta=0.0)
 
 
 def test_a_generation_batch_that_splits_a_step_is_refused(tmp_path):

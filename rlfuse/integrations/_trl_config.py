@@ -23,8 +23,11 @@ CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
 
 
-_TRL_MIXUP_ALPHA = next(f.default for f in dataclasses.fields(GRPOConfig)
-                        if f.name == "ref_model_mixup_alpha")
+_TRL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)
+                 if f.name in ("ref_model_mixup_alpha", "beta")}
+# GGPO's β where unset: the paper gives none (TRL's default, 0, is no GGPO); the temperature of
+# its Gibbs target over rewards of order 1, as the demo trains it
+GGPO_BETA = 0.1
 
 
 @dataclasses.dataclass
@@ -44,17 +47,20 @@ class RLFuseGRPOConfig(GRPOConfig):
     rlfuse_chunk_tokens: Optional[int] = None
     rlfuse_batch_invariant: bool = False
     rlfuse_ggpo_mixed_groups_only: bool = True
-    # TRL's reference sync; unset: as TRL for every loss but GGPO, which the paper trains with
-    # its reference refreshed by a copy of the policy (on, alpha 1)
+    # TRL's reference sync and KL weight; unset: as TRL for every loss but GGPO, which the paper
+    # trains with its reference refreshed by a copy of the policy (on, alpha 1) and a β > 0
     sync_ref_model: Optional[bool] = None
     ref_model_mixup_alpha: Optional[float] = None
+    beta: Optional[float] = None
 
     def __post_init__(self):
         ggpo = self.rlfuse_loss == "ggpo"
         if self.sync_ref_model is None:
             self.sync_ref_model = ggpo
         if self.ref_model_mixup_alpha is None:
-            self.ref_model_mixup_alpha = 1.0 if ggpo else _TRL_MIXUP_ALPHA
+            self.ref_model_mixup_alpha = 1.0 if ggpo else _TRL_DEFAULTS["ref_model_mixup_alpha"]
+        if self.beta is None:
+            self.beta = GGPO_BETA if ggpo else _TRL_DEFAULTS["beta"]
         super().__post_init__()
 
 
@@ -120,7 +126,8 @@ def unsupported_options(args, teacher_model) -> List[str]:
     generations = args.num_generations or 1
     if loss == "ggpo":
         if not args.beta > 0:
-            problems.append("beta=0 with rlfuse_loss='ggpo' (beta is GGPO's KL weight, > 0)")
+            problems.append(f"beta={args.beta} with rlfuse_loss='ggpo' (beta is GGPO's KL "
+                            f"weight, > 0; {GGPO_BETA} where unset)")
         if args.per_device_train_batch_size % generations:
             problems.append("per_device_train_batch_size not a multiple of num_generations with "
                             "rlfuse_loss='ggpo' (GGPO's loss couples a group)")
