@@ -353,6 +353,13 @@ def _liger_head_grpo(advantages: str, eps_high: float = 0.2):
         out = fn(x.hidden[:, :-1], x.weight, x.targets, x.mask_i32, getattr(x, advantages),
                  old_per_token_logps=x.old_lp)
         return out[0] if isinstance(out, (tuple, list)) else out
+
+    def vocab_tile():     # its selective log-probs stream each row chunk's logits in tiles
+        from liger_kernel.chunked_loss import fused_linear_ppo
+
+        return fused_linear_ppo._SELECTIVE_LOGPROB_VOCAB_CHUNK_SIZE
+
+    run.vocab_tile = vocab_tile
     return run
 
 
@@ -614,6 +621,14 @@ def forward_fn(op: Op, impl: str, lib, x) -> Optional[Callable]:
     else:
         run = lambda: op.run(lib, x)  # noqa: E731
     return lambda: (as_tuple(run()), leaves)
+
+
+def vocab_tile(op: Op, impl: str) -> int:
+    """The width of the vocabulary tiles in which a peer ``impl`` forms ``op``'s logits where
+    they are narrower than the vocabulary (its adapter's ``vocab_tile``); 0: whole rows."""
+    adapter = getattr(op, impl, None) if impl in ("liger", "trl") else None
+    tile = getattr(adapter, "vocab_tile", None)
+    return tile() if tile is not None else 0
 
 
 def as_tuple(out):

@@ -6,6 +6,8 @@ change that adds a read or a write of a row, or a byte to any row, fails here.
 The counts are exact element counts over ``rows x V``; a forward kernel also reads each actor
 row's target logit once on its own (``z[y]``, one element: ``1 / V`` of a row).
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -266,6 +268,39 @@ def test_a_torch_pass_over_the_logits_is_seen():
     names = [name for name, _, _ in measured.passes]
     assert "_log_softmax" in names and "_to_copy" in names
     assert measured.per_row == {"actor": (0, 0, 0), "masked": (0, 0, 0)}
+
+
+def test_a_tile_of_the_vocabulary_is_logits_beside_a_head():
+    """Beside a head whose peer forms its logits in tiles of the vocabulary, a ``[R, tile]``
+    tensor (and the last, narrower one) is logits; the head's weight or its slices are not,
+    nor is a tile without the peer's width."""
+    geometry = traffic.Geometry(B=2, S=3, T=3, V=2 * 64 + 5, offset=0,
+                                mask=torch.ones(2, 3, dtype=torch.bool), element_size=4,
+                                hidden=24, tile=64)
+    assert geometry.is_logits(torch.empty(6, 64)) and geometry.is_logits(torch.empty(6, 5))
+    assert not geometry.is_logits(torch.empty(64, 24)) and not geometry.is_logits(
+        torch.empty(133, 24))
+    assert not geometry.is_logits(torch.empty(6, 63))
+    assert not dataclasses.replace(geometry, tile=0).is_logits(torch.empty(6, 64))
+
+
+def test_a_peer_head_in_vocabulary_tiles_is_counted():
+    """Liger's fused-linear GRPO loss forms its logits in tiles of the vocabulary, in torch:
+    over a vocabulary of two tiles and a narrower one, each row's logits formed forward and
+    backward (2 rows written at least, and read), rlfuse's head reading fewer in all."""
+    pytest.importorskip("liger_kernel")
+    from bench import cases
+
+    op = cases.OPS["ppo_head"]
+    tile = cases.vocab_tile(op, "liger")
+    assert tile > 0 and cases.vocab_tile(op, "fused") == 0
+    x = traffic.traffic_inputs(2 * tile + 100, torch.float32)
+    actor = int(x.mask.sum())
+    peer = traffic.run_case(op, x, "fwd+bwd", "liger")
+    read, written = (sum(p[i] for p in peer.passes) / actor for i in (1, 2))
+    assert read >= 2 and written >= 2
+    ours = traffic.run_case(op, x, "fwd+bwd")
+    assert ours.per_row["chunk"][1] + sum(p[1] for p in ours.passes) / actor < read
 
 
 def test_the_cli_writes_the_table(tmp_path):

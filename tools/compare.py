@@ -25,11 +25,13 @@ from tools.interpreter import round_bf16_as_a_gpu
 
 # (op of bench.cases, the peer implementation that does the same work)
 PEERS = (("token_logprobs", "trl"), ("token_logprobs_entropy", "trl"), ("ppo_logits", "liger"),
-         ("ppo_head", "trl"), ("distill_head", "trl"), ("distill_head", "liger"))
+         ("ppo_head", "trl"), ("ppo_head", "liger"), ("distill_head", "trl"),
+         ("distill_head", "liger"))
 LABELS = {("token_logprobs", "trl"): "TRL 1.16 `selective_log_softmax_and_entropy`",
           ("token_logprobs_entropy", "trl"): "TRL 1.16 `selective_log_softmax_and_entropy`",
           ("ppo_logits", "liger"): "Liger `GrpoLossFunction`",
           ("ppo_head", "trl"): "TRL 1.16 `ChunkedLogProbFunction` (Triton), then the loss",
+          ("ppo_head", "liger"): "Liger `LigerFusedLinearGRPOLoss`",
           ("distill_head", "trl"): "TRL 1.16 `ChunkedDivergenceFunction` (JSD)",
           ("distill_head", "liger"): "Liger `LigerFusedLinearJSDLoss`"}
 DTYPES = (torch.bfloat16, torch.float32)

@@ -174,6 +174,7 @@ class Geometry:
     mask: torch.Tensor
     element_size: int
     hidden: Optional[int] = None
+    tile: int = 0       # a peer head's vocabulary tiles' width (0: it forms whole rows)
 
     @property
     def row_counts(self) -> Dict[str, int]:
@@ -182,10 +183,15 @@ class Geometry:
                 actor if self.hidden is not None else 0)
 
     def is_logits(self, t: torch.Tensor) -> bool:
-        """A tensor of rows of logits (or their gradient), a LinearHead chunk or its transpose;
-        not the head's weight ``[V, H]``."""
-        return t.dim() >= 2 and self.V in t.shape and t.numel() >= 2 * self.V \
-            and (self.hidden is None or self.hidden not in t.shape)
+        """A tensor of rows of logits (or their gradient), a LinearHead chunk or its transpose,
+        or a tile of a chunk's vocabulary ``[R, tile]`` (the last one narrower); not the
+        head's weight ``[V, H]``."""
+        if t.dim() < 2 or (self.hidden is not None and self.hidden in t.shape):
+            return False
+        if self.V in t.shape:
+            return t.numel() >= 2 * self.V
+        return bool(self.tile) and t.dim() == 2 and t.is_floating_point() and \
+            t.shape[-1] in (self.tile, self.V % self.tile)
 
     def row_classes(self, t: torch.Tensor) -> Optional[np.ndarray]:
         """The class of each row of ``t`` if it is a kernel's rows of logits (``[B, S, V]`` or
@@ -371,7 +377,8 @@ def run_case(op, x, mode: str, impl: str = "fused") -> Traffic:
     S, offset = window(x) if x.shape.V else (x.shape.T, 0)
     geometry = Geometry(B=x.shape.batch, S=S, T=x.shape.T, V=x.shape.V or 0, offset=offset,
                         mask=x.mask, element_size=x.shape.element_size if x.shape.V else 4,
-                        hidden=x.shape.hidden if op.matmuls is not None else None)
+                        hidden=x.shape.hidden if op.matmuls is not None else None,
+                        tile=bench_cases.vocab_tile(op, impl))
     return measure_case(run, geometry)
 
 
