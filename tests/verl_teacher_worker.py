@@ -7,8 +7,10 @@ teacher's and the student's own, by transformers in fp32.
 verl's engines run on CUDA or NPU only: this process lends verl a CPU platform (its device
 ``cpu``, ``gloo``, no pinned memory, its FSDP2 engine registered for ``cpu``) and no more;
 the worker, the engine, the model loading and the trainer's method are verl's."""
+import datetime
 import json
 import os
+import socket
 import sys
 import tempfile
 import types
@@ -111,8 +113,11 @@ def own_log_probs(model, data):
 
 
 def main(which: str) -> dict:
+    with socket.socket() as free:       # a port no other test holds
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
+                      MASTER_PORT=str(port))
     import torch.distributed as dist
     from hydra import compose, initialize_config_module
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
@@ -135,7 +140,8 @@ def main(which: str) -> dict:
             "actor_rollout_ref.ref.fsdp_config.param_offload=False",
             "++actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32",
             "+actor_rollout_ref.model.override_config.attn_implementation=eager"])
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store", 1), rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=120))
     cls = verl_gr_opd.teacher_reference_worker(config.algorithm.rlfuse_gr_opd.teacher) \
         if which == "--teacher" else ActorRolloutRefWorker
     worker = cls(config.actor_rollout_ref, role="ref")
