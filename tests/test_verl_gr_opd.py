@@ -202,6 +202,7 @@ def test_recipe_is_verls_config_with_gr_opd():
     (dict(overrides=["reward.reward_model.enable=True"]), "reward_model.enable"),
     (dict(overrides=["reward.custom_reward_function.path=/my/reward.py"]), "no task reward"),
     (dict(overrides=["algorithm.adv_estimator=grpo"]), "adv_estimator='grpo'"),
+    (dict(overrides=["trainer.use_v1=True"]), "use_v1=True"),
 ])
 def test_what_the_recipe_refuses(case, match):
     config = recipe(*case.get("overrides", ()), teacher=case.get("teacher", "/models/t"),

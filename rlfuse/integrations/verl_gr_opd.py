@@ -73,6 +73,8 @@ def check_recipe(config) -> None:
             (reward.path, reward.name) != _verl_gr_opd.NO_TASK_REWARD,
         f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} (expected {NAME})":
             config.algorithm.adv_estimator != NAME,
+        "trainer.use_v1=True (the runner is verl's legacy one: the v1 trainer builds its own "
+        "workers)": config.trainer.get("use_v1", False),
     }
     reasons = [reason for reason, on in refused.items() if on]
     if reasons:
