@@ -235,13 +235,17 @@ def _worker(which):
     proc = subprocess.run([sys.executable, "tests/verl_teacher_worker.py", which], cwd=ROOT,
                           env=process_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {k: torch.tensor(v) for k, v in json.loads(proc.stdout.splitlines()[-1]).items()}
+    return {k: v if isinstance(v, str) else torch.tensor(v)
+            for k, v in json.loads(proc.stdout.splitlines()[-1]).items()}
 
 
 def test_reference_worker_holds_the_teacher():
-    """verl's worker built as ``TeacherReferenceWorker`` gives the teacher's log-probs on the
-    student's tokens; verl's own worker, the student's (the test's own check)."""
+    """verl's worker built as ``TeacherReferenceWorker`` loads the teacher's weights with the
+    student's tokenizer and gives the teacher's log-probs on the student's tokens; verl's own
+    worker, the student's (the test's own check)."""
     ours, stock = _worker("--teacher"), _worker("--stock")
+    assert (ours["weights"], ours["tokenizer"]) == ("/teacher", "/student")
+    assert (stock["weights"], stock["tokenizer"]) == ("/student", "/student")
     for out, model, other in ((ours, "teacher", "student"), (stock, "student", "teacher")):
         torch.testing.assert_close(out["ref"], out[model], **TOL["fp32_matmul"])
         assert ((out["ref"] - out[other]).abs() * out["mask"]).max() > 0.1

@@ -150,8 +150,11 @@ def main(which: str) -> dict:
     trainer = types.SimpleNamespace(ref_in_actor=False, ref_policy_wg=worker)
     ref = RayPPOTrainer._compute_ref_log_prob(trainer, data).batch["ref_log_prob"]
     mask = data.batch["response_mask"]
+    model = worker.config.model
     return {"ref": (ref * mask).tolist(), "teacher": own_log_probs(teacher, data).tolist(),
-            "student": own_log_probs(student, data).tolist(), "mask": mask.tolist()}
+            "student": own_log_probs(student, data).tolist(), "mask": mask.tolist(),
+            "weights": model.path.replace(folder, ""),
+            "tokenizer": (model.get("tokenizer_path") or model.path).replace(folder, "")}
 
 
 if __name__ == "__main__":
