@@ -23,7 +23,7 @@ from verl.utils.config import validate_config  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 
 import rlfuse  # noqa: E402
-from rlfuse.integrations import verl_gr_opd  # noqa: E402
+from rlfuse.integrations import _verl_gr_opd, verl_gr_opd  # noqa: E402
 
 M, GROUPS, T = 3, 4, 7
 B = M * GROUPS
@@ -188,6 +188,8 @@ def test_recipe_is_verls_config_with_gr_opd():
     assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "rlfuse_gr_opd"
     assert config.actor_rollout_ref.actor.loss_agg_mode == "seq-mean-token-mean"
     assert config.algorithm.rlfuse_gr_opd.gamma == 0.99 and not config.trainer.use_v1
+    node = config.algorithm.rlfuse_gr_opd    # the yaml's defaults are gr_opd_advantages'
+    assert {k: node[k] for k in _verl_gr_opd.ADVANTAGE_DEFAULTS} == _verl_gr_opd.ADVANTAGE_DEFAULTS
     verl_gr_opd.check_recipe(config)
     assert config.algorithm.rlfuse_gr_opd.reference == "teacher"
     from verl.trainer.ppo.reward import get_custom_reward_fn

@@ -47,3 +47,10 @@ def verl_clip(config) -> Tuple[float, float]:
     low = config.clip_ratio_low if config.clip_ratio_low is not None else eps
     high = config.clip_ratio_high if config.clip_ratio_high is not None else eps
     return low, high
+
+
+def row_values(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the value a row's tokens carry, from verl's ``[B, T]`` broadcast of a per-row
+    quantity (an estimator's advantages) read at the row's first token of ``mask`` (bool)."""
+    first = mask.to(torch.int8).argmax(-1, keepdim=True)
+    return per_token.gather(-1, first).squeeze(-1)

@@ -20,7 +20,7 @@ import torch
 from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 
 import rlfuse
-from ._verl_aggregation import verl_aggregation
+from ._verl_aggregation import row_values, verl_aggregation
 
 
 def _check_groups(index) -> None:
@@ -75,8 +75,7 @@ def compute_policy_loss_rlfuse_ggpo(old_log_prob, log_prob, advantages, response
         raise ValueError("rlfuse_ggpo: rollout importance weights (no importance ratio enters "
                          "GGPO's loss)")
     mask = response_mask.bool()
-    first = mask.to(torch.int8).argmax(-1, keepdim=True)     # the row's reward on each token
-    rewards = advantages.gather(-1, first).squeeze(-1)
+    rewards = row_values(advantages, mask)      # the row's reward on each token
     agg = verl_aggregation("token-mean", response_mask, config.get("global_batch_info"))
     out = rlfuse.ggpo_loss(log_prob, old_log_prob, rewards, mask, group_size=config.rollout_n,
                            beta=1.0, num_tokens=agg["num_tokens"], validate=False)

@@ -11,19 +11,21 @@ surrogate over those advantages (``seq-mean-token-mean``), token-local: any micr
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 
 import rlfuse
 from rlfuse import objectives
-from ._verl_aggregation import verl_aggregation, verl_clip
+from ._verl_aggregation import row_values, verl_aggregation, verl_clip
 from ._verl_ggpo import kl_in_reward_coef
 
 NAME = "rlfuse_gr_opd"
-# GR-OPD's advantage settings under ``algorithm.rlfuse_gr_opd`` (SPEC's defaults)
-ADVANTAGE_DEFAULTS = {"gamma": 0.99, "lam": 0.25, "feedback_clip": 5.0, "adv_clip": 5.0,
-                      "std_eps": 1e-6}
+# GR-OPD's advantage settings under ``algorithm.rlfuse_gr_opd``, with gr_opd_advantages' defaults
+ADVANTAGE_DEFAULTS = {name: inspect.signature(rlfuse.gr_opd_advantages).parameters[name].default
+                      for name in ("gamma", "lam", "feedback_clip", "adv_clip", "std_eps")}
 # what ``verl_gr_opd``'s runner writes under ``algorithm.rlfuse_gr_opd`` once its reference
 # worker holds the teacher (verl's own runner loads the actor's model there)
 TEACHER_STAMP = ("reference", "teacher")
@@ -107,8 +109,7 @@ def compute_policy_loss_rlfuse_gr_opd(old_log_prob, log_prob, advantages, respon
     if config is None:
         raise ValueError(f"config: loss_mode '{NAME}' needs verl's actor config")
     mask = response_mask.bool()
-    first = mask.to(torch.int8).argmax(-1, keepdim=True)    # the response's advantage
-    adv = advantages.gather(-1, first).squeeze(-1)
+    adv = row_values(advantages, mask)
     agg = verl_aggregation(loss_agg_mode, response_mask, config.get("global_batch_info"))
     out = rlfuse.policy_loss(log_prob, old_log_prob, adv, mask,
                              objectives.Clip(clip=verl_clip(config), log_ratio_clamp=None),
