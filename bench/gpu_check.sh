@@ -1,63 +1,64 @@
 #!/usr/bin/env bash
-# The GPU check: what a session lent a GPU runs, from the repo root, in one command, within
-# CHECK_DEADLINE (530 s) on one H200 (the device tool allows 600 s a command: the margin of a
-# rerun is the session's other 15-minute budget). The machine has no internet and its own
-# python3 with torch + triton (+ pytest), not our .venv. Phases, each capped by its own budget
-# and by the deadline:
+# The GPU check: the headline benchmarks, the GPU tests and the single-pass sweep, in one
+# command on any machine with a CUDA GPU, from the repo root, within CHECK_DEADLINE (340 s).
+# It uses the machine's own python3 (torch and triton; pytest for the tests) as it is: what is
+# missing is reported, not installed from the internet. Every phase writes its files into
+# $OUT as it goes, so a check stopped at any minute leaves what it measured:
 #   0. (background, from t = 0) Triton's cache warmed: python -m tools.gpu_compile --jobs J
 #      compiles every kernel variant the public API launches for this GPU's arch, J processes
 #      at once, the headline's own first (the same keys in Triton's cache as the headline's
 #      launches: tests/test_gpu_compile.py); meanwhile the environment is recorded and rlfuse
-#      (and the carried Liger and TRL wheels, without their dependencies: TRL's kernels are
-#      loaded alone, bench/trl_kernels.py) installed.
-#   1. the headline benchmarks at once, beside the warm-up (each case compiles what the cache
-#      lacks: the first number once its case has compiled; python -m bench --headline:
+#      (and wheels/*.whl, e.g. Liger-Kernel and TRL, without their dependencies: TRL's kernels
+#      load alone where its trainers do not import, bench/trl_kernels.py) installed.
+#   1. the headline benchmarks at once, beside the warm-up (python -m bench --headline:
 #      N 16384, V 151936, bf16, every op on logits and on a LinearHead at H 4096; fused, eager
 #      reference, Liger, TRL, then torch.compile(reference); the floor, GB/s, TFLOP/s beside the
-#      plain GEMMs of the same shapes timed in the run), within BENCH_S
-#                                                   -> <gpu>-<commit>.json, .md, .png
-#   2. the GPU tests (-m gpu, -v, each test failed after TEST_TIMEOUT s), once the warm-up has
-#      ended or WARMUP_S (90 s) has passed                                  -> pytest.txt
-#   3. the tests whose kernels run natively and whose results differ on a GPU (GPU math),
-#      CUDA_TESTS, within CUDA_TESTS_S                                      -> pytest.txt
-#   4. the single-pass sweep in one process (python -m bench.sweep: each configuration's loss
-#      and gradient checked against the default before it is timed), with what is left
-#                                                   -> sweep.json, sweep.md
-# Everything else (environment, warm-up, exit codes) goes to bench.txt: 7 files in $OUT.
+#      plain GEMMs of the same shapes timed in the run; the files rewritten after every case),
+#      within BENCH_S                 -> <gpu>-<commit>.json, .md (.png with matplotlib)
+#   2. the GPU tests (-m gpu), once the warm-up has ended or WARMUP_S has passed   -> pytest.txt
+#   3. the tests whose results differ on a GPU (GPU math), CUDA_TESTS               -> pytest.txt
+#      (both -v, each test failed after TEST_TIMEOUT s; at its phase's end pytest is
+#      interrupted, not killed, so it still prints its summary)
+#   4. the bytes a vocabulary split sends (computed)                                 -> bench.txt
+#   5. the single-pass sweep with what is left (python -m bench.sweep: each configuration's
+#      loss and gradient checked against the default before it is timed)  -> sweep.json, .md
+# The environment, the warm-up and every phase's exit code go to bench.txt: 6 or 7 files.
 #
-# On the dev machine, once (wheels/ is git-ignored):
-#     pip download liger-kernel trl==1.16.* --no-deps -d wheels/
-# then the device tool's `run` with carry=["wheels"], timeout_s=600 and the command
-#     RLFUSE_COMMIT=<git rev-parse --short HEAD> bash bench/gpu_check.sh
-# (the commit written into the command: the copy there has no .git). Afterwards copy the JSON files
-# into bench/results/ and run `python -m bench.report --readme docs/performance.md`.
+# Usage:  OUT=results/ RLFUSE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_check.sh
+# (RLFUSE_COMMIT where the copy has no .git.) Peers on a machine without internet: elsewhere,
+#     pip download --no-deps trl==1.16.0 liger-kernel==0.8.5 -d wheels/
+# and copy wheels/ beside bench/. Exit status 0 when every phase passed. bench/README.md.
 #
-# GPU_CHECK_CPU=1: a dry run on a CPU (tests/test_gpu_check.py): the interpreter, tiny shapes,
-# no warm-up and no installs; every phase runs and writes its files.
+# GPU_CHECK_CPU=1: a dry run on a CPU (the interpreter, tiny shapes, no warm-up and no
+# installs): every phase runs and writes its files, in about two minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 CPU=${GPU_CHECK_CPU:-0}
-CHECK_DEADLINE=${CHECK_DEADLINE:-530}   # seconds: no phase runs past it
+CHECK_DEADLINE=${CHECK_DEADLINE:-340}   # seconds: no phase runs past it
 WARMUP_S=${WARMUP_S:-90}                # the tests wait for the warm-up this long at most
 WARMUP_JOBS=${WARMUP_JOBS:-12}
-GPU_TESTS_S=${GPU_TESTS_S:-150}
-CUDA_TESTS_S=${CUDA_TESTS_S:-60}
 BENCH_S=${BENCH_S:-150}                 # the bench starts no case after BENCH_S - 30 s
-TEST_TIMEOUT=${TEST_TIMEOUT:-60}        # seconds a test may take (tests/conftest.py)
+GPU_TESTS_S=${GPU_TESTS_S:-80}
+CUDA_TESTS_S=${CUDA_TESTS_S:-45}
+TEST_TIMEOUT=${TEST_TIMEOUT:-30}        # seconds a test may take (tests/conftest.py)
 GPU_TESTS=${GPU_TESTS:-tests}           # where the gpu-marked tests are collected
-CUDA_TESTS=${CUDA_TESTS:-"tests/test_numerics.py tests/test_heads.py tests/test_token_logprobs.py"}
 if [[ $CPU == 1 ]]; then
     export TRITON_INTERPRET=1
-    BENCH_ARGS=${BENCH_ARGS:-"--quick --N 16 --V 300 --impls fused,reference --cpu-reps 1"}
+    BENCH_ARGS=${BENCH_ARGS:-"--quick --N 16 --V 300 --impls fused,reference,liger,trl
+        --cpu-reps 1 --op token_logprobs,gppo_logits,gppo_head,ppo_head"}
     SWEEP_ARGS=${SWEEP_ARGS:-"--quick --N 16 --V 300"}
     SWEEP_CONFIGS=${SWEEP_CONFIGS:-"default evict=1,block_v=64"}
+    CUDA_TESTS=${CUDA_TESTS:-"tests/test_numerics.py::test_exp_accurate"}
 else
     unset TRITON_INTERPRET              # the real kernels, on the GPU
     BENCH_ARGS=${BENCH_ARGS:-"--rep-ms 50 --warmup-ms 10"}
     SWEEP_ARGS=${SWEEP_ARGS:-}
     SWEEP_CONFIGS=${SWEEP_CONFIGS:-}
+    CUDA_TESTS=${CUDA_TESTS:-"tests/test_numerics.py tests/test_heads.py
+        tests/test_token_logprobs.py"}
 fi
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 LOG="$OUT/bench.txt"
@@ -88,17 +89,17 @@ phase "environment"
             || echo "pip install -e . failed: using PYTHONPATH=$PWD"
         if compgen -G "wheels/*.whl" > /dev/null; then
             "$PY" -m pip install --quiet --no-deps wheels/*.whl || echo "installing wheels/ failed"
-        else
-            echo "no wheels/*.whl: Liger-Kernel and TRL will be reported missing"
         fi
     fi
+    "$PY" -m pip list 2>/dev/null \
+        | grep -iE "^(liger[-_]kernel|trl|transformers|pytest|numpy|matplotlib|pandas) " || true
 } 2>&1 | tee -a "$LOG"
 
 bench_s=$(cap "$BENCH_S")
 phase "python -m bench --headline (${bench_s}s)"
-# The JSON is checkpointed after every case: the hard timeout keeps what was measured.
+# The JSON is rewritten after every case: the hard timeout keeps what was measured.
 # shellcheck disable=SC2086  # option lists
-timeout "$bench_s" "$PY" -m bench --headline --out "$OUT" --budget-s $((bench_s > 40 ?
+timeout -k 10 "$bench_s" "$PY" -m bench --headline --out "$OUT" --budget-s $((bench_s > 40 ?
     bench_s - 30 : bench_s / 2)) $BENCH_ARGS 2>&1 | tee -a "$LOG"
 bench_rc=${PIPESTATUS[0]}
 echo "bench exit code: $bench_rc" | tee -a "$LOG"
@@ -110,21 +111,22 @@ if [[ -n $warmup_pid ]]; then
 fi
 rm -f "$warmup_log"
 
-# The tests: -p no:cacheprovider writes nothing into the tree; RLFUSE_TEST_TIMEOUT fails a
-# test that runs past it (a hang is still stopped by the phase's timeout).
+# The tests, each line as it ends (-v): -p no:cacheprovider writes nothing into the tree;
+# RLFUSE_TEST_TIMEOUT fails a test that runs past it; at the phase's end pytest gets SIGINT
+# and prints its summary (what it reports on Ctrl-C), 15 s later it is killed.
 tests() {
     local seconds=$1; shift
-    RLFUSE_TEST_TIMEOUT=$TEST_TIMEOUT timeout "$(cap "$seconds")" "$PY" -m pytest \
-        -p no:cacheprovider -rs "$@" 2>&1 | tee -a "$OUT/pytest.txt"
+    RLFUSE_TEST_TIMEOUT=$TEST_TIMEOUT timeout -s INT -k 15 "$(cap "$seconds")" "$PY" -m pytest \
+        -p no:cacheprovider -v -rfEs "$@" 2>&1 | tee -a "$OUT/pytest.txt"
     return "${PIPESTATUS[0]}"
 }
-phase "pytest -v -m gpu (${GPU_TESTS_S}s)"
+phase "pytest -m gpu $GPU_TESTS (${GPU_TESTS_S}s)"
 # shellcheck disable=SC2086  # a list of paths
-tests "$GPU_TESTS_S" -v -m gpu $GPU_TESTS
+tests "$GPU_TESTS_S" -m gpu $GPU_TESTS
 gpu_rc=$?
 phase "pytest -m 'not gpu' $CUDA_TESTS (${CUDA_TESTS_S}s)"
 # shellcheck disable=SC2086  # a list of files
-tests "$CUDA_TESTS_S" -q -m "not gpu" $CUDA_TESTS
+tests "$CUDA_TESTS_S" -m "not gpu" $CUDA_TESTS
 cuda_rc=$?
 echo "pytest exit codes: gpu $gpu_rc, cuda $cuda_rc (124: stopped at its time)" | tee -a "$LOG"
 
@@ -137,7 +139,7 @@ if ((sweep_s >= 20)); then
     configs=()
     [[ -n $SWEEP_CONFIGS ]] && configs=(--configs "$SWEEP_CONFIGS")
     # shellcheck disable=SC2086  # option lists
-    timeout "$sweep_s" "$PY" -m bench.sweep --out "$OUT" --budget-s $((sweep_s - 15)) \
+    timeout -k 10 "$sweep_s" "$PY" -m bench.sweep --out "$OUT" --budget-s $((sweep_s - 15)) \
         $SWEEP_ARGS "${configs[@]}" 2>&1 | tee -a "$LOG"
     sweep_rc=${PIPESTATUS[0]}
 else
@@ -145,5 +147,6 @@ else
     sweep_rc=1
 fi
 echo "sweep exit code: $sweep_rc" | tee -a "$LOG"
-phase "done: $(find "$OUT" -maxdepth 1 -type f | wc -l) files in \$OUT"
+phase "done: $(find "$OUT" -maxdepth 1 -type f | wc -l) files in \$OUT; exit codes: bench" \
+    "$bench_rc, gpu tests $gpu_rc, GPU-math tests $cuda_rc, sweep $sweep_rc"
 exit $((gpu_rc != 0 || cuda_rc != 0 || bench_rc != 0 || sweep_rc != 0))

@@ -125,7 +125,9 @@ def plot(results: dict, path, mode: str = "fwd+bwd") -> Optional[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        if not getattr(plot, "told", False):    # once a run, not after every case
+            print("matplotlib is not installed: no PNG (pip install matplotlib)")
+            plot.told = True
         return None
     rows = [r for r in results["rows"] if r["V"] and r["mode"] == mode and r["ms"] is not None]
     if not rows:          # none, or peak memory only (bench --memory)

@@ -1,5 +1,6 @@
 """rlfuse: fused Triton kernels for the GGPO, GPPO and GR-OPD reinforcement-learning losses."""
 from . import divergences, objectives, reference, terms
+from ._version import __version__
 from ._dispatch import (distill_loss, ggpo_loss, gppo_bounds, gppo_loss, gr_opd_advantages,
                         gr_opd_loss, head_logits, kl_penalty, policy_logprobs, policy_loss,
                         ppo_loss, token_divergence, token_logprobs, use_kernels)
@@ -15,4 +16,3 @@ __all__ = ["GGPOLoss", "GPPOLoss", "GROPDLoss", "LinearHead", "Logits", "LossOut
            "packed_index",
            "policy_logprobs", "policy_loss", "ppo_loss", "reference", "terms", "token_divergence", "token_logprobs",
            "use_kernels"]
-__version__ = "0.1.0"

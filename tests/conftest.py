@@ -304,10 +304,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def integration(module: str):
-    """Imports an optional package a test module needs (a trainer the integration tests run
-    against, ``hypothesis``, ``transformers``): the module is skipped where it is not installed
-    (a bare GPU machine collects the rest), an error under ``make test``
-    (``RLFUSE_REQUIRE_INTEGRATIONS=1``), which installs it — so CI never skips them."""
+    """Imports an optional module a test module needs (a trainer the integration tests run
+    against, rlfuse's drop-in for it, ``hypothesis``, ``transformers``): the test module is
+    skipped where the import fails for any reason — the package missing, or one of its own
+    dependencies (TRL installed without ``pandas`` or ``datasets`` imports, and fails at its
+    first trainer: a ``RuntimeError``) — so a GPU machine's bare Python collects the rest; an
+    error under ``make test`` (``RLFUSE_REQUIRE_INTEGRATIONS=1``), which installs them all —
+    so CI never skips them."""
     if os.environ.get("RLFUSE_REQUIRE_INTEGRATIONS") == "1":
         return importlib.import_module(module)
-    return pytest.importorskip(module)
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001  (whatever the import raises)
+        reason = " ".join(str(e).split())     # TRL's message spans lines
+        pytest.skip(f"needs {module}: {type(e).__name__}: {reason}", allow_module_level=True)

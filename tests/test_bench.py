@@ -279,12 +279,14 @@ def test_memory_mode_measures_peak_memory_side_by_side(tmp_path):
     assert "peak MiB trl" in table and "fused vs trl" in table
 
 
-def test_trl_kernels_load_without_trls_dependencies():
-    """The GPU check's machine has torch and triton only: TRL installed without its
-    dependencies (``transformers``, ``accelerate``, ``datasets`` unimportable) gives its
-    kernels alone (``bench.trl_kernels``), whose values and gradients on the benchmark's
-    inputs are the bits of TRL's own import (``trl_kernels_worker.py``, each in a process of
-    its own on one thread: the torch ops' sums in one order)."""
+@pytest.mark.parametrize("missing", ["transformers,accelerate,datasets", "pandas,datasets"])
+def test_trl_kernels_load_without_trls_dependencies(missing):
+    """TRL installed without its dependencies, on a GPU machine with torch and triton alone
+    (``transformers``, ``accelerate``, ``datasets`` unimportable) or with ``transformers``
+    but not ``pandas`` nor ``datasets`` (what ``trl.trainer.utils`` imports), gives its kernels
+    alone (``bench.trl_kernels``), whose values and gradients on the benchmark's inputs are the
+    bits of TRL's own import (``trl_kernels_worker.py``, each in a process of its own on one
+    thread: the torch ops' sums in one order)."""
     pytest.importorskip("trl")
     from conftest import process_env
     from trl_kernels_worker import OPS
@@ -296,7 +298,7 @@ def test_trl_kernels_load_without_trls_dependencies():
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return json.loads(proc.stdout.splitlines()[-1])
 
-    alone, whole = run("--kernels-only"), run()
+    alone, whole = run("--missing", missing), run()
     assert sorted(alone) == sorted(whole) == sorted(OPS)
     for name in OPS:
         assert alone[name] == whole[name], name

@@ -1,7 +1,7 @@
 """The GPU check (``bench/gpu_check.sh``) dry-run on the CPU (``GPU_CHECK_CPU=1``: the
-interpreter, tiny shapes, no warm-up and no installs): every phase runs within its budget and
-``$OUT`` holds the run's files, at most 8 (what the device tool returns); the per-test time
-limit the check sets fails a test that overruns, and the run goes on."""
+interpreter, tiny shapes, no warm-up and no installs) with the packages of a GPU machine's own
+Python: every phase runs within its budget and ``$OUT`` holds the run's files, at most 8; the
+per-test time limit the check sets fails a test that overruns, and the run goes on."""
 import json
 import os
 import subprocess
@@ -11,17 +11,21 @@ from conftest import ROOT, process_env
 FILES = {"bench.txt", "pytest.txt", "sweep.json", "sweep.md"}
 
 
-# What a bare GPU machine lacks (it has torch, triton and pytest): the dry run hides them.
-OPTIONAL = ("hypothesis", "transformers", "peft", "trl", "verl", "deepspeed", "liger_kernel",
-            "tensordict", "matplotlib")
+# A GPU machine's Python has torch, triton, numpy, pytest, hypothesis and transformers, and TRL
+# and Liger-Kernel installed without their dependencies: the dry run hides the rest (TRL's
+# trainers then fail to import, for want of pandas or datasets; its kernels load alone).
+HIDDEN = ("pandas", "matplotlib", "datasets", "accelerate", "peft", "verl", "deepspeed",
+          "megatron", "tensordict", "ray")
 
 
 def test_dry_run_writes_its_files(tmp_path):
-    """The whole check on the CPU, with the optional packages hidden: the gpu-marked tests of
-    every test module are collected (none errors) and the run delivers its files."""
+    """The whole check on the CPU, with the GPU machine's packages: the gpu-marked tests of
+    every test module are collected (none errors: a module whose integration does not import
+    is skipped), TRL's and Liger's rows are measured beside rlfuse's, and the run delivers its
+    files."""
     hidden = tmp_path / "hidden"
     hidden.mkdir()
-    for name in OPTIONAL:
+    for name in HIDDEN:
         (hidden / f"{name}.py").write_text(
             f"raise ModuleNotFoundError('{name}: hidden by the dry run')\n")
     out = tmp_path / "out"
@@ -29,13 +33,7 @@ def test_dry_run_writes_its_files(tmp_path):
     env = process_env(
         hidden, ROOT, GPU_CHECK_CPU="1", OUT=str(out), PYTHON=sys.executable,
         drop=("RLFUSE_REQUIRE_INTEGRATIONS",),   # a missing package skips its module
-        # hypothesis's pytest plugin, registered by the installed package, is not there
-        PYTEST_ADDOPTS="-p no:hypothesispytest",
-        RLFUSE_COMMIT="dryrun", GPU_TESTS="tests",
-        CUDA_TESTS="tests/test_numerics.py::test_exp_accurate",
-        # the headline's first ops (test_headline_cases: all of them)
-        BENCH_ARGS="--quick --N 16 --V 300 --impls fused,reference --cpu-reps 1 "
-                   "--op token_logprobs,gppo_logits,gppo_head")
+        RLFUSE_COMMIT="dryrun", GPU_TESTS="tests")
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
@@ -46,13 +44,18 @@ def test_dry_run_writes_its_files(tmp_path):
     assert names == FILES | {"cpu-dryrun.json", "cpu-dryrun.md"} | plot, names
     assert len(names) <= 8
     text = (out / "bench.txt").read_text()
-    for phase in ("environment", "pytest -v -m gpu", "python -m bench --headline",
-                  "vocabulary split", "python -m bench.sweep", f"done: {len(names)} files"):
+    for phase in ("environment", "pytest -m gpu", "python -m bench --headline",
+                  "vocabulary split", "python -m bench.sweep", f"done: {len(names)} files",
+                  "exit codes: bench 0, gpu tests 0, GPU-math tests 0, sweep 0"):
         assert phase in text, phase
-    assert "pytest exit codes: gpu 0, cuda 0" in text and "bench exit code: 0" in text
+    assert text.count("matplotlib is not installed") == 1
     results = json.loads((out / "cpu-dryrun.json").read_text())
+    assert results["header"]["missing_impls"] == {} and results["header"]["errors"] == []
     ops = [r["op"] for r in results["rows"]]
-    assert ops[0] == "token_logprobs" and {"gppo_logits", "gppo_head"} <= set(ops)
+    assert ops[0] == "token_logprobs" and {"gppo_logits", "gppo_head", "ppo_head"} <= set(ops)
+    measured = {(r["op"], r["impl"]) for r in results["rows"]}
+    assert {("ppo_head", "trl"), ("token_logprobs", "trl"), ("ppo_head", "liger"),
+            ("gppo_logits", "liger")} <= measured, measured
     assert {r["mode"] for r in results["rows"]} == {"fwd", "fwd+bwd"}
     assert {r["N"] for r in results["rows"]} == {16} and results["header"]["head_gemms_ms"]
     sweep = json.loads((out / "sweep.json").read_text())
@@ -60,8 +63,35 @@ def test_dry_run_writes_its_files(tmp_path):
     pytest_log = (out / "pytest.txt").read_text()
     assert "SKIPPED" in pytest_log and "2 passed" in pytest_log     # gpu: skipped; cuda: ran
     assert "ERROR" not in pytest_log and "during collection" not in pytest_log, pytest_log[-3000:]
-    for name in ("hypothesis", "trl", "verl", "transformers", "liger_kernel"):
+    assert "needs rlfuse.integrations.trl" in pytest_log, pytest_log[-3000:]
+    for name in ("datasets", "verl", "megatron"):
         assert f"{name}: hidden by the dry run" in pytest_log, (name, pytest_log[-3000:])
+
+
+def test_a_phase_past_its_time_still_prints_its_summary(tmp_path):
+    """A test phase that reaches its time is interrupted (SIGINT), not killed: pytest still
+    prints the tests that ended and its summary, and the check goes on to its next phase."""
+    tests = tmp_path / "test_phase.py"
+    tests.write_text("import time\n\ndef test_fast():\n    pass\n\n"
+                     "def test_hangs():\n    time.sleep(600)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = process_env(
+        ROOT, GPU_CHECK_CPU="1", OUT=str(out), PYTHON=sys.executable, RLFUSE_COMMIT="cut",
+        GPU_TESTS=str(tests), CUDA_TESTS=str(tests), CUDA_TESTS_S="15", TEST_TIMEOUT="0",
+        BENCH_ARGS="--quick --N 16 --V 300 --impls fused --cpu-reps 1 --op token_logprobs "
+                   "--mode fwd",
+        SWEEP_CONFIGS="default")
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    pytest_log = (out / "pytest.txt").read_text()
+    assert "test_phase.py::test_fast PASSED" in pytest_log, pytest_log
+    assert "KeyboardInterrupt" in pytest_log and "1 passed" in pytest_log, pytest_log
+    text = (out / "bench.txt").read_text()
+    # gpu: no test of the file is gpu-marked (5: none collected); cuda: stopped at its time
+    assert "pytest exit codes: gpu 5, cuda 124" in text, text[-2000:]
+    assert "sweep exit code: 0" in text and "done:" in text
 
 
 def test_a_test_past_its_time_limit_fails(tmp_path):

@@ -15,6 +15,7 @@ from conftest import APPROX, TOL, assert_three_way, integration, process_env  # 
 trl = integration("trl")
 transformers = integration("transformers")
 datasets = integration("datasets")
+integration("rlfuse.integrations.trl")      # TRL's trainers, with all they import
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 import rlfuse  # noqa: E402

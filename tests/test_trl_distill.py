@@ -17,6 +17,7 @@ from conftest import TOL, assert_three_way, integration, process_env
 
 trl = integration("trl")
 transformers = integration("transformers")
+integration("rlfuse.integrations.trl")      # TRL's trainers, with all they import
 
 from rlfuse.integrations.trl import (RLFuseDistillationConfig,  # noqa: E402
                                      RLFuseDistillationTrainer)

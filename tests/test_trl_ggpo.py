@@ -12,6 +12,7 @@ import torch
 from conftest import TOL, assert_three_way, integration, process_env  # noqa: E402
 
 trl = integration("trl")
+integration("rlfuse.integrations.trl")      # TRL's trainers, with all they import
 import rlfuse  # noqa: E402
 import rlfuse.reference  # noqa: E402
 from rlfuse.integrations._trl_config import GGPO_BETA as BETA  # noqa: E402

@@ -1,7 +1,7 @@
 """TRL's Triton kernels on the benchmark's inputs (its log-probs and entropy, its chunked head,
 its chunked divergence; the values and the gradients of a training step, ``tools.compare``'s
-step), printed as JSON. With ``--kernels-only``, ``transformers``, ``accelerate`` and
-``datasets`` are made unimportable first, as on the GPU check's machine, so that
+step), printed as JSON. With ``--missing a,b``, the modules named are made unimportable first,
+as on a GPU machine where TRL was installed without its dependencies, so that
 ``bench.trl_kernels`` loads TRL's kernels alone; without it TRL is imported whole
 (``tests/test_bench.py`` runs both, in processes alike, and compares them). In the Triton
 interpreter."""
@@ -30,10 +30,11 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(1)               # one order for the torch ops' sums in every run
-    kernels_only = "--kernels-only" in sys.argv
-    if kernels_only:
-        for missing in ("transformers", "accelerate", "datasets"):
-            sys.modules[missing] = None        # import raises ImportError
+    missing = sys.argv[sys.argv.index("--missing") + 1].split(",") \
+        if "--missing" in sys.argv else []
+    for name in missing:
+        sys.modules[name] = None               # import raises ImportError
+    kernels_only = bool(missing)
     result = outputs()
     loaded = getattr(sys.modules["trl.trainer.utils"], "KERNELS_ONLY", False)
     assert loaded == kernels_only, f"TRL's kernels alone: {loaded}"

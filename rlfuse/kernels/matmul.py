@@ -57,6 +57,19 @@ def fixed_dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     return product
 
 
+@triton.jit
+def fixed_dot_on_chip(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``fixed_dot`` where ``a`` was computed on the chip from another product's tile (a
+    gradient's tile times a weight): fp64 as the sum of the broadcast products over K, in one
+    fixed tree order (Triton 3.6 cannot lower an fp64 MMA whose operand is another MMA's
+    result: "fp64 don't support largeK MMA"); other dtypes as ``fixed_dot``."""
+    if a.dtype == tl.float64:
+        product = tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    else:
+        product = fixed_dot(a, b, IEEE, UPCAST)
+    return product
+
+
 @triton.jit(do_not_specialize=["M", "K"])   # one binary for any row count
 def _matmul_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr,

@@ -22,6 +22,33 @@ if INTERPRET:
     warnings.filterwarnings("ignore", category=RuntimeWarning,
                             module="triton.runtime.interpreter")
 
+
+def _index_scalars_of_any_shape() -> None:
+    """Triton <= 3.6's interpreter turns a scalar into a Python int (``range(0, n)`` over a
+    computed ``n``) with ``int()`` of its one-element array, which numpy >= 2.4 refuses for an
+    array of one dimension; Triton 3.7 and newer squeeze it first, as this does for the older
+    ones (their lanes of one element are the same values)."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_index", False):
+        return
+
+    def patched(tensor, *scope):
+        patch(tensor, *scope)
+        index = lambda self: int(self.handle.data.squeeze())  # noqa: E731
+        if scope:   # restored after the kernel by the scope, as Triton's own patches
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    patched.squeezes_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _index_scalars_of_any_shape()
+
 # What every freshly allocated kernel output is filled with (None: nothing). Tests set NaN (-1 for
 # integers), so that an element a kernel forgets to write fails the comparison instead of passing
 # by luck; the compile-only driver (``tools/gpu_compile.py``), whose launches write nothing, 0.
