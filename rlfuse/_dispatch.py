@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import warnings
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -39,6 +40,34 @@ def use_kernels(device: Union[torch.device, str]) -> bool:
     return device.type == "cpu" and INTERPRET
 
 
+def fallback_reason(device: torch.device) -> Optional[str]:
+    """Why a call on ``device`` runs the reference where the kernels were expected — tensors on
+    an accelerator, or ``TRITON_INTERPRET=1`` in the environment now — else None (the kernels
+    run, or the CPU without the interpreter asked for: the documented reference)."""
+    if device.type == "cuda" and not HAVE_TRITON:
+        return "CUDA tensors, but triton is not importable (pip install triton)"
+    if device.type == "cpu" and not INTERPRET and HAVE_TRITON and \
+            os.environ.get("TRITON_INTERPRET") == "1":
+        return ("TRITON_INTERPRET=1 was set after rlfuse was imported (set it before Python "
+                "starts, or at least before `import rlfuse`)")
+    if device.type not in ("cpu", "cuda"):
+        return (f"tensors on {device.type}: the kernels run on CUDA devices (and on the CPU "
+                f"with TRITON_INTERPRET=1)")
+    return None
+
+
+_WARNED = set()
+
+
+def warn_fallback(device: torch.device) -> None:
+    """A warning, once per reason in a process, where ``fallback_reason`` gives one."""
+    reason = fallback_reason(device)
+    if reason is not None and reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"rlfuse runs its plain-torch reference, not its fused kernels: {reason}",
+                      RuntimeWarning, stacklevel=2)
+
+
 def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     """The dtype ``torch.autocast`` casts to on ``device``'s type, None when it is off."""
     kind = device.type
@@ -65,6 +94,8 @@ class Dispatch(NamedTuple):
         xs = [gather_sequence(local_policy(y)) for y in (x, *others)]
         device = policy_device(xs[0])
         if self.fused is None or device is None or not use_kernels(device):
+            if device is not None:
+                warn_fallback(device)
             yield (self.reference, *xs)
             return
         dtype = autocast_dtype(device)

@@ -1,5 +1,6 @@
 """Shared test configuration: the tolerances, the three-way check, the implementations under test,
-output poisoning, the guard that the kernels really run, and a per-test time limit.
+output poisoning, the guard that the kernels really run, a per-test time limit and the progress
+lines of a long run (``progress.py``).
 
 The suite runs the real Triton kernels on the CPU through the interpreter (``TRITON_INTERPRET=1``
 must be set before triton is imported; ``make test`` does, and so does this file when it is
@@ -18,6 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
+import progress  # noqa: E402
 import rlfuse  # noqa: E402
 import rlfuse.kernels.utils as kernel_utils  # noqa: E402
 
@@ -288,7 +290,12 @@ def poison_outputs():
     kernel_utils.OUTPUT_FILL = None
 
 
+def pytest_addoption(parser):
+    progress.addoption(parser)
+
+
 def pytest_configure(config):
+    progress.register(config)
     config.addinivalue_line("markers", "gpu: needs a CUDA device (real sizes, speed smoke)")
     config.addinivalue_line("markers", "slow: minutes on a 2-core CPU; left out of `make test`, "
                                        "run by `make check` (CI)")

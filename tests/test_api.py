@@ -115,16 +115,55 @@ def test_use_kernels_takes_a_device_or_its_name():
         use_kernels("not a device")
 
 
+def _without_the_interpreter(*args: str) -> str:
+    """What ``python *args`` prints in a process without TRITON_INTERPRET."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          check=True).stdout
+
+
 def test_without_the_interpreter_the_cpu_runs_the_reference():
-    """On the CPU without TRITON_INTERPRET, calls fall back to the reference, the same results."""
+    """On the CPU without TRITON_INTERPRET, calls fall back to the reference, the same results,
+    silently (``-W error``: no warning): the CPU's documented path."""
     code = ("import torch, rlfuse; print(rlfuse.use_kernels('cpu')); "
             "x = torch.randn(2, 3, 5); y = torch.randint(0, 5, (2, 3)); "
             "print(torch.equal(rlfuse.token_logprobs(x, y), "
             "rlfuse.reference.token_logprobs(x, y)))")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.split() == ["False", "True"]
+    assert _without_the_interpreter("-W", "error", "-c", code).split() == ["False", "True"]
+
+
+def test_the_interpreter_asked_for_too_late_warns_once():
+    """``TRITON_INTERPRET=1`` set after ``import rlfuse`` cannot run the kernels: the
+    reference runs (the same results) and says so once, not at every call."""
+    code = ("import os, warnings, torch, rlfuse; os.environ['TRITON_INTERPRET'] = '1'; "
+            "x = torch.randn(2, 3, 5); y = torch.randint(0, 5, (2, 3))\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    same = [torch.equal(rlfuse.token_logprobs(x, y), "
+            "rlfuse.reference.token_logprobs(x, y)) for _ in range(2)]\n"
+            "print(all(same), len(caught)); print(caught[0].message)")
+    same, told, message = _without_the_interpreter("-c", code).strip().split(maxsplit=2)
+    assert (same, told) == ("True", "1")
+    assert "reference, not its fused kernels: TRITON_INTERPRET=1 was set after rlfuse was " \
+           "imported" in message
+
+
+def test_fallback_reasons(monkeypatch):
+    """Where the kernels were expected (tensors on an accelerator) but cannot run, the fallback
+    has a reason; where they run, or on the CPU without the interpreter, none."""
+    from rlfuse import _dispatch
+
+    assert _dispatch.fallback_reason(torch.device("cuda")) is None
+    assert _dispatch.fallback_reason(torch.device("cpu")) is None      # interpreted here
+    assert "tensors on mps" in _dispatch.fallback_reason(torch.device("mps"))
+    monkeypatch.setattr(_dispatch, "HAVE_TRITON", False)
+    assert "triton is not importable" in _dispatch.fallback_reason(torch.device("cuda"))
+    monkeypatch.setattr(_dispatch, "HAVE_TRITON", True)
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "set after rlfuse was imported" in _dispatch.fallback_reason(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert _dispatch.fallback_reason(torch.device("cpu")) is None
 
 
 def test_without_triton_the_reference_runs_every_call():
@@ -370,3 +409,19 @@ def test_one_switch_for_a_missing_triton():
                  if any(i.startswith("rlfuse.fused_losses") for i in imports)
                  and not name.startswith("rlfuse.fused_losses")}
     assert importers == {"rlfuse._dispatch"}
+
+
+def test_the_package_metadata():
+    """One version, written in ``rlfuse/_version.py`` (``setup.py`` reads it there); the
+    license ``setup.py`` declares in ``LICENSE``; a changelog; ``py.typed`` shipped; numpy a
+    dependency (Triton's interpreter runs on it); the Python torch >= 2.10 supports."""
+    setup = (ROOT / "setup.py").read_text()
+    written = [p for p in PACKAGE.rglob("*.py") if '__version__ = "' in p.read_text()]
+    assert written == [PACKAGE / "_version.py"]
+    assert '"rlfuse" / "_version.py"' in setup and "version=VERSION" in setup
+    assert f"\n## {rlfuse.__version__}\n" in (ROOT / "CHANGELOG.md").read_text()
+    assert 'license="Apache-2.0"' in setup
+    assert (ROOT / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert (PACKAGE / "py.typed").is_file() and '"rlfuse": ["py.typed"]' in setup
+    assert '"numpy"' in setup.split("install_requires=")[1].split("]")[0]
+    assert 'python_requires=">=3.10"' in setup

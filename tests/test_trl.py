@@ -262,6 +262,8 @@ def test_each_rlfuse_loss_trains(loss, extra, tmp_path):
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert any(f"rlfuse/{name}" in h for h in trainer.state.log_history
                for name in ("ratio_mean", "gap", "adv_mean"))
+    fused = [h["rlfuse/fused"] for h in trainer.state.log_history if "rlfuse/fused" in h]
+    assert fused and set(fused) == {1.0}                 # the kernels ran, and it is logged
     moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert moved
 

@@ -136,6 +136,7 @@ def test_default_precision(tmp_path):
     logged = [h for h in ours.state.log_history if "loss" in h]
     assert len(logged) == 2
     assert all(math.isfinite(h["loss"]) and math.isfinite(h["entropy"]) for h in logged)
+    assert all(h["rlfuse/fused"] == 1.0 for h in logged)   # the kernels ran, and it is logged
 
 
 def test_batch_invariant_heads_under_the_default_precision(tmp_path, monkeypatch):

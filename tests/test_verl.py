@@ -61,6 +61,7 @@ def test_rlfuse_ppo_is_verl_vanilla(mode, info, weighted, device):
     for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
         assert ours[2][key] == pytest.approx(theirs[2][key], **APPROX["fp32_metric"]), key
     assert ours[2]["actor/rlfuse_overflow"] == 0.0
+    assert ours[2]["actor/rlfuse_fused"] == float(rlfuse.use_kernels(device))   # the kernels ran
 
 
 @pytest.mark.parametrize("low, high, c", [(0.2, 0.2, 3.0), (0.1, 0.3, 1.5), (0.2, 0.28, 10.0)])

@@ -217,7 +217,8 @@ def test_actor_loss_is_verls(loss_agg_mode, kl_loss_type):
         results.append((loss.detach(), metrics, grads))
     theirs, ours, ref64 = results
     assert_three_way(ours[0], theirs[0], ref64[0], "loss")
-    assert set(ours[1]) == set(theirs[1]) | {"actor/rlfuse_overflow"}
+    assert set(ours[1]) == set(theirs[1]) | {"actor/rlfuse_overflow", "actor/rlfuse_fused"}
+    assert ours[1]["actor/rlfuse_fused"] == 1.0          # the kernels ran
     for key, want in theirs[1].items():
         assert ours[1][key] == pytest.approx(want, **APPROX["fp32_metric"]), key
     for (name, _), got, want, want64 in zip(base.named_parameters(), ours[2], theirs[2],

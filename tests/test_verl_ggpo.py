@@ -69,7 +69,7 @@ def verl_step(uids, mask, scores, old, ref, lp, parts=1):
         loss, metrics = loss_fn(old[rows], x[rows], adv[rows], mask[rows],
                                 loss_agg_mode="token-mean", config=cfg)
         total = total + loss
-        assert set(metrics) == {"actor/ggpo_gap", "actor/ggpo_q_max"}
+        assert set(metrics) == {"actor/ggpo_gap", "actor/ggpo_q_max", "actor/rlfuse_fused"}
     (grad,) = torch.autograd.grad(total, x)
     return total.detach(), grad
 

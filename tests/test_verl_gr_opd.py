@@ -90,7 +90,8 @@ def verl_loss(adv, mask, old, lp, parts, config=None):
         loss, metrics = loss_fn(old[rows], x[rows], adv[rows], mask[rows].to(lp.dtype),
                                 loss_agg_mode="seq-mean-token-mean", config=config or actor())
         total = total + loss
-        assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/rlfuse_overflow"}
+        assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/rlfuse_overflow",
+                                "actor/rlfuse_fused"}
     (grad,) = torch.autograd.grad(total, x)
     return total.detach(), grad
 

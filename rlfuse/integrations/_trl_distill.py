@@ -123,6 +123,9 @@ class RLFuseDistillationTrainer(DistillationTrainer):
             raise ValueError(f"teacher_model: its output head is on {t_head.weight.device}, the "
                              f"student's on {s_head.weight.device}; place both on one device")
         device = s_head.weight.device
+        # whether rlfuse's kernels ran (1) or its plain-torch reference (0)
+        self._metrics["train" if self.model.training else "eval"]["rlfuse/fused"].append(
+            float(rlfuse.use_kernels(device)))
         loss, entropy_sum, n_valid = chunked_divergence_loss(
             student_hidden.to(device), teacher_hidden.to(device), s_head.weight, t_head.weight,
             loss_mask.to(device), self.beta, num_items_in_batch=num_items_in_batch,

@@ -1,9 +1,13 @@
-"""verl's loss aggregation as rlfuse's arguments (``rlfuse.integrations.verl``)."""
+"""What rlfuse's losses in verl share (``rlfuse.integrations.verl``): verl's loss aggregation
+as rlfuse's arguments, its clip, a row's value from its tokens, and the metric that says whether
+the fused kernels ran."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+import rlfuse
 
 
 def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor,
@@ -54,3 +58,9 @@ def row_values(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     quantity (an estimator's advantages) read at the row's first token of ``mask`` (bool)."""
     first = mask.to(torch.int8).argmax(-1, keepdim=True)
     return per_token.gather(-1, first).squeeze(-1)
+
+
+def fused_metric(x: torch.Tensor) -> Dict[str, float]:
+    """``actor/rlfuse_fused``: 1.0 where rlfuse's kernels ran on ``x``'s device, 0.0 where its
+    plain-torch reference did (``rlfuse.use_kernels``), in the step's metrics."""
+    return {"actor/rlfuse_fused": float(rlfuse.use_kernels(x.device))}

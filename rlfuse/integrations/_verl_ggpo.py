@@ -20,7 +20,7 @@ import torch
 from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 
 import rlfuse
-from ._verl_aggregation import row_values, verl_aggregation
+from ._verl_aggregation import fused_metric, row_values, verl_aggregation
 
 
 def _check_groups(index) -> None:
@@ -80,5 +80,5 @@ def compute_policy_loss_rlfuse_ggpo(old_log_prob, log_prob, advantages, response
     out = rlfuse.ggpo_loss(log_prob, old_log_prob, rewards, mask, group_size=config.rollout_n,
                            beta=1.0, num_tokens=agg["num_tokens"], validate=False)
     metrics = {"actor/ggpo_gap": out.metrics["gap"].item(),
-               "actor/ggpo_q_max": out.metrics["q_max"].item()}
+               "actor/ggpo_q_max": out.metrics["q_max"].item(), **fused_metric(log_prob)}
     return out.loss, metrics

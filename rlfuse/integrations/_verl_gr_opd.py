@@ -19,7 +19,7 @@ from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 
 import rlfuse
 from rlfuse import objectives
-from ._verl_aggregation import row_values, verl_aggregation, verl_clip
+from ._verl_aggregation import fused_metric, row_values, verl_aggregation, verl_clip
 from ._verl_ggpo import kl_in_reward_coef
 
 NAME = "rlfuse_gr_opd"
@@ -119,4 +119,5 @@ def compute_policy_loss_rlfuse_gr_opd(old_log_prob, log_prob, advantages, respon
     return out.loss, {"actor/pg_clipfrac": (found["clip_frac_low"] +
                                             found["clip_frac_high"]).item(),
                       "actor/ppo_kl": found["approx_kl"].item(),
-                      "actor/rlfuse_overflow": found["overflow"].item()}
+                      "actor/rlfuse_overflow": found["overflow"].item(),
+                      **fused_metric(log_prob)}

@@ -380,6 +380,8 @@ class RLFuseGRPOTrainer(GRPOTrainer):
         for a sequence-level ratio and VESPO's per-sequence weight), extremes over every
         process's sequences."""
         gather = self.accelerator.gather
+        # whether rlfuse's kernels ran (1) or its plain-torch reference (0)
+        self._metrics[mode]["rlfuse/fused"].append(float(rlfuse.use_kernels(mask.device)))
         for name, value in metrics.items():
             self._metrics[mode][f"rlfuse/{name}"].append(gather(value.detach()).nanmean().item())
         tokens = mask.sum().to(torch.float32)

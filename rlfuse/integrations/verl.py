@@ -42,7 +42,7 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 import rlfuse
 from rlfuse import objectives
 from . import _verl_ggpo, _verl_gr_opd  # noqa: F401  (GGPO's and GR-OPD's estimators, losses)
-from ._verl_aggregation import verl_aggregation, verl_clip
+from ._verl_aggregation import fused_metric, verl_aggregation, verl_clip
 from ._verl_backend import (BACKEND, install, linear_cross_entropy, log_probs_and_entropy,
                             patch_forward_with_backends, patch_megatron)
 
@@ -104,8 +104,9 @@ def _or(value, default):
 
 
 def _metrics(names: Dict[str, Any], found: Dict[str, torch.Tensor]) -> Dict[str, float]:
-    """verl's metric names (and values: floats) from rlfuse's metrics."""
-    out = {}
+    """verl's metric names (and values: floats) from rlfuse's metrics, and whether the fused
+    kernels ran."""
+    out = fused_metric(next(iter(found.values())))
     for verl_name, ours in names.items():
         if ours is None:
             out[verl_name] = 0.0
@@ -186,7 +187,8 @@ def compute_policy_loss_rlfuse_bypass_mode(old_log_prob: torch.Tensor, log_prob:
         loss, _ = _loss("gpg", old_log_prob, log_prob, advantages, mask, loss_agg_mode, config,
                         weights)
         kl = (old_log_prob - log_prob.detach()) * mask
-        metrics = {"actor/ppo_kl": (kl.sum() / (mask.sum() + 1e-8)).item()}
+        metrics = {"actor/ppo_kl": (kl.sum() / (mask.sum() + 1e-8)).item(),
+                   **fused_metric(log_prob)}
     else:
         raise ValueError(f"Invalid loss_type: {loss_type}. Must be 'reinforce' or 'ppo_clip'.")
     metrics.update(corr_metrics)

@@ -20,8 +20,7 @@ import triton.language as tl
 
 from .head import softcap
 from .rows import dlogits_coefficients, dlogits_of
-from .matmul import (BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS, dot_modes, fixed_dot_on_chip,
-                     fixed_tile)
+from .matmul import BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS, dot_modes, fixed_dot, fixed_tile
 from .utils import empty, fp64_values, tl_compute_dtype
 from .vocab_blocks import (BLOCK_COLUMNS, BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, block_statistics,
                            half_statistics, store_block)
@@ -186,7 +185,7 @@ def add_tile_product(acc_ptr, stride_acc, out_rows, live, d, b_ptr, b_rows, b_li
         at = acc_ptr + out_rows[:, None].to(tl.int64) * stride_acc + cols[None, :]
         inside = live[:, None] & (cols[None, :] < H)
         acc = tl.load(at, mask=inside, other=0.0)
-        acc += fixed_dot_on_chip(d, b, IEEE, UPCAST)
+        acc += fixed_dot(d, b, IEEE, UPCAST)
         tl.store(at, acc, mask=inside)
 
 

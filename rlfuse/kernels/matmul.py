@@ -7,8 +7,8 @@ values, the row's position): the batch-invariant head's logits and hidden-state 
 weight gradient, the same run to run (no atomics).
 
 fp32 inputs are multiplied in full fp32 (``input_precision="ieee"``: no TF32), bf16 / fp16 on
-the tensor cores; the sums are fp32 (fp64 for fp64 inputs), rounded once to the output's
-dtype.
+the tensor cores, fp64 without them (``fixed_dot``); the sums are fp32 (fp64 for fp64 inputs),
+rounded once to the output's dtype.
 """
 from __future__ import annotations
 
@@ -46,27 +46,19 @@ def fixed_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, s
 
 @triton.jit
 def fixed_dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` as the fixed-order matmul multiplies (``dot_modes``): fp32 / fp64 in full
-    precision, 16-bit floats on the tensor cores."""
-    if UPCAST:   # the interpreter multiplies no 16-bit floats: the exact products in fp32
+    """``a @ b`` as the fixed-order matmul multiplies (``dot_modes``): fp32 in full precision,
+    16-bit floats on the tensor cores, fp64 as the sum over K of the broadcast products, in one
+    fixed tree order (no fp64 ``tl.dot``: Triton 3.3 and 3.4 have none, and 3.6 cannot lower
+    one whose operand is another product's result, "fp64 don't support largeK MMA"; fp64 is
+    the testing dtype)."""
+    if a.dtype == tl.float64:
+        product = tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    elif UPCAST:   # the interpreter multiplies no 16-bit floats: the exact products in fp32
         product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif IEEE:
         product = tl.dot(a, b, input_precision="ieee")
     else:
         product = tl.dot(a, b)
-    return product
-
-
-@triton.jit
-def fixed_dot_on_chip(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``fixed_dot`` where ``a`` was computed on the chip from another product's tile (a
-    gradient's tile times a weight): fp64 as the sum of the broadcast products over K, in one
-    fixed tree order (Triton 3.6 cannot lower an fp64 MMA whose operand is another MMA's
-    result: "fp64 don't support largeK MMA"); other dtypes as ``fixed_dot``."""
-    if a.dtype == tl.float64:
-        product = tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-    else:
-        product = fixed_dot(a, b, IEEE, UPCAST)
     return product
 
 
