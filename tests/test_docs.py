@@ -4,7 +4,9 @@ below fills with the small objects the text refers to, such as a model or a batc
 of the same NAME continue it; every namespace starts with ``torch`` and ``rlfuse`` imported, as
 the pages assume), each ``bash`` block's commands name what exists (Makefile
 targets, modules, scripts), and their ``--help`` commands run. ``text`` blocks are formulas and
-maps, not code. Every page is linked from the README."""
+maps, not code. Every page is linked from the README. The pages are short where they are read:
+the README at most 12,000 characters, no paragraph or list item over 1,000, no table cell over
+500."""
 import importlib.util
 import os
 import re
@@ -243,3 +245,43 @@ def test_shell_commands_name_what_exists(page, line, command):
         assert program == "pip" or all((ROOT / a).exists() for a in args if "/" in a), command
     else:
         pytest.fail(f"{page.name}:{line}: a command of an unknown program: {command}")
+
+
+# --------------------------------------------------------------------------------------------
+# Short where read
+# --------------------------------------------------------------------------------------------
+
+README_CHARS, PARAGRAPH_CHARS, CELL_CHARS = 12_000, 1_000, 500
+FENCE = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.S | re.M)
+MARKER = re.compile(r"^<!--.*-->[ \t]*$", re.M)          # a line that is a comment alone
+LIST_ITEM = re.compile(r"^[ \t]*(?:[-*+]|\d+\.)[ \t]", re.M)
+
+
+def _paragraphs_and_cells(text: str):
+    """("paragraph" or "cell", text) of a page outside its fenced blocks: a block between blank
+    lines whose every line starts with ``|`` is a table, each of its cells one piece; any other
+    block is cut where a list item starts, each item (and the text before the first) one
+    paragraph."""
+    text = MARKER.sub("", FENCE.sub("", text))
+    for block in re.split(r"\n[ \t]*\n", text):
+        lines = [line.strip() for line in block.splitlines() if line.strip()]
+        if lines and all(line.startswith("|") for line in lines):
+            for line in lines:
+                for cell in re.split(r"(?<!\\)\|", line.strip("|")):
+                    yield "cell", cell.strip()
+            continue
+        starts = [m.start() for m in LIST_ITEM.finditer(block)]
+        for begin, end in zip([0] + starts, starts + [len(block)]):
+            if block[begin:end].strip():
+                yield "paragraph", block[begin:end].strip()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_are_short_where_read(page):
+    text = page.read_text()
+    if page == ROOT / "README.md":
+        assert len(text) <= README_CHARS, f"README.md: {len(text)} characters"
+    limit = {"paragraph": PARAGRAPH_CHARS, "cell": CELL_CHARS}
+    long = [f"a {kind} of {len(piece)} characters: {piece[:80]!r}"
+            for kind, piece in _paragraphs_and_cells(text) if len(piece) > limit[kind]]
+    assert not long, long
