@@ -73,8 +73,8 @@ $(GPU_VENV)/.installed: setup.py
 gpu-env-check: $(GPU_VENV)/.installed
 	$(call logged,$(GPU_VENV)/bin/python -m pytest --collect-only -q -m gpu \
 		-p no:cacheprovider tests,$(GPU_VENV)/collect.log)
-	$(call logged,env -u TRITON_INTERPRET $(GPU_VENV)/bin/python -m tools.gpu_compile \
-		--arch 90 --jobs 2,$(GPU_VENV)/compile.log)
+	$(call logged,env -u TRITON_INTERPRET TRITON_CACHE_DIR=$$(mktemp -d) \
+		$(GPU_VENV)/bin/python -m tools.gpu_compile --arch 90 --jobs 2,$(GPU_VENV)/compile.log)
 	$(call logged,GPU_CHECK_CPU=1 PYTHON=$(GPU_VENV)/bin/python OUT=$$(mktemp -d) \
 		bash bench/gpu_check.sh,$(GPU_VENV)/dry-run.log)
 

@@ -432,7 +432,7 @@ def rlfuse_for_trl(policy, old, adv, mask, *, loss_type, eps_low, eps_high, leve
                    delta=None, beta=0.0, ref=None, bias_correction=True, tau=(1.0, 1.0625),
                    vespo=(2.0, 3.0, 3.0, 2.0), is_ratio=None, top_q=1.0, entropy_coef=0.0,
                    opsm=None, sampling=None, max_len=None, num_items=None):
-    """The rlfuse call of each TRL loss_type and option (the README's table)."""
+    """The rlfuse call of each TRL loss_type and option (docs/trl.md's table)."""
     clip = (eps_low, eps_high)
     if loss_type == "cispo":
         objective = O.CISPOTRL(epsilon_high=eps_high, ratio_level=level)

@@ -100,7 +100,7 @@ def test_rlfuse_gppo_and_register_gppo(device):
 
 
 def test_gr_opd_as_advantage_estimator(device):
-    """The README's recipe: GR-OPD's advantages from the teacher's log-probs, trained by
+    """docs/verl.md's recipe: GR-OPD's advantages from the teacher's log-probs, trained by
     rlfuse_ppo with seq-mean-token-mean and a dual clip that never binds, is gr_opd_loss."""
     old, lp, _, mask, _ = batch(14, device)
     mask[3, 0] = 1                                  # GR-OPD needs a token in every response

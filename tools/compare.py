@@ -178,7 +178,8 @@ def format_table(rows: List[dict], V: int) -> str:
         "written in torch has only these), the ratio rlfuse / peer of the reads in all (the "
         "kernels' distinct reads and the torch ops'), the instructions and MUFU operations "
         "per logit (per thread) in the vocabulary loops of the step's Triton kernels compiled "
-        "for sm_90 in bf16 (`tools.step_sass`: a model, not time), the max "
+        "for sm_90 in bf16 (`tools.step_sass`: a model, not time).", "",
+        "The columns then give the max "
         "error against float64 of the values and of the gradients (to the logits; a head's: "
         "to the hidden states and the weight), relative to the float64 result's scale, and "
         "the extra peak memory of the step per actor token in units of one row of logits in "

@@ -15,19 +15,13 @@ import triton.language as tl
 # `@triton.jit` picks the interpreter when the kernels are decorated, i.e. when this package is
 # imported (``_dispatch.INTERPRET`` is the same decision).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if INTERPRET:
-    # The interpreter runs the kernels on numpy, which warns about IEEE results (log 0, inf *
-    # 0, overflow) in the lanes a kernel computes and then discards with tl.where, as a GPU
-    # does silently.
-    warnings.filterwarnings("ignore", category=RuntimeWarning,
-                            module="triton.runtime.interpreter")
 
 
 def _index_scalars_of_any_shape() -> None:
-    """Triton <= 3.6's interpreter turns a scalar into a Python int (``range(0, n)`` over a
-    computed ``n``) with ``int()`` of its one-element array, which numpy >= 2.4 refuses for an
-    array of one dimension; Triton 3.7 and newer squeeze it first, as this does for the older
-    ones (their lanes of one element are the same values)."""
+    """Triton 3.6's interpreter (and older ones) turns a scalar into a Python int (``range(0,
+    n)`` over a computed ``n``) with ``int()`` of its one-element array, which numpy >= 2.4
+    refuses for an array of one dimension; Triton 3.9's squeezes it first, as this does for the
+    older ones."""
     from triton.runtime import interpreter
 
     patch = getattr(interpreter, "_patch_lang_tensor", None)
@@ -47,6 +41,11 @@ def _index_scalars_of_any_shape() -> None:
 
 
 if INTERPRET:
+    # The interpreter runs the kernels on numpy, which warns about IEEE results (log 0, inf *
+    # 0, overflow) in the lanes a kernel computes and then discards with tl.where, as a GPU
+    # does silently.
+    warnings.filterwarnings("ignore", category=RuntimeWarning,
+                            module="triton.runtime.interpreter")
     _index_scalars_of_any_shape()
 
 # What every freshly allocated kernel output is filled with (None: nothing). Tests set NaN (-1 for
