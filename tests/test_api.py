@@ -425,3 +425,34 @@ def test_the_package_metadata():
     assert (PACKAGE / "py.typed").is_file() and '"rlfuse": ["py.typed"]' in setup
     assert '"numpy"' in setup.split("install_requires=")[1].split("]")[0]
     assert 'python_requires=">=3.10"' in setup
+
+
+def test_loss_modules_hold_their_hyper_parameters(device):
+    """``PolicyLoss`` and ``DistillLoss`` are their functions with the module's
+    hyper-parameters, which are attributes: set between calls, they take effect, and the
+    module's repr shows them."""
+    from rlfuse.divergences import JSD
+
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 4, 5, 37
+    logits = torch.randn(B, T, V, generator=g).to(device).requires_grad_()
+    teacher = torch.randn(B, T, V, generator=g).to(device)
+    targets = torch.randint(0, V, (B, T), generator=g).to(device)
+    mask = (torch.rand(B, T, generator=g) < 0.8).to(device)
+    old = -torch.rand(B, T, generator=g).to(device)
+    adv = torch.randn(B, generator=g).to(device)
+    policy = rlfuse.Logits(logits, targets)
+    module = rlfuse.PolicyLoss("cispo", agg="token-mean")
+    assert torch.equal(module(policy, old, adv, mask).loss,
+                       rlfuse.policy_loss(policy, old, adv, mask, "cispo", agg="token-mean").loss)
+    module.objective = "clip"
+    assert torch.equal(module(policy, old, adv, mask).loss,
+                       rlfuse.policy_loss(policy, old, adv, mask, "clip", agg="token-mean").loss)
+    assert "objective='clip'" in repr(module) and "agg='token-mean'" in repr(module)
+    models = (policy, rlfuse.Logits(teacher, targets))
+    distill = rlfuse.DistillLoss(JSD(0.5))
+    assert torch.equal(distill(*models, mask).loss,
+                       rlfuse.distill_loss(*models, mask, JSD(0.5)).loss)
+    distill.divergence, distill.agg = JSD(0.9), "token-sum"
+    assert torch.equal(distill(*models, mask).loss,
+                       rlfuse.distill_loss(*models, mask, JSD(0.9), agg="token-sum").loss)

@@ -547,11 +547,20 @@ def test_top_k_heads_against_float64(min_logprob, dtype, validate):
 
 
 def test_token_divergence_is_the_loss_per_token():
+    """``token_divergence`` in ``distill_loss``'s order (mask, then divergence) is the loss per
+    token; the earlier order (divergence, then mask) and keywords give the same bits."""
     student, teacher, mask = _batch()
     leaf = student.clone().requires_grad_()
     args = (rlfuse.Logits(leaf, _positions()), rlfuse.Logits(teacher, _positions()))
-    per_token = rlfuse.token_divergence(*args, JSD(0.5), mask)
+    per_token = rlfuse.token_divergence(*args, mask, JSD(0.5))
     assert per_token.shape == (B, T) and (per_token[~mask] == 0).all()
+    for same in (rlfuse.token_divergence(*args, JSD(0.5), mask),
+                 rlfuse.token_divergence(*args, divergence=JSD(0.5), mask=mask)):
+        assert torch.equal(same, per_token)
+    whole = rlfuse.token_divergence(*args, divergence=JSD(0.5))
+    assert torch.equal(whole, rlfuse.token_divergence(*args, JSD(0.5)))
+    with pytest.raises(TypeError, match="divergence: expected"):
+        rlfuse.token_divergence(*args, mask)
     out = rlfuse.distill_loss(*args, mask, JSD(0.5), agg="token-sum", loss_scale=2.0,
                               weights=mask.float() * 0.5)
     torch.testing.assert_close(out.loss, per_token.sum(), **TOL["fp32"])

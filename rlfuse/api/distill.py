@@ -13,7 +13,7 @@ from ..checks.policy import (PolicyInfo, check_policy, check_policy_targets, pol
                              vocab_size)
 from ..checks.values import (check_choice, check_count, check_loss_scale, check_tensor,
                              check_token_tensors)
-from ..divergences import check_divergence
+from ..divergences import Divergence, check_divergence
 from ..scaleout import layout, vocab
 from ..scaleout.vocab import vocab_group_size
 from ..shared.aggregation import aggregation_weights
@@ -127,11 +127,13 @@ def check_distill_args(student, teacher, mask, divergence, *, validate: bool) ->
     return DistillArgs(info, mask)
 
 
-def token_divergence(run, student, teacher, divergence, mask: Optional[torch.Tensor] = None,
-                     *, validate: bool = True, return_metrics: bool = False):
+def token_divergence(run, student, teacher, mask: Optional[torch.Tensor] = None,
+                     divergence=None, *, validate: bool = True, return_metrics: bool = False):
     """The divergence of each position ``[B, T]`` (fp32; fp64 for fp64 inputs) between the
     student's and the teacher's next-token distributions, with its gradient to the student
-    (for a trainer's own aggregation, e.g. verl's ``agg_loss``); 0 at masked positions.
+    (for a trainer's own aggregation, e.g. verl's ``agg_loss``); 0 at masked positions. The
+    arguments in ``distill_loss``'s order; the earlier order ``(student, teacher, divergence,
+    mask=None)`` works too.
 
     Args:
         student: ``rlfuse.Logits`` or ``rlfuse.LinearHead`` (its ``targets [B, T]`` give the
@@ -139,14 +141,16 @@ def token_divergence(run, student, teacher, divergence, mask: Optional[torch.Ten
         teacher: ``rlfuse.Logits`` / ``rlfuse.LinearHead`` of the same vocabulary and positions
             (its own temperature, hidden width, bias, logit scale, softcap; never
             differentiated), or ``rlfuse.TopK(ids, logprobs)``.
-        divergence: ``rlfuse.divergences.ForwardKL()``, ``ReverseKL()`` or ``JSD(beta)``.
         mask: ``[B, T]`` bool (or 0/1); None: every position.
+        divergence: ``rlfuse.divergences.ForwardKL()``, ``ReverseKL()`` or ``JSD(beta)``.
         validate: check the mask's values and a ``TopK`` teacher's ids and log-probs (reads
             ``[B, T, k]`` data, one host sync).
         return_metrics: also return ``{name: [B, T]}`` (no gradient, 0 at masked positions):
             the student's ``entropy``, with a ``TopK`` teacher ``student_mass`` and
             ``teacher_mass`` (the probability mass on the teacher's ids).
     """
+    if isinstance(mask, Divergence):              # the earlier order: divergence, then mask
+        mask, divergence = divergence, mask
     with run.on(student, teacher) as (impl, student, teacher):
         if mask is None and getattr(student, "index", None) is not None:
             raise ValueError("mask: packed rows (student.index) need the mask [B, T] their "

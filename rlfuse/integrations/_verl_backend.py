@@ -235,7 +235,8 @@ def top_k_distillation(student, teacher, loss_function) -> types.SimpleNamespace
         raise ValueError("rlfuse: the top-k distillation of this forward has no student head "
                          "(the model's forward did not reach FusedLinearForPPO)")
     divergence = ForwardKL(config.distillation_loss.log_prob_min_clamp)
-    value, metrics = rlfuse.token_divergence(student, teacher, divergence, return_metrics=True)
+    value, metrics = rlfuse.token_divergence(student, teacher, divergence=divergence,
+                                             return_metrics=True)
     return types.SimpleNamespace(distillation_losses=value, **{
         name: metrics[name] for name in ("student_mass", "teacher_mass")})
 
