@@ -7,7 +7,8 @@ from ._version import __version__
 from ._dispatch import (distill_loss, ggpo_loss, gppo_bounds, gppo_loss, gr_opd_advantages,
                         gr_opd_loss, head_logits, kl_penalty, policy_logprobs, policy_loss,
                         ppo_loss, token_divergence, token_logprobs, use_kernels)
-from ._types import LinearHead, Logits, LossOutput, TopK
+from ._types import LossOutput
+from .forms import LinearHead, Logits, TopK
 from .api import group_advantages             # plain torch on [B]-sized data: one for both
 from .modules import DistillLoss, GGPOLoss, GPPOLoss, GROPDLoss, PolicyLoss, PPOLoss
 from .scaleout.data_parallel import global_counts

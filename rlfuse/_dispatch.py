@@ -13,9 +13,8 @@ import torch
 
 from . import api, reference
 from .api import Implementation, bind
-from .checks.policy import matmul_head, policy_device
-from .scaleout.dtensor import local_policy
-from .scaleout.sequence import gather_sequence
+from .checks.policy import policy_device
+from .forms import prepared
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # `@triton.jit` picks the interpreter when the kernels are decorated, at their import below
@@ -91,7 +90,7 @@ class Dispatch(NamedTuple):
         (``scaleout.sequence``). On the kernels, a head's matmuls run in its ``head_dtype``,
         else in autocast's dtype (as autocast runs a linear layer), and the rest in the kernels'
         own precision (fp32 accumulation): autocast is off inside."""
-        xs = [gather_sequence(local_policy(y)) for y in (x, *others)]
+        xs = [prepared(y) for y in (x, *others)]
         device = policy_device(xs[0])
         if self.fused is None or device is None or not use_kernels(device):
             if device is not None:
@@ -99,7 +98,7 @@ class Dispatch(NamedTuple):
             yield (self.reference, *xs)
             return
         dtype = autocast_dtype(device)
-        xs = [matmul_head(y, dtype) for y in xs]
+        xs = [y.for_matmul(dtype) if hasattr(y, "for_matmul") else y for y in xs]
         with contextlib.nullcontext() if dtype is None else \
                 torch.autocast(device.type, enabled=False):
             yield (self.fused, *xs)

@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import rlfuse  # noqa: E402
 from conftest import SPLIT_GRAD_TOL, SPLIT_TOL  # noqa: E402  (this script's folder)
 from rlfuse import objectives, terms  # noqa: E402
-from rlfuse.scaleout.dtensor import local_policy  # noqa: E402
 
 B, T, V_LOCAL, H = 3, 4, 6, 5
 DTYPE = torch.float64
@@ -153,8 +152,7 @@ def check_rank_rows(name, d, mesh, rank, world):
     sum((got[k] * weights[k]).sum() for k in weights).backward()
     if name == "policy_logprobs":
         # the reference's path for these rows (a CPU fallback's)
-        local = local_policy(rlfuse.LinearHead(own["hidden"], shards[0], own["targets"],
-                                               shards[1]))
+        local = rlfuse.LinearHead(own["hidden"], shards[0], own["targets"], shards[1]).local()
         for x, y in zip(rlfuse.reference.policy_logprobs(local, return_entropy=True),
                         (want["logp"], want["entropy"])):
             close(x, y, f"own rows, the reference (rank {rank})")

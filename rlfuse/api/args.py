@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .._names import AGGREGATIONS
-from .._types import LinearHead, Logits, SequenceCounts
+from .._types import SequenceCounts
 from ..checks.policy import PolicyInfo, check_policy, check_policy_targets
 from ..checks.values import (check_actor_tokens, check_choice, check_clip, check_count,
                              check_finite, check_group_size, check_loss_scale,
@@ -29,7 +29,7 @@ def _loss_policy(policy, mask, tensors, validate: bool):
     """The policy, the bool mask and the ``[B, T]`` float ``tensors`` (name -> tensor, None
     left out) of a loss; returns ``(info, mask)``."""
     shape = getattr(mask, "shape", None)
-    if isinstance(policy, (Logits, LinearHead)) and policy.index is not None:
+    if getattr(policy, "index", None) is not None:          # a form's packed rows
         shape = _packed_loss_shape(mask, tensors)
     info = check_policy(policy, shape)
     mask = check_token_tensors(mask, {k: v for k, v in tensors.items() if v is not None},
@@ -267,8 +267,7 @@ def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *,
                                              "ref_logprobs": ref_logprobs,
                                              "sampling_logprobs": sampling}, validate)
     for name, term in (("entropy", entropy), ("entropy_mask", entropy_mask)):
-        if term is not None and not known_entropy and \
-                not isinstance(policy, (Logits, LinearHead)):
+        if term is not None and not known_entropy and isinstance(policy, torch.Tensor):
             raise ValueError(f"{name}: needs the policy's entropy, which [B, T] log-probs do not "
                              f"have; pass rlfuse.Logits or rlfuse.LinearHead")
     advantages = check_advantages(advantages, info, mask, validate)

@@ -8,9 +8,9 @@ from typing import Dict, NamedTuple, Optional
 import torch
 
 from .._names import AGGREGATIONS
-from .._types import LinearHead, Logits, LossOutput, TopK
-from ..checks.policy import (PolicyInfo, check_policy, check_policy_targets, policy_device,
-                             vocab_size)
+from .._types import LossOutput
+from ..forms import TopK
+from ..checks.policy import PolicyInfo, check_policy, check_policy_targets
 from ..checks.values import (check_choice, check_count, check_loss_scale, check_tensor,
                              check_token_tensors)
 from ..divergences import Divergence, check_divergence
@@ -36,7 +36,7 @@ def _named(name: str, check, *args):
 
 
 def _check_model(name: str, model, loss_shape) -> PolicyInfo:
-    if not isinstance(model, (Logits, LinearHead)):
+    if getattr(model, "check_policy", None) is None:     # not a form of logits
         raise TypeError(f"{name}: expected rlfuse.Logits or rlfuse.LinearHead"
                         f"{' or rlfuse.TopK' if name == 'teacher' else ''}, got "
                         f"{type(model).__name__}")
@@ -47,13 +47,13 @@ def _check_split(student, teacher, validate: bool) -> None:
     """A split vocabulary: a ``Logits`` / ``LinearHead`` teacher split over the student's group
     (a ``TopK`` teacher's ids are global), the shard sizes compared with ``validate``."""
     group = student.vocab_parallel_group
-    if isinstance(teacher, (Logits, LinearHead)):
+    if teacher.kind != "top_k":                 # a TopK teacher's ids are global
         other = teacher.vocab_parallel_group
         if other is None or other.group_name != getattr(group, "group_name", None):
             raise ValueError("teacher.vocab_parallel_group: expected the student's group (both "
                              "models' vocabularies split alike)")
     if validate and group is not None:
-        vocab.check_shard_sizes(group, vocab_size(student), policy_device(student))
+        vocab.check_shard_sizes(group, student.vocab_size, student.device)
 
 
 def _check_packed(student, teacher, mask, validate: bool) -> None:
@@ -62,7 +62,7 @@ def _check_packed(student, teacher, mask, validate: bool) -> None:
     if mask is None:
         raise ValueError("mask: packed rows (student.index) need the mask [B, T] their index "
                          "points into")
-    if isinstance(teacher, TopK):
+    if teacher.kind == "top_k":                 # per position: no rows of its own
         return
     if teacher.index is None or teacher.index.shape != student.index.shape:
         raise ValueError("teacher.index: expected the student's packed rows (the same index), "
@@ -95,23 +95,24 @@ def _check_top_k(teacher: TopK, info: PolicyInfo, vocab: int, mask, validate: bo
 def check_distill_args(student, teacher, mask, divergence, *, validate: bool) -> DistillArgs:
     """The checks every distillation makes: the two models (the vocabularies equal, the same
     ``[B, T]``), the mask, the divergence."""
-    check_divergence(divergence, isinstance(teacher, TopK))
-    packed = isinstance(student, (Logits, LinearHead)) and student.index is not None
+    top_k = getattr(teacher, "kind", None) == "top_k"
+    check_divergence(divergence, top_k)
+    packed = getattr(student, "index", None) is not None
     if packed:
         _check_packed(student, teacher, mask, validate)
-    elif isinstance(teacher, (Logits, LinearHead)) and teacher.index is not None:
+    elif getattr(teacher, "index", None) is not None:
         raise ValueError("teacher.index: packed rows need the student's packed too")
     info = _check_model("student", student, getattr(mask, "shape", None) if packed else None)
     if student.vocab_parallel_group is not None:
         _check_split(student, teacher, validate)
-    elif isinstance(teacher, (Logits, LinearHead)) and teacher.vocab_parallel_group is not None:
+    elif getattr(teacher, "vocab_parallel_group", None) is not None:
         raise ValueError("teacher.vocab_parallel_group: a split teacher needs the student split "
                          "over the same group")
     mask = check_token_tensors(mask, {}, shape=info.shape, device=info.device,
                                validate=validate)
     _named("student", check_policy_targets, student, mask, info.shape, False)
-    vocab = vocab_size(student)
-    if isinstance(teacher, TopK):       # global ids, over a split vocabulary too
+    vocab = student.vocab_size
+    if top_k:       # global ids, over a split vocabulary too
         group = student.vocab_parallel_group
         _check_top_k(teacher, info, vocab * (1 if group is None else vocab_group_size(group)),
                      mask, validate)
@@ -121,9 +122,9 @@ def check_distill_args(student, teacher, mask, divergence, *, validate: bool) ->
         if t_info.shape != info.shape or t_info.device != info.device:
             raise ValueError(f"teacher: expected the student's positions {info.shape} on "
                              f"{info.device}, got {t_info.shape} on {t_info.device}")
-        if vocab_size(teacher) != vocab:
+        if teacher.vocab_size != vocab:
             raise ValueError(f"teacher: the vocabularies must match; the student's has {vocab} "
-                             f"ids, the teacher's {vocab_size(teacher)}")
+                             f"ids, the teacher's {teacher.vocab_size}")
     return DistillArgs(info, mask)
 
 
@@ -224,12 +225,7 @@ def _divergence(impl, student, teacher, divergence, mask, validate: bool,
     if student.index is None:
         return impl.token_divergence(student, teacher, divergence, mask, validate,
                                      token_weights)
-    if isinstance(teacher, TopK):
-        at = student.index.clamp_min(0)
-        teacher = TopK(*(x.reshape(-1, x.shape[-1])[at].unsqueeze(0)
-                         for x in (teacher.ids, teacher.logprobs)))
-    else:
-        teacher = layout.as_rows(teacher)
+    teacher = teacher.beside_rows(student.index)
     value, entropy, extras, _ = impl.token_divergence(
         layout.as_rows(student), teacher, divergence, layout.row_mask(student, mask), validate)
     place = functools.partial(layout.to_loss_layout, student, mask=mask)

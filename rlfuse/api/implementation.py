@@ -14,8 +14,7 @@ import functools
 import inspect
 from typing import Callable, NamedTuple
 
-from ..scaleout.dtensor import local_policy
-from ..scaleout.sequence import gather_sequence
+from ..forms import prepared
 
 
 class Implementation(NamedTuple):
@@ -59,7 +58,7 @@ class Implementation(NamedTuple):
         """``(self, x, *others)``, each policy holding DTensors made of its local tensors
         (``scaleout.dtensor``), a sequence-parallel head of every rank's rows
         (``scaleout.sequence``)."""
-        yield (self, *(gather_sequence(local_policy(y)) for y in (x, *others)))
+        yield (self, *(prepared(y) for y in (x, *others)))
 
 
 def bind(definition: Callable, run) -> Callable:

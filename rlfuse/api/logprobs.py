@@ -6,7 +6,6 @@ from typing import Optional
 
 import torch
 
-from .._types import LinearHead, Logits
 from ..checks.policy import (check_bool, check_head_logits_args, check_logprob_args,
                              check_policy, check_policy_targets)
 
@@ -74,7 +73,7 @@ def policy_logprobs(run, policy, *, return_entropy: bool = False, validate: bool
     """
     with run.on(policy) as (impl, policy):
         info = check_policy(policy)
-        if isinstance(policy, (Logits, LinearHead)):
+        if not isinstance(policy, torch.Tensor):      # a form: its log-probs to compute
             check_policy_targets(policy, None, info.shape, validate)
             logp, entropy = impl.window_logprobs(policy, None, validate=validate,
                                                  return_entropy=return_entropy)

@@ -1,6 +1,8 @@
-"""The checks of the policy forms: learner log-probs ``[B, T]``, ``Logits`` and ``LinearHead``
-(a window of a whole output with ``offset``, packed rows with ``index``, a shard of a split
-vocabulary), and of ``token_logprobs``' arguments.
+"""The checks the policy forms share (``rlfuse.forms``: each form checks itself with them) —
+a window of a whole output with ``offset``, packed rows with ``index``, a head's tensors, the
+targets — and the checks of learner log-probs ``[B, T]`` and of ``token_logprobs``' arguments.
+``check_policy`` and ``check_policy_targets`` take any policy: a tensor is checked here, a form
+by its own methods.
 
 Only metadata and ``[B, T]``-sized data are read (the targets and the index with ``validate``);
 nothing here communicates: the shard sizes of a split vocabulary are compared by the scale-out
@@ -13,11 +15,10 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .._types import LinearHead, Logits, compute_dtype
+from .._types import compute_dtype
 from .values import (as_bool_mask, check_chunk_tokens, check_logits, check_mask,
                           check_no_overlap, check_positive, check_targets, check_tensor)
 from ..scaleout.layout import check_index, packed_rows_mask
-from ..scaleout.vocab import vocab_group_size
 
 
 class PolicyInfo(NamedTuple):
@@ -29,21 +30,13 @@ class PolicyInfo(NamedTuple):
 
 
 def policy_device(policy) -> Optional[torch.device]:
-    """The device of a policy (log-probs, ``Logits`` or ``LinearHead``) or of a tensor; None
-    for anything else (the checks then say what was expected)."""
-    if isinstance(policy, Logits):
-        policy = policy.logits
-    elif isinstance(policy, LinearHead):
-        policy = policy.hidden
-    return policy.device if isinstance(policy, torch.Tensor) else None
+    """The device of a policy (log-probs or a form) or of a tensor; None for anything else (the
+    checks then say what was expected)."""
+    device = getattr(policy, "device", None)
+    return device if isinstance(device, torch.device) else None
 
 
-def vocab_size(policy) -> int:
-    """The vocabulary of this rank's logits (its shard under a ``vocab_parallel_group``)."""
-    return policy.logits.shape[-1] if isinstance(policy, Logits) else policy.weight.shape[0]
-
-
-def _check_window(targets, offset, *, batch: int, rows: int, device) -> None:
+def check_window(targets, offset, *, batch: int, rows: int, device) -> None:
     """``targets [B, T]`` (integers) predicted by the rows ``[offset, offset + T)`` of ``rows``
     positions."""
     check_tensor("policy.targets", targets, device=device, floating=False)
@@ -88,7 +81,9 @@ def check_head_logits_args(hidden, weight, bias) -> None:
     check_head_tensors(hidden, weight, bias)
 
 
-def _check_linear_head(head: LinearHead, dims: int) -> None:
+def check_head(head, dims: int) -> None:
+    """A ``LinearHead``'s tensors and options: ``hidden`` of ``dims`` dimensions (3: ``[B, S,
+    H]``, 2: packed ``[N, H]``)."""
     hidden, weight, bias = head.hidden, head.weight, head.bias
     check_tensor("policy.hidden", hidden, floating=True)
     if hidden.dim() != dims:
@@ -101,7 +96,7 @@ def _check_linear_head(head: LinearHead, dims: int) -> None:
     check_positive("policy.logit_scale", head.logit_scale)
     if head.softcap is not None:
         check_positive("policy.softcap", head.softcap)
-    _check_head_dtype(head.head_dtype)
+    check_head_dtype(head.head_dtype)
     for flag in ("sequence_parallel", "batch_invariant"):
         check_bool(f"policy.{flag}", getattr(head, flag))
 
@@ -112,50 +107,17 @@ def check_bool(name: str, value) -> None:
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
-def _check_head_dtype(dtype) -> None:
+def check_head_dtype(dtype) -> None:
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32,
                                            torch.float64):
         raise TypeError(f"policy.head_dtype: expected None or a floating dtype "
                         f"(bf16/fp16/fp32/fp64), got {dtype!r}")
 
 
-def matmul_head(policy, autocast: Optional[torch.dtype] = None):
-    """A ``LinearHead`` whose hidden states, weight and bias are cast (differentiably: their
-    gradients come back in their own dtypes) to the dtype of its matmuls: its ``head_dtype``,
-    else ``autocast`` (what autocast casts a linear layer's inputs to; fp64 stays fp64), else
-    none; every other policy unchanged."""
-    if not isinstance(policy, LinearHead):
-        return policy
-    _check_head_dtype(policy.head_dtype)
-    dtype = policy.head_dtype
-
-    def cast(x):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            return x
-        if dtype is not None:
-            return x.to(dtype)
-        return x if autocast is None or x.dtype == torch.float64 else x.to(autocast)
-
-    if dtype is None and autocast is None:
-        return policy
-    return policy._replace(hidden=cast(policy.hidden), weight=cast(policy.weight),
-                           bias=cast(policy.bias))
-
-
-def _check_packed(policy, loss_shape) -> Tuple[Tuple[int, ...], torch.device, torch.dtype]:
-    """A packed policy: ``[N, V]`` logits or ``[N, H]`` hidden rows, ``targets [N]`` and
-    ``index [N]`` (int64); its loss positions are ``loss_shape`` (the mask's), else ``(N,)``."""
-    if isinstance(policy, Logits):
-        check_logits(policy.logits)
-        rows = policy.logits
-        if rows.dim() != 2:
-            raise ValueError(f"policy.logits: expected shape [N, V] (packed rows, with index), "
-                             f"got {tuple(rows.shape)}")
-        if policy.inplace_backward:
-            check_no_overlap("policy.logits", rows)
-    else:
-        _check_linear_head(policy, 2)
-        rows = policy.hidden
+def check_packed(rows: torch.Tensor, policy, loss_shape) -> Tuple[int, ...]:
+    """Packed rows ``rows [N, ...]`` (checked) with ``policy``'s ``targets [N]`` and ``index
+    [N]`` (int64), no offset; returns the loss positions: ``loss_shape`` (the mask's), else
+    ``(N,)``."""
     N = rows.shape[0]
     check_tensor("policy.targets", policy.targets, shape=(N,), device=rows.device,
                  floating=False)
@@ -168,62 +130,43 @@ def _check_packed(policy, loss_shape) -> Tuple[Tuple[int, ...], torch.device, to
     if loss_shape is not None and len(loss_shape) != 2:
         raise ValueError(f"mask: expected shape [B, T] (the loss positions index points "
                          f"into), got {tuple(loss_shape)}")
-    return tuple(loss_shape) if loss_shape is not None else (N,), rows.device, rows.dtype
+    return tuple(loss_shape) if loss_shape is not None else (N,)
 
 
 def check_policy(policy, loss_shape: Optional[Tuple[int, ...]] = None) -> PolicyInfo:
-    """A policy is learner log-probs ``[B, T]`` (floating tensor), :class:`rlfuse.Logits` with
-    ``[B, S, V]`` logits or :class:`rlfuse.LinearHead` with ``[B, S, H]`` hidden states, whose
-    rows ``[offset, offset + T)`` predict ``[B, T]`` targets, or packed rows with ``index``
-    into ``loss_shape`` (the mask's shape; ``(N,)`` without one). Only metadata is read here;
-    the targets' and index's values are checked with the mask (``check_policy_targets``)."""
-    if isinstance(policy, (Logits, LinearHead)) and policy.vocab_parallel_group is not None:
-        vocab_group_size(policy.vocab_parallel_group)
-    if isinstance(policy, Logits):
-        check_bool("policy.batch_invariant", policy.batch_invariant)
-    if isinstance(policy, (Logits, LinearHead)) and policy.index is not None:
-        shape, device, dtype = _check_packed(policy, loss_shape)
-    elif isinstance(policy, Logits):
-        logits = policy.logits
-        check_logits(logits)
-        if logits.dim() != 3:
-            raise ValueError(f"policy.logits: expected shape [B, S, V], got "
-                             f"{tuple(logits.shape)}")
-        _check_window(policy.targets, policy.offset, batch=logits.shape[0],
-                      rows=logits.shape[1], device=logits.device)
-        if policy.inplace_backward:
-            check_no_overlap("policy.logits", logits)
-        shape, device, dtype = policy.targets.shape, logits.device, logits.dtype
-    elif isinstance(policy, LinearHead):
-        _check_linear_head(policy, 3)
-        hidden = policy.hidden
-        _check_window(policy.targets, policy.offset, batch=hidden.shape[0],
-                      rows=hidden.shape[1], device=hidden.device)
-        shape, device, dtype = policy.targets.shape, hidden.device, hidden.dtype
-    elif isinstance(policy, torch.Tensor):
+    """A policy is learner log-probs ``[B, T]`` (floating tensor), or a form whose rows predict
+    ``[B, T]`` targets (``rlfuse.Logits``, ``rlfuse.LinearHead``: their ``check_policy``), or
+    packed rows with ``index`` into ``loss_shape`` (the mask's shape; ``(N,)`` without one).
+    Only metadata is read here; the targets' and index's values are checked with the mask
+    (``check_policy_targets``)."""
+    if isinstance(policy, torch.Tensor):
         check_tensor("policy", policy, floating=True)
         if policy.dim() != 2:
             raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or "
                              f"rlfuse.Logits / rlfuse.LinearHead), got shape "
                              f"{tuple(policy.shape)}")
-        shape, device, dtype = policy.shape, policy.device, policy.dtype
-    else:
+        return PolicyInfo(tuple(policy.shape), policy.device, compute_dtype(policy.dtype))
+    check = getattr(policy, "check_policy", None)
+    if check is None:
         raise TypeError(f"policy: expected a [B, T] tensor of log-probs, rlfuse.Logits or "
                         f"rlfuse.LinearHead, got {type(policy).__name__}")
-    return PolicyInfo(tuple(shape), device, compute_dtype(dtype))
+    return check(loss_shape)
 
 
 def check_policy_targets(policy, mask: Optional[torch.Tensor], shape, validate: bool) -> None:
-    """The temperature and the targets of a ``Logits`` / ``LinearHead`` policy: integer
-    ``shape`` (packed: ``[N]``, and the index); with ``validate``, in range where unmasked
-    (everywhere without a mask), over the whole vocabulary of a ``vocab_parallel_group``."""
-    if not isinstance(policy, (Logits, LinearHead)):
-        return
+    """A form's temperature and targets (its ``check_targets``); nothing for log-probs."""
+    check = getattr(policy, "check_targets", None)
+    if check is not None:
+        check(mask, shape, validate)
+
+
+def check_form_targets(policy, vocab: int, mask: Optional[torch.Tensor], shape,
+                       validate: bool) -> None:
+    """The temperature and the targets of a form over ``vocab`` ids (the whole vocabulary of a
+    ``vocab_parallel_group``): integer ``shape`` (packed: ``[N]``, and the index); with
+    ``validate``, in range where unmasked (everywhere without a mask)."""
     check_positive("policy.temperature", policy.temperature)
-    device = policy_device(policy)
-    vocab = vocab_size(policy)
-    if policy.vocab_parallel_group is not None:
-        vocab *= vocab_group_size(policy.vocab_parallel_group)
+    device = policy.device
     if policy.index is not None:
         shape = tuple(policy.targets.shape)
         if validate:

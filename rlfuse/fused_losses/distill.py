@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._types import LinearHead, Logits, TopK
+from ..forms import LinearHead, Logits, TopK
 from ..kernels.distill import distill_bwd, distill_fwd, distill_single_pass
 from ..kernels.head import HeadParams
 from ..kernels.logprobs import token_logprobs_fwd

@@ -11,11 +11,9 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
-from ..checks.policy import vocab_size
-from .._types import LinearHead, Logits
+from ..forms import LinearHead, Logits
 from ..scaleout import layout, vocab
 from .vocab_split import split_logprobs
-from ..scaleout.rank_rows import RankRowsHead, rank_rows_logprobs
 from .linear_head import chunk_tokens_for, head_fields, linear_logprobs_op
 from .logprobs import token_logprobs_op
 
@@ -46,17 +44,15 @@ def window_logprobs(policy, mask: Optional[Tensor], *, validate: bool,
     positions (``[N]`` without a mask). ``validate``: a ``LinearHead`` forms the logits of the
     actor rows only (reads the mask on the host), and a split vocabulary's shard sizes are
     compared first (one collective)."""
-    if isinstance(policy, RankRowsHead):
-        def whole_rows(head, head_mask):
-            logp, entropy = window_logprobs(head, head_mask, validate=validate,
-                                            return_entropy=return_entropy)
-            return logp, entropy if return_entropy else None
-
-        logp, entropy = rank_rows_logprobs(policy, mask, whole_rows)
-        return logp, entropy if return_entropy else logp.new_empty(0)
+    over_ranks = policy.every_ranks_rows(mask)
+    if over_ranks is not None:    # each rank's own rows: every rank's at once
+        head, head_mask, own = over_ranks
+        logp, entropy = window_logprobs(head, head_mask, validate=validate,
+                                        return_entropy=return_entropy)
+        return own(logp), own(entropy) if return_entropy else logp.new_empty(0)
     group = policy.vocab_parallel_group
     if validate and group is not None:
-        vocab.check_shard_sizes(group, vocab_size(policy), policy.targets.device)
+        vocab.check_shard_sizes(group, policy.vocab_size, policy.targets.device)
     rows, rows_mask = layout.as_rows(policy), layout.row_mask(policy, mask)
     logprobs = _local_logprobs if group is None else split_logprobs
     logp, entropy = logprobs(rows, rows_mask, gather=validate, return_entropy=return_entropy)
@@ -68,7 +64,7 @@ def learner_logprobs(policy, mask: Tensor, *, validate: bool, return_entropy: bo
     """The learner log-probs ``[B, T]`` of any policy form (checked by the loss), with
     ``return_entropy`` ``(logp, entropy)`` (entropy None for ``[B, T]`` log-probs); the loss's
     gradient reaches logits or head through one backward pass over them."""
-    if isinstance(policy, (Logits, LinearHead)):
+    if not isinstance(policy, Tensor):      # a form: its log-probs to compute
         logp, entropy = window_logprobs(policy, mask, validate=validate,
                                         return_entropy=return_entropy)
         return (logp, entropy) if return_entropy else logp

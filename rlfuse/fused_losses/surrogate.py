@@ -28,14 +28,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._types import LinearHead, Logits
+from ..forms import LinearHead, Logits, RankRowsHead
 from ..checks.values import raise_on_overflow
 from ..kernels.token_functions import SUM_COLUMNS
 from ..kernels.head import HeadParams
 from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd
 from ..scaleout.layout import as_one_token_rows
-from ..scaleout.rank_rows import RankRowsHead
-from ..scaleout.sequence import row_blocks
 from ..scaleout.vocab import check_shard_sizes
 from ..objectives import Objective
 from ..shared.aggregation import sequence_shares
@@ -277,7 +275,7 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     ``raise_overflow``) an overflowing objective raises (one host sync)."""
     flat, ratio = surrogate_fields(objective.surrogate()), objective.ratio
     single = _in_one_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
-    blocks = row_blocks(policy)
+    blocks = getattr(policy, "row_blocks", 0)   # the rows of sequence parallelism
     packed = policy.index if single and policy.index is not None else None
     batch, T = mask.shape
     if packed is not None:

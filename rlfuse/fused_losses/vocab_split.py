@@ -16,14 +16,14 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._types import LinearHead, compute_dtype
+from .._types import compute_dtype
+from ..forms import LinearHead
 from ._op import custom_op, register_autograd
 from .linear_head import (chunk_tokens_for, head_fields, head_gradients,
                                         linear_logprobs_backward_op, linear_logprobs_op)
 from .logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
 from ..kernels.head import HeadParams
-from ..scaleout.sequence import row_blocks
 from .vocab_blocks import window_block_logprobs
 from ..scaleout.vocab import shard_targets, whole_rows
 
@@ -182,7 +182,7 @@ def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
             rows.hidden, rows.weight, rows.bias, rows.targets, mask, **head_fields(rows),
             offset=int(rows.offset), chunk_tokens=chunk, gather=gather,
             with_entropy=bool(return_entropy), group_name=group_name,
-            batch_invariant=bool(rows.batch_invariant), row_blocks=row_blocks(rows))
+            batch_invariant=bool(rows.batch_invariant), row_blocks=rows.row_blocks)
     else:
         logp, entropy, _ = vocab_split_logprobs_op(
             rows.logits, rows.targets, mask, float(rows.temperature), bool(return_entropy),

@@ -5,7 +5,8 @@ functions of ``rlfuse.api`` bound to it are exported here with the same signatur
 docstrings as ``rlfuse``'s; autograd computes the gradients.
 """
 from .. import api
-from .._types import LinearHead, Logits, LossOutput, TopK
+from .._types import LossOutput
+from ..forms import LinearHead, Logits, TopK
 from ..api import Implementation, bind, group_advantages
 from ..scaleout.data_parallel import global_counts
 from ..scaleout.layout import packed_index

@@ -9,18 +9,18 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._types import TopK, compute_dtype
+from .._types import compute_dtype
+from ..forms import TopK
 from ..divergences import ForwardKL
 from .divergence_functions import divergence_function, weighted
 from ..scaleout import vocab
-from .logprobs import as_logits
 
 
 def window_log_softmax(policy, mask: Tensor) -> Tensor:
     """``log_softmax(z)`` ``[B, T, V]`` of the window rows of a ``Logits`` / ``LinearHead`` in
     the compute dtype (``z``: its logits, scaled and softcapped by a head, over its temperature),
     masked rows' logits taken as 0 (they may hold anything)."""
-    rows = as_logits(policy)
+    rows = policy.as_logits()
     T = rows.targets.shape[1]
     z = rows.logits[:, rows.offset:rows.offset + T]
     if rows.vocab_parallel_group is not None:     # a split vocabulary: the whole rows

@@ -6,11 +6,9 @@ from typing import Optional
 
 import torch
 
-from .._types import LinearHead, Logits, compute_dtype
-from ..checks.policy import matmul_head, vocab_size
+from .._types import compute_dtype
 from ..scaleout import layout, vocab
-from ..scaleout.rank_rows import RankRowsHead, rank_rows_logprobs
-from ..shared.head import scaled_logits
+from ..shared.head import linear_row_by_row
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
@@ -45,34 +43,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[t
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``rlfuse.head_logits``: each row's logits by its own matmul."""
-    rows = hidden.reshape(-1, hidden.shape[-1]).split(1)
-    logits = torch.cat([torch.nn.functional.linear(row, weight, bias) for row in rows])
-    return logits.view(*hidden.shape[:-1], weight.shape[0])
-
-
-def as_logits(policy) -> Logits:
-    """A ``LinearHead`` as the ``Logits`` it defines: ``softcap(logit_scale (hidden @ weight.T
-    + bias))``, all of it (the definition), the matmul in its ``head_dtype`` when it has one
-    (``batch_invariant``: each row by its own matmul).
-    Under a ``vocab_parallel_group`` that is this rank's shard, and the hidden states' gradient
-    is summed over the group."""
-    if isinstance(policy, LinearHead):
-        head = matmul_head(policy)
-        hidden, group = head.hidden, head.vocab_parallel_group
-        if group is not None:
-            hidden = vocab.SumGradOverGroup.apply(hidden, group)
-        # the matmul in head_dtype, whatever autocast says
-        with contextlib.nullcontext() if policy.head_dtype is None else \
-                torch.autocast(hidden.device.type, enabled=False):
-            if policy.batch_invariant:   # each row by its own matmul: its bits its own
-                logits = head_logits(hidden, head.weight, head.bias)
-            else:
-                logits = torch.nn.functional.linear(hidden, head.weight, head.bias)
-        if policy.logit_scale != 1.0 or policy.softcap is not None:
-            logits = scaled_logits(logits, policy.logit_scale, policy.softcap)
-        return Logits(logits, policy.targets, policy.temperature, offset=policy.offset,
-                      index=policy.index, vocab_parallel_group=group)
-    return policy
+    return linear_row_by_row(hidden, weight, bias)
 
 
 def window_logprobs(policy, mask: Optional[torch.Tensor], *, validate: bool,
@@ -81,14 +52,15 @@ def window_logprobs(policy, mask: Optional[torch.Tensor], *, validate: bool,
     of a ``Logits`` / ``LinearHead`` policy (whose arguments the caller has checked, as far as
     its ``validate`` asked); packed rows at their loss positions (``[N]`` without a mask); a
     split vocabulary gathered whole (its shard sizes compared first with ``validate``)."""
-    if isinstance(policy, RankRowsHead):
-        logp, entropy = rank_rows_logprobs(policy, mask, lambda head, head_mask: (
-            window_logprobs(head, head_mask, validate=validate, return_entropy=True)))
-        return logp, entropy if return_entropy else None
+    over_ranks = policy.every_ranks_rows(mask)
+    if over_ranks is not None:    # each rank's own rows: every rank's at once
+        head, head_mask, own = over_ranks
+        logp, entropy = window_logprobs(head, head_mask, validate=validate, return_entropy=True)
+        return own(logp), own(entropy) if return_entropy else None
     if validate and policy.vocab_parallel_group is not None:
-        vocab.check_shard_sizes(policy.vocab_parallel_group, vocab_size(policy),
+        vocab.check_shard_sizes(policy.vocab_parallel_group, policy.vocab_size,
                                 policy.targets.device)
-    rows = layout.as_rows(as_logits(policy))
+    rows = layout.as_rows(policy.as_logits())
     T = rows.targets.shape[1]
     window = rows.logits[:, rows.offset:rows.offset + T]
     if rows.vocab_parallel_group is not None:
@@ -102,6 +74,6 @@ def window_logprobs(policy, mask: Optional[torch.Tensor], *, validate: bool,
 
 def learner_logprobs(policy, mask: torch.Tensor, *, validate: bool) -> torch.Tensor:
     """The learner log-probs ``[B, T]`` of any policy form."""
-    if isinstance(policy, (Logits, LinearHead)):
+    if not isinstance(policy, torch.Tensor):      # a form: its log-probs to compute
         return window_logprobs(policy, mask, validate=validate)[0]
     return policy

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .._types import LinearHead, LossOutput, Logits
+from .._types import LossOutput
 from ..checks.values import raise_on_overflow
 from ..shared.aggregation import aggregation_weights, masked_mean
 from ..shared.masks import apply_masks, entropy_weights, kl_weights, term_ratio
@@ -17,7 +17,7 @@ from .surrogate import surrogate, surrogate_metrics
 
 
 def _logprobs(policy, mask, *, validate: bool, entropy: bool):
-    if entropy and isinstance(policy, (Logits, LinearHead)):
+    if entropy and not isinstance(policy, torch.Tensor):     # a form: its entropy too
         return window_logprobs(policy, mask, validate=validate, return_entropy=True)
     return learner_logprobs(policy, mask, validate=validate), None
 

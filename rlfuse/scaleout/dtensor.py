@@ -18,9 +18,6 @@ layout raises on every rank before any collective, so nothing hangs.
 """
 from __future__ import annotations
 
-from .._types import LinearHead, Logits
-from .rank_rows import MeanOverRanks, RankRowsHead
-
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:   # a torch without distributed support has no DTensors either
@@ -75,52 +72,31 @@ def _sharded_like(name: str, x, weight, mesh_dim: int):
     return x.to_local()
 
 
-def local_policy(policy):
-    """``policy`` with plain tensors: a ``Logits`` / ``LinearHead`` holding DTensors becomes its
-    local shards and ``vocab_parallel_group`` (a ``RankRowsHead`` for a head whose hidden states
-    are this rank's own rows); anything else is returned as it is."""
-    if is_dtensor(policy):
-        raise ValueError("policy: a DTensor: pass logits sharded on the vocabulary as "
-                         "rlfuse.Logits(logits, targets), or log-probs as a plain tensor "
-                         "(to_local())")
-    if DTensor is None or not isinstance(policy, (Logits, LinearHead)):
-        return policy
-    if isinstance(policy, Logits):
-        vocab_name, vocab, vocab_dim = "policy.logits", policy.logits, -1
-        others = {"targets": policy.targets, "index": policy.index}
-    else:
-        vocab_name, vocab, vocab_dim = "policy.weight", policy.weight, 0
-        others = {"hidden": policy.hidden, "targets": policy.targets, "index": policy.index,
-                  "bias": policy.bias}
+def local_fields(policy, vocab_name: str, vocab, vocab_dim: int, others: dict):
+    """The local tensors of a form whose vocabulary tensor ``vocab`` (``policy.<vocab_name>``,
+    its vocabulary on dim ``vocab_dim``) may be a DTensor sharded on the vocabulary, beside
+    ``others`` (its other tensor fields by name: plain, or DTensors replicated on the same
+    mesh; a ``bias`` sharded as a weight is): None where ``vocab`` is a plain tensor (and so is
+    every other field); else ``(fields, mesh, mesh_dim)``, the fields' local tensors (the
+    vocabulary's under its field name) and where the vocabulary is split."""
     if not is_dtensor(vocab):
         for field, x in others.items():
             if is_dtensor(x):
                 raise ValueError(f"policy.{field}: a DTensor beside a plain {vocab_name}: pass "
                                  f"{vocab_name} as a DTensor sharded on the vocabulary, or "
                                  f"plain tensors throughout")
-        return policy
+        return None
     if policy.vocab_parallel_group is not None:
         raise ValueError(f"policy.vocab_parallel_group: {vocab_name} is a DTensor, whose mesh "
                          f"gives the split: pass None")
-    if isinstance(policy, LinearHead) and policy.sequence_parallel:
+    if getattr(policy, "sequence_parallel", False):
         raise ValueError("policy.sequence_parallel: a DTensor head takes its rows from the "
                          "hidden states' placement; sequence parallelism takes plain tensors")
     mesh_dim = _vocab_mesh_dim(vocab_name, vocab, vocab_dim)
     mesh = vocab.device_mesh
     fields = {field: _replicated(f"policy.{field}", x, mesh)
               for field, x in others.items() if field != "bias"}
-    if isinstance(policy, LinearHead):
-        fields["weight"] = vocab.to_local()
-        if policy.bias is not None:
-            fields["bias"] = _sharded_like("policy.bias", policy.bias, vocab, mesh_dim)
-    else:
-        fields["logits"] = vocab.to_local()
-    own_rows = isinstance(policy, LinearHead) and not is_dtensor(policy.hidden)
-    policy = policy._replace(vocab_parallel_group=mesh.get_group(mesh_dim), **fields)
-    if not own_rows:
-        return policy
-    # plain hidden states: this rank's own rows, the shards' gradients their ranks' mean
-    ranks = mesh.size(mesh_dim)
-    policy = policy._replace(weight=MeanOverRanks.apply(policy.weight, ranks), bias=None if
-                             policy.bias is None else MeanOverRanks.apply(policy.bias, ranks))
-    return RankRowsHead(*policy)
+    if others.get("bias") is not None:
+        fields["bias"] = _sharded_like("policy.bias", others["bias"], vocab, mesh_dim)
+    fields[vocab_name.split(".")[-1]] = vocab.to_local()
+    return fields, mesh, mesh_dim

@@ -112,11 +112,7 @@ def as_rows(policy):
     layout the row machinery works on; other policies unchanged."""
     if policy.index is None:
         return policy
-    if hasattr(policy, "logits"):
-        return policy._replace(logits=policy.logits.unsqueeze(0),
-                               targets=policy.targets.unsqueeze(0), index=None)
-    return policy._replace(hidden=policy.hidden.unsqueeze(0), targets=policy.targets.unsqueeze(0),
-                           index=None)
+    return policy.with_rows(lambda x: x.unsqueeze(0))
 
 
 def as_one_token_rows(policy, mask: Tensor, per_token: dict, per_row: dict):
@@ -136,13 +132,7 @@ def as_one_token_rows(policy, mask: Tensor, per_token: dict, per_row: dict):
         return (x.reshape(-1)[pos] if x.dim() == 2 else x[sequence]).unsqueeze(1)
 
     rows = {k: None if v is None else v[sequence] for k, v in per_row.items()}
-    if hasattr(policy, "logits"):
-        policy = policy._replace(logits=policy.logits.unsqueeze(1),
-                                 targets=policy.targets.unsqueeze(1), index=None)
-    else:
-        policy = policy._replace(hidden=policy.hidden.unsqueeze(1),
-                                 targets=policy.targets.unsqueeze(1), index=None)
-    return policy, new_mask, {k: at_token(v) for k, v in per_token.items()}, rows
+    return policy.with_rows(lambda x: x.unsqueeze(1)), new_mask, {k: at_token(v) for k, v in per_token.items()}, rows
 
 
 def row_mask(policy, mask: Optional[Tensor]) -> Optional[Tensor]:

@@ -18,13 +18,6 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._types import LinearHead
-from . import layout
-
-
-class RankRowsHead(LinearHead):
-    """A ``LinearHead`` over a ``vocab_parallel_group`` whose rows are this rank's own."""
-
 
 def _sizes(n: int, group, device) -> List[int]:
     import torch.distributed as dist
@@ -89,31 +82,20 @@ class _OwnRows(torch.autograd.Function):
         return _gather(grad.contiguous(), ctx.sizes, ctx.group), None, None, None
 
 
-def rank_rows_logprobs(policy: RankRowsHead, mask: Optional[Tensor],
-                       window_logprobs: Callable) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(logp, entropy or None)`` in the loss layout of this rank's rows of ``policy``, by
-    ``window_logprobs(head, mask) -> (logp, entropy or None)`` (the fused or the reference
-    one) over every rank's rows as one batch of rows."""
+def every_ranks_rows(hidden: Tensor, targets: Tensor, mask: Optional[Tensor], group
+                     ) -> Tuple[Tensor, Tensor, Optional[Tensor], Callable]:
+    """This rank's rows ``hidden [n, H]``, ``targets [n]`` and ``mask [n]`` (or None) as every
+    rank's, back to back in rank order (``[N, ...]``: the hidden states differentiably), and
+    ``own(x)``: this rank's rows ``[n]`` of a result ``[N]`` of all of them (differentiably:
+    its gradient gathered back from every rank, so that the split's backward sees every rank's
+    loss)."""
     import torch.distributed as dist
 
-    group = policy.vocab_parallel_group
-    rows, rows_mask = layout.as_rows(policy), layout.row_mask(policy, mask)
-    shape, T = rows.targets.shape, rows.targets.shape[1]
-    hidden = rows.hidden[:, rows.offset:rows.offset + T]
-    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), rows.targets.reshape(-1)
     sizes, rank = _sizes(targets.shape[0], group, targets.device), dist.get_rank(group)
-    # the same head over every rank's rows: a plain LinearHead, the window already taken
-    whole = LinearHead(*rows)._replace(
-        hidden=_GatherRows.apply(hidden, sizes, rank, group).unsqueeze(0),
-        targets=_gather(targets, sizes, group).unsqueeze(0), offset=0)
-    whole_mask = None if rows_mask is None else \
-        _gather(rows_mask.reshape(-1), sizes, group).unsqueeze(0)
+    whole_mask = None if mask is None else _gather(mask, sizes, group)
 
-    def own(x):
-        if x is None:
-            return None
-        x = _OwnRows.apply(x.reshape(-1), sizes, rank, group).reshape(shape)
-        return layout.to_loss_layout(policy, x, mask)
+    def own(x: Tensor) -> Tensor:
+        return _OwnRows.apply(x.reshape(-1), sizes, rank, group)
 
-    logp, entropy = window_logprobs(whole, whole_mask)
-    return own(logp), own(entropy)
+    return (_GatherRows.apply(hidden, sizes, rank, group), _gather(targets, sizes, group),
+            whole_mask, own)

@@ -10,7 +10,7 @@ row, as on one process: every rank returns every row's log-probs and entropy, an
 Its hidden-state gradient is the split's, summed over the group in the compute dtype (fp32 for
 bf16 hidden states, rounded once) and kept at each rank's own rows: the kernels' split
 reduce-scatters it inside its op (``sum_to_own_rows``: the gathered head is a
-``GatheredRowsHead``, which tells the split that only this rank's rows of the gradient are
+``forms.GatheredRowsHead``, which tells the split that only this rank's rows of the gradient are
 read), the reference all-reduces it.
 """
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import List
 import torch
 from torch import Tensor
 
-from .._types import LinearHead
 
 
 def _row_counts(x: Tensor, dim: int, group) -> List[int]:
@@ -81,22 +80,8 @@ def _backward(ctx, grad):
 torch.library.register_autograd("rlfuse::gather_rows", _backward, setup_context=_setup)
 
 
-class GatheredRowsHead(LinearHead):
-    """A sequence-parallel ``LinearHead`` whose hidden states are every rank's rows
-    (``gather_rows``): the gradient of its hidden states is read at this rank's rows only."""
-
-
-def row_blocks(policy) -> int:
-    """For a ``GatheredRowsHead`` (as ``gather_sequence`` made it), the number of blocks of
-    every rank's rows that its hidden states hold, its sequences (1 packed); 0 for any other
-    policy."""
-    if not isinstance(policy, GatheredRowsHead):
-        return 0
-    return 1 if policy.hidden.dim() == 2 else policy.hidden.shape[0]
-
-
 def sum_to_own_rows(grad: Tensor, blocks: int, group_name: str, ordered: bool = False) -> None:
-    """``grad`` (the rows of a ``GatheredRowsHead``: ``blocks`` blocks of every rank's rows in
+    """``grad`` (the rows of a ``forms.GatheredRowsHead``: ``blocks`` blocks of every rank's rows in
     rank order, flattened to ``[N, H]``), summed over the group at this rank's rows and 0 at
     the others, in place: one reduce-scatter (``ordered``: each element in rank order,
     ``vocab.rank_order_reduce_scatter``)."""
@@ -115,26 +100,3 @@ def sum_to_own_rows(grad: Tensor, blocks: int, group_name: str, ordered: bool = 
                                    by_rank.reshape(-1, grad.shape[-1]), group=group)
     grad.zero_()
     by_rank[rank] = own.view(by_rank.shape[1:])
-
-
-def gather_sequence(policy):
-    """A ``LinearHead`` with ``sequence_parallel`` as the split head over every rank's rows, a
-    ``GatheredRowsHead`` (its hidden states gathered along the rows: dim 1 of ``[B, S / W,
-    H]``, dim 0 of packed ``[N / W, H]``); every other policy unchanged."""
-    if not isinstance(policy, LinearHead) or not policy.sequence_parallel:
-        return policy
-    from .vocab import vocab_group_size
-
-    if policy.vocab_parallel_group is None:
-        raise ValueError("policy.sequence_parallel: the rows are split over the "
-                         "vocab_parallel_group (Megatron's tensor-parallel group); pass it")
-    vocab_group_size(policy.vocab_parallel_group)
-    hidden = policy.hidden
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
-        raise ValueError(f"policy.hidden: expected [B, S / W, H] (or packed [N / W, H]) under "
-                         f"sequence_parallel, got "
-                         f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else hidden}")
-    dim = hidden.dim() - 2
-    return GatheredRowsHead(*policy)._replace(
-        hidden=gather_rows(hidden, dim, policy.vocab_parallel_group.group_name),
-        sequence_parallel=False)

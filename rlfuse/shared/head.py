@@ -1,6 +1,6 @@
-"""A head's logit scale and softcap in plain torch: what a ``LinearHead`` puts after its matmul
-(the reference's head, the scaled target logit of a split vocabulary, a model's own head
-checked by the integrations)."""
+"""A head in plain torch: its logit scale and softcap, what a ``LinearHead`` puts after its
+matmul (the reference's head, the scaled target logit of a split vocabulary, a model's own head
+checked by the integrations), and its matmul row by row (a batch-invariant head's)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -19,3 +19,12 @@ def scaled_logits(x: torch.Tensor, logit_scale: float, softcap: Optional[float])
     if softcap is not None:
         x = torch.tanh(x / softcap) * softcap
     return x
+
+
+def linear_row_by_row(hidden: torch.Tensor, weight: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``hidden @ weight.T + bias`` with each row's logits by its own matmul: its bits its own,
+    whatever the other rows (a batch-invariant head's definition)."""
+    rows = hidden.reshape(-1, hidden.shape[-1]).split(1)
+    logits = torch.cat([torch.nn.functional.linear(row, weight, bias) for row in rows])
+    return logits.view(*hidden.shape[:-1], weight.shape[0])
