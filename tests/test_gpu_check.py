@@ -3,7 +3,6 @@ interpreter, tiny shapes, no warm-up and no installs) with the packages of a GPU
 Python: every phase runs within its budget and ``$OUT`` holds the run's files, at most 8; the
 per-test time limit the check sets fails a test that overruns, and the run goes on."""
 import json
-import os
 import subprocess
 import sys
 

@@ -3,7 +3,6 @@ in processes of its own (two at once, as the GPU check's warm-up runs it: each c
 of the kernel variants, and the checks are over both), since this one runs the kernels through
 the Triton interpreter. The warm-up compiles the headline benchmark's own kernel variants."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -11,7 +11,6 @@ Pins hold for the Triton that wrote them (``"triton"`` in the file): another com
 emits other code, so there the counts are printed and checked, not compared.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

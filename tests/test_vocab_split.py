@@ -2,7 +2,6 @@
 2 and 4 ``gloo`` processes running ``tests/vocab_split_worker.py``, against the whole vocabulary
 in one process, every loss and policy form, under ``torch.compile`` too; the data-parallel
 counts; bad input."""
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -29,7 +29,8 @@ def _loss_policy(policy, mask, tensors, validate: bool):
     """The policy, the bool mask and the ``[B, T]`` float ``tensors`` (name -> tensor, None
     left out) of a loss; returns ``(info, mask)``."""
     shape = getattr(mask, "shape", None)
-    if getattr(policy, "index", None) is not None:          # a form's packed rows
+    if not isinstance(policy, torch.Tensor) and getattr(policy, "index", None) is not None:
+        # a form's packed rows
         shape = _packed_loss_shape(mask, tensors)
     info = check_policy(policy, shape)
     mask = check_token_tensors(mask, {k: v for k, v in tensors.items() if v is not None},

@@ -35,6 +35,11 @@ def _named(name: str, check, *args):
         raise type(e)(str(e).replace("policy", name)) from None
 
 
+def _is_model(x) -> bool:
+    """A model given as logits or a head (not a ``TopK`` teacher, not a tensor)."""
+    return getattr(x, "kind", None) in ("logits", "head")
+
+
 def _check_model(name: str, model, loss_shape) -> PolicyInfo:
     if getattr(model, "check_policy", None) is None:     # not a form of logits
         raise TypeError(f"{name}: expected rlfuse.Logits or rlfuse.LinearHead"
@@ -97,15 +102,15 @@ def check_distill_args(student, teacher, mask, divergence, *, validate: bool) ->
     ``[B, T]``), the mask, the divergence."""
     top_k = getattr(teacher, "kind", None) == "top_k"
     check_divergence(divergence, top_k)
-    packed = getattr(student, "index", None) is not None
+    packed = _is_model(student) and student.index is not None
     if packed:
         _check_packed(student, teacher, mask, validate)
-    elif getattr(teacher, "index", None) is not None:
+    elif _is_model(teacher) and teacher.index is not None:
         raise ValueError("teacher.index: packed rows need the student's packed too")
     info = _check_model("student", student, getattr(mask, "shape", None) if packed else None)
     if student.vocab_parallel_group is not None:
         _check_split(student, teacher, validate)
-    elif getattr(teacher, "vocab_parallel_group", None) is not None:
+    elif _is_model(teacher) and teacher.vocab_parallel_group is not None:
         raise ValueError("teacher.vocab_parallel_group: a split teacher needs the student split "
                          "over the same group")
     mask = check_token_tensors(mask, {}, shape=info.shape, device=info.device,

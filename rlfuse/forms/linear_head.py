@@ -81,6 +81,7 @@ class LinearHead(NamedTuple):
     # ---------------------------------------------------------------------------------------
 
     kind = "head"      # which of the implementations' form ops run it
+    own_rows = False   # its rows are every rank's (``RankRowsHead``: a rank's own)
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -224,6 +225,8 @@ class LinearHead(NamedTuple):
 class RankRowsHead(LinearHead):
     """A ``LinearHead`` over a ``vocab_parallel_group`` whose rows are this rank's own
     (``scaleout.rank_rows``)."""
+
+    own_rows = True
 
     def every_ranks_rows(self, mask: Optional[torch.Tensor]):
         """``(head, mask, own)``: the same head over every rank's rows of its window as one

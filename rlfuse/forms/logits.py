@@ -58,6 +58,7 @@ class Logits(NamedTuple):
     # ---------------------------------------------------------------------------------------
 
     kind = "logits"    # which of the implementations' form ops run it
+    own_rows = False   # its rows are every rank's (``RankRowsHead``: a rank's own)
 
     @property
     def device(self) -> Optional[torch.device]:

@@ -1,11 +1,12 @@
-"""The matmuls of a head over chunks of hidden rows: a chunk's logits, and the gradients of the
-hidden states, weight and bias that the chunks add up (cuBLAS, or the fixed-order matmul of a
-batch-invariant head, ``kernels.matmul``, or for its log-probs from the logits' tiles formed
-again on the chip, ``kernels.head_blocks``), summed over a split vocabulary's group at the
-end."""
+"""A head's rows chunk by chunk: the one walk every head op takes (``HeadChunks``), a chunk's
+logits by one matmul, and the gradients of the hidden states, weight and bias that the chunks
+add up (cuBLAS, or the fixed-order matmul of a batch-invariant head, ``kernels.matmul``, or for
+its log-probs from the logits' tiles formed again on the chip, ``kernels.head_blocks``), summed
+over a split vocabulary's group at the end. An op supplies what happens to each chunk: its row
+kernels (its epilogue)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -141,3 +142,63 @@ class HeadGradients:
 
         return (hidden.new_empty(0) if dhidden is None else dhidden,
                 of_weight(self.dweight), of_weight(self.dbias))
+
+
+class Chunk(NamedTuple):
+    """One chunk of a head's rows: ``tokens``, their flat positions ``b T + t`` in the ``[B,
+    T]`` inputs; ``rows``, their flat hidden rows ``b S + offset + t``; ``hidden``, those rows
+    ``[C, H]``."""
+
+    tokens: Tensor
+    rows: Tensor
+    hidden: Tensor
+
+
+class HeadChunks:
+    """The chunks of ``chunk_tokens`` positions of a head's window (``hidden [B, S, H]``, the
+    rows ``[offset, offset + T)`` for ``positions [B, T]``; with ``gather``, the positions of
+    ``mask`` only, which reads it on the host), in order (``for chunk in chunks``); a chunk's
+    logits ``[C, 1, V]`` formed by one matmul (``logits``: in the weight's dtype, ``fp32``: in
+    fp32; ``batch_invariant``: by the fixed-order matmul); and, with ``needs`` (which of the
+    hidden states, weight and bias need a gradient), where each chunk's gradient goes
+    (``add``, ``add_tiles``; ``gradients`` at the end: ``HeadGradients``, over a split's
+    ``group_name`` and ``row_blocks``)."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 positions: Tensor, mask: Optional[Tensor], offset: int, chunk_tokens: int,
+                 gather: bool, *, batch_invariant: bool = False, fp32: bool = False,
+                 needs: Optional[Sequence[bool]] = None, group_name: str = "",
+                 row_blocks: int = 0):
+        B, S, H = hidden.shape
+        T = positions.shape[1]
+        if gather and mask is not None:
+            tokens = mask.reshape(-1).nonzero().squeeze(1)
+        else:
+            tokens = torch.arange(B * T, device=hidden.device)
+        rows = (tokens // T) * S + offset + tokens % T
+        self._chunks = list(zip(tokens.split(chunk_tokens), rows.split(chunk_tokens)))
+        self._flat = hidden.reshape(-1, H)
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.batch_invariant, self.fp32 = batch_invariant, fp32
+        self.grads = None if needs is None else HeadGradients(
+            hidden, weight, bias, tuple(needs), group_name, batch_invariant, row_blocks)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        for tokens, rows in self._chunks:
+            yield Chunk(tokens, rows, self._flat[rows])
+
+    def logits(self, chunk: Chunk) -> Tensor:
+        return chunk_logits(chunk.hidden, self.weight, self.bias, self.batch_invariant,
+                            self.fp32)
+
+    def add(self, chunk: Chunk, dlogits: Tensor) -> None:
+        """The chunk's gradient ``dlogits [C, 1, V]`` (in the weight's dtype) into the three."""
+        self.grads.add(dlogits, chunk.hidden, chunk.rows)
+
+    def add_tiles(self, chunk: Chunk, backward) -> None:
+        """The chunk's gradient from its logits' tiles on the chip (``HeadGradients.add_tiles``)."""
+        self.grads.add_tiles(chunk.hidden, chunk.rows, backward)
+
+    def gradients(self, accumulated: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(dhidden, dweight, dbias)`` (``HeadGradients.results``)."""
+        return self.grads.results(self.hidden, self.weight, accumulated)

@@ -30,9 +30,8 @@ from ..kernels.head import HeadParams
 from ..kernels.logprobs import token_logprobs_fwd
 from ..scaleout.vocab import group_sum
 from ._op import custom_op
-from .head_matmuls import HeadGradients, chunk_logits
-from .linear_head import (Rows, head_gradients_fake, register_head_autograd,
-                          register_single_pass_autograd)
+from .head_matmuls import HeadChunks, chunk_logits
+from .linear_head import head_gradients_fake, register_head_autograd, register_single_pass_autograd
 from .top_k import whole_rows
 from .vocab_blocks import head_block_row_stats
 
@@ -150,28 +149,28 @@ def linear_distill_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], te
     value = torch.zeros(B * T, dtype=acc, device=hidden.device)
     entropy = torch.zeros(B * T, dtype=acc, device=hidden.device)
     stats = torch.zeros((B * T, len(DISTILL_STATS)), dtype=acc, device=hidden.device)
-    h_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), mask.reshape(-1)
+    m_flat = mask.reshape(-1)
     rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, mask,
                        batch_invariant)
     heads = (HeadParams(temperature, logit_scale, softcap),
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
-    chunks = Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens)
+    chunks = HeadChunks(hidden, weight, bias, mask, mask, offset, chunk_tokens, gather,
+                        batch_invariant=batch_invariant, fp32=True)
 
-    def both(tokens, rows):
-        return (chunk_logits(h_flat[rows], weight, bias, batch_invariant, fp32=True),
-                rows_of.chunk(tokens), m_flat[tokens, None])
+    def both(chunk):
+        return chunks.logits(chunk), rows_of.chunk(chunk.tokens), m_flat[chunk.tokens, None]
 
     if group_name and not rows_of.on_chip:
         entropy, stats = _split_heads(chunks, both, heads, stats, group_name)
-    for tokens, rows in chunks:
+    for chunk in chunks:
+        tokens = chunk.tokens
         if rows_of.on_chip:
             keep = m_flat[tokens]
             value[tokens], entropy[tokens], stats[tokens] = _on_chip(
-                rows_of.tiles(h_flat[rows], weight, bias, tokens, keep, heads,
+                rows_of.tiles(chunk.hidden, weight, bias, tokens, keep, heads,
                               (function, params)), rows_of, tokens, keep, heads, group_name)
             continue
-        value_c, entropy_c, stats_c = distill_fwd(*both(tokens, rows), *heads,
-                                                  (function, params),
+        value_c, entropy_c, stats_c = distill_fwd(*both(chunk), *heads, (function, params),
                                                   stats[tokens] if group_name else None)
         value[tokens], stats[tokens] = value_c[:, 0], stats_c
         if not group_name:
@@ -192,8 +191,9 @@ def _split_heads(chunks, both, heads, stats: Tensor, group_name: str
     the whole rows' statistics in its first four columns."""
     entropy = torch.zeros(stats.shape[0], dtype=stats.dtype, device=stats.device)
     shard = [torch.zeros_like(stats[:, :2]), torch.zeros_like(stats[:, :2])]
-    for tokens, rows in chunks:
-        s_logits, t_logits, m = both(tokens, rows)
+    for chunk in chunks:
+        tokens = chunk.tokens
+        s_logits, t_logits, m = both(chunk)
         no_target = torch.zeros(m.shape, dtype=torch.long, device=m.device)
         _, shard[0][tokens], entropy_c = token_logprobs_fwd(s_logits, no_target, m, heads[0],
                                                             True)
@@ -224,27 +224,27 @@ def linear_distill_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Te
     """``(dhidden, dweight, dbias)`` (empty where not needed) of ``linear_distill_op`` for the
     upstream ``dvalue [B, T]``: each chunk's logits formed again, the student's gradient
     written in place into its chunk."""
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant)
-    T = mask.shape[1]
-    h_flat, m_flat, dvalue = hidden.reshape(-1, hidden.shape[-1]), mask.reshape(-1), \
-        dvalue.reshape(-1)
+    chunks = HeadChunks(hidden, weight, bias, mask, mask, offset, chunk_tokens, gather,
+                        batch_invariant=batch_invariant, fp32=True, needs=needs,
+                        group_name=group_name)
+    m_flat, dvalue = mask.reshape(-1), dvalue.reshape(-1)
     rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, mask,
                        batch_invariant)
     heads = (HeadParams(temperature, logit_scale, softcap),
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
-    for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
-        h_rows = h_flat[rows]
+    for chunk in chunks:
+        tokens = chunk.tokens
         if rows_of.on_chip:
-            tiles = rows_of.tiles(h_rows, weight, bias, tokens, m_flat[tokens], heads,
+            tiles = rows_of.tiles(chunk.hidden, weight, bias, tokens, m_flat[tokens], heads,
                                   (function, params))
-            grads.add_tiles(h_rows, rows, functools.partial(
+            chunks.add_tiles(chunk, functools.partial(
                 distill_head_backward, tiles, stats[tokens], dvalue[tokens]))
             continue
-        logits = chunk_logits(h_rows, weight, bias, batch_invariant, fp32=True)
+        logits = chunks.logits(chunk)
         distill_bwd(logits, 0, rows_of.chunk(tokens), m_flat[tokens, None], stats[tokens],
                     dvalue[tokens, None], *heads, (function, params), dlogits=logits)
-        grads.add(logits.to(weight.dtype), h_rows, rows)
-    return grads.results(hidden, weight)
+        chunks.add(chunk, logits.to(weight.dtype))
+    return chunks.gradients()
 
 
 @linear_distill_backward_op.register_fake
@@ -281,34 +281,34 @@ def linear_distill_loss_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor
     B, T = mask.shape
     value = torch.zeros(B * T, dtype=acc, device=hidden.device)
     entropy = torch.zeros(B * T, dtype=acc, device=hidden.device)
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), batch_invariant=batch_invariant)
-    h_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), mask.reshape(-1)
-    w_flat = token_weights.reshape(-1)
+    chunks = HeadChunks(hidden, weight, bias, mask, mask, offset, chunk_tokens, gather,
+                        batch_invariant=batch_invariant, fp32=True, needs=needs)
+    m_flat, w_flat = mask.reshape(-1), token_weights.reshape(-1)
     rows_of = _Teacher(teacher, teacher_weight, teacher_bias, teacher_offset, mask,
                        batch_invariant)
     heads = (HeadParams(temperature, logit_scale, softcap),
              HeadParams(teacher_temperature, teacher_logit_scale, teacher_softcap))
-    for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
-        h_rows = h_flat[rows]
+    for chunk in chunks:
+        tokens = chunk.tokens
         if rows_of.on_chip:    # the forward's tiles, then the backward's
             keep = m_flat[tokens]
-            tiles = rows_of.tiles(h_rows, weight, bias, tokens, keep, heads, (function, params))
+            tiles = rows_of.tiles(chunk.hidden, weight, bias, tokens, keep, heads,
+                                  (function, params))
             value[tokens], entropy[tokens], stats_c = _on_chip(tiles, rows_of, tokens, keep,
                                                                heads)
-            grads.add_tiles(h_rows, rows, functools.partial(
+            chunks.add_tiles(chunk, functools.partial(
                 distill_head_backward, tiles, stats_c, w_flat[tokens]))
             continue
-        logits = chunk_logits(h_rows, weight, bias, batch_invariant, fp32=True)
+        logits = chunks.logits(chunk)
         t_logits, m = rows_of.chunk(tokens), m_flat[tokens, None]
         value_c, entropy_c, stats_c = distill_fwd(logits, t_logits, m, *heads,
                                                   (function, params))
         distill_bwd(logits, 0, t_logits, m, stats_c, w_flat[tokens, None], *heads,
                     (function, params), dlogits=logits)
-        grads.add(logits.to(weight.dtype), h_rows, rows)
+        chunks.add(chunk, logits.to(weight.dtype))
         value[tokens], entropy[tokens] = value_c[:, 0], entropy_c[:, 0]
     loss = (value.double() * w_flat.double()).sum().to(acc)
-    return (loss, value.view(B, T), entropy.view(B, T)) + \
-        grads.results(hidden, weight, accumulated=True)
+    return (loss, value.view(B, T), entropy.view(B, T)) + chunks.gradients(accumulated=True)
 
 
 @linear_distill_loss_op.register_fake

@@ -33,7 +33,7 @@ from ..kernels.head_blocks import head_backward
 from ..kernels.surrogate import surrogate_logits_fwd
 from ..scaleout import vocab
 from ._op import custom_op, kl_of, register_autograd, register_backward_op
-from .head_matmuls import HeadGradients, chunk_logits
+from .head_matmuls import HeadChunks
 from .vocab_blocks import head_block_row_stats, logit_at_targets
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # the most a default chunk of logits takes: 1 GiB
@@ -64,25 +64,6 @@ def chunk_tokens_for(weight: Tensor, chunk_tokens: Optional[int], tokens: int) -
     rounded = MIN_CHUNK_TOKENS * -(-like_hidden // MIN_CHUNK_TOKENS)
     return max(1, min(DEFAULT_CHUNK_BYTES // row,
                       max(MIN_CHUNK_TOKENS, min(hidden_size, rounded))))
-
-
-class Rows:
-    """The tokens a call works on, chunk by chunk: their flat index ``b T + t`` into the
-    ``[B, T]`` inputs and the flat index ``b S + offset + t`` of their hidden row."""
-
-    def __init__(self, hidden: Tensor, targets: Tensor, mask: Optional[Tensor], offset: int,
-                 gather: bool):
-        B, S, _ = hidden.shape
-        T = targets.shape[1]
-        if gather and mask is not None:
-            self.tokens = mask.reshape(-1).nonzero().squeeze(1)
-        else:
-            self.tokens = torch.arange(B * T, device=hidden.device)
-        self.rows = (self.tokens // T) * S + offset + self.tokens % T
-        self.T = T
-
-    def chunks(self, size: int) -> List[Tuple[Tensor, Tensor]]:
-        return list(zip(self.tokens.split(size), self.rows.split(size)))
 
 
 def _flat(x: Optional[Tensor]) -> Optional[Tensor]:
@@ -139,16 +120,18 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     logp = torch.zeros(B * T, dtype=acc, device=hidden.device)
     entropy = torch.zeros(B * T if with_entropy else 0, dtype=acc, device=hidden.device)
     stats = torch.zeros((B * T, len(STAT_COLUMNS)), dtype=acc, device=hidden.device)
-    h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
+    y_flat, m_flat = _flat(targets), _flat(mask)
     head = HeadParams(temperature, logit_scale, softcap)
-    for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
+    chunks = HeadChunks(hidden, weight, bias, targets, mask, offset, chunk_tokens, gather)
+    for chunk in chunks:
+        tokens = chunk.tokens
         m_c = None if m_flat is None else m_flat[tokens, None]
         if batch_invariant:     # the chunk's logits never formed whole
-            _, row_stats = head_block_row_stats(h_flat[rows], weight, bias, y_flat[tokens, None],
+            _, row_stats = head_block_row_stats(chunk.hidden, weight, bias, y_flat[tokens, None],
                                                 m_c, head, with_entropy, group_name)
             lp_c, stats_c, ent_c = row_stats[:, :1], row_stats[:, 1:3], row_stats[:, 3:]
         else:
-            logits = chunk_logits(h_flat[rows], weight, bias)
+            logits = chunks.logits(chunk)
             lp_c, stats_c, ent_c = token_logprobs_fwd(logits, y_flat[tokens, None], m_c, head,
                                                       with_entropy)
             if target_logit:
@@ -184,28 +167,29 @@ def linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[T
     place; ``group_name``: a shard of a split vocabulary, ``batch_invariant``: the chunk's
     gradient from its logits' tiles formed again on the chip (``HeadGradients.add_tiles``),
     ``row_blocks``: sequence-parallel rows (``HeadGradients``)."""
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant,
-                          row_blocks)
-    h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
+    chunks = HeadChunks(hidden, weight, bias, targets, mask, offset, chunk_tokens, gather,
+                        needs=needs, group_name=group_name, batch_invariant=batch_invariant,
+                        row_blocks=row_blocks)
+    y_flat, m_flat = _flat(targets), _flat(mask)
     dlogp, dentropy, entropy = _flat(dlogp), _flat(dentropy), _flat(entropy)
     head = HeadParams(temperature, logit_scale, softcap)
-    for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
-        h_rows = h_flat[rows]
+    for chunk in chunks:
+        tokens = chunk.tokens
         if batch_invariant:     # the chunk's logits never formed whole
             keep = torch.ones_like(tokens, dtype=torch.bool) if m_flat is None else m_flat[tokens]
-            grads.add_tiles(h_rows, rows, functools.partial(
-                head_backward, h_rows, weight, bias, y_flat[tokens], keep, stats[tokens],
+            chunks.add_tiles(chunk, functools.partial(
+                head_backward, chunk.hidden, weight, bias, y_flat[tokens], keep, stats[tokens],
                 None if dentropy is None else entropy[tokens], dlogp[tokens],
                 None if dentropy is None else dentropy[tokens], *head.kernel_args()))
             continue
-        logits = chunk_logits(h_rows, weight, bias)
+        logits = chunks.logits(chunk)
         token_logprobs_bwd(logits, y_flat[tokens, None],
                            None if m_flat is None else m_flat[tokens, None], head,
                            stats[tokens], None if dentropy is None else entropy[tokens, None],
                            dlogp[tokens, None],
                            None if dentropy is None else dentropy[tokens, None], logits)
-        grads.add(logits, h_rows, rows)
-    return grads.results(hidden, weight)
+        chunks.add(chunk, logits)
+    return chunks.gradients()
 
 
 @linear_logprobs_backward_op.register_fake
@@ -300,20 +284,21 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
     kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
     head = HeadParams(temperature, logit_scale, softcap)
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, row_blocks=row_blocks)
+    chunks = HeadChunks(hidden, weight, bias, targets, mask, offset, chunk_tokens, gather,
+                        needs=needs, group_name=group_name, row_blocks=row_blocks)
     write = any(needs)
     B, T = targets.shape
     sums_of_tokens = torch.zeros((B * T, len(SUM_COLUMNS)), dtype=row_scale.dtype,
                                  device=hidden.device)
-    h_flat, y_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), _flat(targets), _flat(mask)
+    y_flat, m_flat = _flat(targets), _flat(mask)
     old_flat, w_flat, ref_flat = _flat(old_lp), _flat(weights), _flat(ref_lp)
     adv_flat = _flat(adv.unsqueeze(-1).expand(B, T) if adv.dim() == 1 else adv)
     scale_flat = row_scale.unsqueeze(-1).expand(B, T).reshape(-1)
     kl_flat, entropy_flat = (None if x is None else x.unsqueeze(-1).expand(B, T).reshape(-1)
                              for x in (kl_scale, entropy_scale))
-    for tokens, rows in Rows(hidden, targets, mask, offset, gather).chunks(chunk_tokens):
-        h_rows = h_flat[rows]
-        logits = chunk_logits(h_rows, weight, bias)
+    for chunk in chunks:
+        tokens = chunk.tokens
+        logits = chunks.logits(chunk)
         targets_c, row_stats = y_flat[tokens, None], None
         if group_name:
             targets_c, row_stats = _split_row_stats(logits, targets_c, m_flat[tokens, None],
@@ -329,10 +314,10 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
             row_stats=row_stats)
         sums_of_tokens[tokens] = sums
         if write:
-            grads.add(logits, h_rows, rows)
+            chunks.add(chunk, logits)
     sums_of_rows = sums_of_tokens.view(B, T, len(SUM_COLUMNS)).sum(1)
     loss = -sums_of_rows[:, SUM_COLUMNS.index("loss")].sum()
-    return (loss, sums_of_rows) + grads.results(hidden, weight, accumulated=True)
+    return (loss, sums_of_rows) + chunks.gradients(accumulated=True)
 
 
 @linear_surrogate_op.register_fake

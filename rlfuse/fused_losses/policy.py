@@ -11,30 +11,8 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
-from ..forms import LinearHead, Logits
 from ..scaleout import layout, vocab
-from .vocab_split import split_logprobs
-from .linear_head import chunk_tokens_for, head_fields, linear_logprobs_op
-from .logprobs import token_logprobs_op
-
-
-def _local_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
-                    return_entropy: bool) -> Tuple[Tensor, Tensor]:
-    """``(logp, entropy or empty)`` ``[B, T]`` of a ``Logits`` / ``LinearHead`` over
-    ``[B, S, ...]`` rows and the whole vocabulary."""
-    if isinstance(rows, LinearHead):
-        chunk = chunk_tokens_for(rows.weight, rows.chunk_tokens, rows.targets.numel())
-        logp, entropy, _ = linear_logprobs_op(rows.hidden, rows.weight, rows.bias, rows.targets,
-                                              mask, **head_fields(rows), offset=int(rows.offset),
-                                              chunk_tokens=chunk, gather=gather,
-                                              with_entropy=bool(return_entropy),
-                                              batch_invariant=bool(rows.batch_invariant))
-    else:
-        logp, entropy, _ = token_logprobs_op(rows.logits, rows.targets, mask,
-                                             float(rows.temperature), bool(return_entropy),
-                                             bool(rows.inplace_backward), int(rows.offset),
-                                             bool(rows.batch_invariant))
-    return logp, entropy
+from .form_ops import of
 
 
 def window_logprobs(policy, mask: Optional[Tensor], *, validate: bool,
@@ -54,8 +32,8 @@ def window_logprobs(policy, mask: Optional[Tensor], *, validate: bool,
     if validate and group is not None:
         vocab.check_shard_sizes(group, policy.vocab_size, policy.targets.device)
     rows, rows_mask = layout.as_rows(policy), layout.row_mask(policy, mask)
-    logprobs = _local_logprobs if group is None else split_logprobs
-    logp, entropy = logprobs(rows, rows_mask, gather=validate, return_entropy=return_entropy)
+    logp, entropy = of(policy).logprobs(rows, rows_mask, gather=validate,
+                                        return_entropy=return_entropy)
     return (layout.to_loss_layout(policy, logp, mask),
             layout.to_loss_layout(policy, entropy, mask) if return_entropy else entropy)
 

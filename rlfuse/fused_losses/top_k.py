@@ -25,8 +25,8 @@ from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_
 from ..scaleout.vocab import combine_shards, group_of, group_sum, shard_targets
 from ..shared.head import scaled_logits
 from ._op import custom_op, register_backward_op
-from .head_matmuls import HeadGradients, chunk_logits
-from .linear_head import Rows, head_gradients_fake, register_head_autograd
+from .head_matmuls import HeadChunks
+from .linear_head import head_gradients_fake, register_head_autograd
 
 
 def _logits_at(rows: Tensor, ids: Tensor, head: HeadParams, dtype: torch.dtype) -> Tensor:
@@ -173,11 +173,13 @@ def linear_logprobs_at_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     entropy = torch.zeros(B * T, dtype=acc, device=hidden.device)
     stats = torch.zeros((B * T, len(STAT_COLUMNS)), dtype=acc, device=hidden.device)
     local, owned = _owned_ids(ids, weight.shape[0], group_name)
-    h_flat, ids_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), local.view(-1, k), \
-        mask.reshape(-1)
+    ids_flat, m_flat = local.view(-1, k), mask.reshape(-1)
     head = HeadParams(temperature, logit_scale, softcap)
-    for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
-        logits = chunk_logits(h_flat[rows], weight, bias, batch_invariant, fp32=True)
+    chunks = HeadChunks(hidden, weight, bias, mask, mask, offset, chunk_tokens, gather,
+                        batch_invariant=batch_invariant, fp32=True)
+    for chunk in chunks:
+        tokens = chunk.tokens
+        logits = chunks.logits(chunk)
         ids_c = ids_flat[tokens]
         _, stats_c, entropy_c = token_logprobs_fwd(logits, ids_c[:, :1], m_flat[tokens, None],
                                                    head, True)
@@ -203,26 +205,27 @@ def linear_logprobs_at_backward_op(hidden: Tensor, weight: Tensor, bias: Optiona
     """``(dhidden, dweight, dbias)`` (empty where not needed) of ``linear_logprobs_at_op`` for
     ``dlogp [B, T, k]``: each chunk's logits formed again, their gradient written in place
     (with ``group_name``: this shard's, the hidden states' summed over the group)."""
-    grads = HeadGradients(hidden, weight, bias, tuple(needs), group_name, batch_invariant)
+    chunks = HeadChunks(hidden, weight, bias, mask, mask, offset, chunk_tokens, gather,
+                        batch_invariant=batch_invariant, fp32=True, needs=needs,
+                        group_name=group_name)
     k = ids.shape[-1]
     local, owned = _owned_ids(ids, weight.shape[0], group_name)
-    h_flat, ids_flat, m_flat = hidden.reshape(-1, hidden.shape[-1]), local.view(-1, k), \
-        mask.reshape(-1)
+    ids_flat, m_flat = local.view(-1, k), mask.reshape(-1)
     dlogp = _upstream(dlogp, mask, stats.dtype)
     totals = dlogp.sum(-1).view(-1)        # the p_v term: every id's, whichever rank owns it
     dlogp = (dlogp if owned is None else torch.where(owned, dlogp, 0.0)).view(-1, k)
     head = HeadParams(temperature, logit_scale, softcap)
-    for tokens, rows in Rows(hidden, mask, mask, offset, gather).chunks(chunk_tokens):
-        h_rows = h_flat[rows]
-        logits = chunk_logits(h_rows, weight, bias, batch_invariant, fp32=True)
+    for chunk in chunks:
+        tokens = chunk.tokens
+        logits = chunks.logits(chunk)
         ids_c = ids_flat[tokens]
         raw = logits[:, 0].gather(-1, ids_c) if softcap else None
         no_target = torch.full((len(tokens), 1), -1, dtype=torch.long, device=mask.device)
         token_logprobs_bwd(logits, no_target, m_flat[tokens, None], head, stats[tokens], None,
                            totals[tokens, None], None, logits)
         _add_at_ids(logits[:, 0], raw, ids_c, dlogp[tokens], head)
-        grads.add(logits.to(weight.dtype), h_rows, rows)
-    return grads.results(hidden, weight)
+        chunks.add(chunk, logits.to(weight.dtype))
+    return chunks.gradients()
 
 
 @linear_logprobs_at_backward_op.register_fake

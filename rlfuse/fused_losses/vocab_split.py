@@ -17,10 +17,8 @@ import torch
 from torch import Tensor
 
 from .._types import compute_dtype
-from ..forms import LinearHead
 from ._op import custom_op, register_autograd
-from .linear_head import (chunk_tokens_for, head_fields, head_gradients,
-                                        linear_logprobs_backward_op, linear_logprobs_op)
+from .linear_head import head_gradients, linear_logprobs_backward_op, linear_logprobs_op
 from .logprobs import logits_backward, token_logprobs_op
 from ..kernels.logprobs import STAT_COLUMNS
 from ..kernels.head import HeadParams
@@ -169,23 +167,3 @@ def _head_backward(ctx, dlogp, dentropy, _dstats):
 
 
 register_autograd(vocab_split_linear_logprobs_op, _head_backward, _head_setup)
-
-
-def split_logprobs(rows, mask: Optional[Tensor], *, gather: bool,
-                   return_entropy: bool) -> Tuple[Tensor, Tensor]:
-    """``(logp, entropy or empty)`` ``[B, T]`` of a ``Logits`` / ``LinearHead`` over
-    ``[B, S, ...]`` rows with a ``vocab_parallel_group``."""
-    group_name = rows.vocab_parallel_group.group_name
-    if isinstance(rows, LinearHead):
-        chunk = chunk_tokens_for(rows.weight, rows.chunk_tokens, rows.targets.numel())
-        logp, entropy, _ = vocab_split_linear_logprobs_op(
-            rows.hidden, rows.weight, rows.bias, rows.targets, mask, **head_fields(rows),
-            offset=int(rows.offset), chunk_tokens=chunk, gather=gather,
-            with_entropy=bool(return_entropy), group_name=group_name,
-            batch_invariant=bool(rows.batch_invariant), row_blocks=rows.row_blocks)
-    else:
-        logp, entropy, _ = vocab_split_logprobs_op(
-            rows.logits, rows.targets, mask, float(rows.temperature), bool(return_entropy),
-            bool(rows.inplace_backward), int(rows.offset), group_name,
-            bool(rows.batch_invariant))
-    return logp, entropy

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from .._types import compute_dtype
-from ..forms import TopK
 from ..divergences import ForwardKL
 from .divergence_functions import divergence_function, weighted
 from ..scaleout import vocab
@@ -59,7 +58,7 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
     the caller's)."""
     s = window_log_softmax(student, mask)
     entropy = -weighted(s.exp(), s)
-    if isinstance(teacher, TopK):
+    if teacher.kind == "top_k":
         value, extras = top_k_divergence(s.gather(-1, teacher.ids.long()), teacher.logprobs,
                                          divergence)
     else:

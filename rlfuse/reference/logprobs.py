@@ -1,7 +1,6 @@
 """Reference per-token log-probs and entropy (plain torch, autograd)."""
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
