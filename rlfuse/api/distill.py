@@ -10,14 +10,13 @@ import torch
 from .._names import AGGREGATIONS
 from .._types import LossOutput
 from ..forms import TopK
-from ..checks.policy import PolicyInfo, check_policy, check_policy_targets
+from ..checks.policy import PolicyInfo, check_policy, check_policy_targets, check_weights
 from ..checks.values import (check_choice, check_count, check_loss_scale, check_tensor,
                              check_token_tensors)
 from ..divergences import Divergence, check_divergence
 from ..scaleout import layout, vocab
 from ..scaleout.vocab import vocab_group_size
 from ..shared.aggregation import aggregation_weights
-from .args import check_weights
 
 
 class DistillArgs(NamedTuple):
@@ -133,8 +132,8 @@ def check_distill_args(student, teacher, mask, divergence, *, validate: bool) ->
     return DistillArgs(info, mask)
 
 
-def token_divergence(run, student, teacher, mask: Optional[torch.Tensor] = None,
-                     divergence=None, *, validate: bool = True, return_metrics: bool = False):
+def token_divergence(student, teacher, mask: Optional[torch.Tensor] = None,
+                     divergence=None, *, validate: bool = True, return_metrics: bool = False, run):
     """The divergence of each position ``[B, T]`` (fp32; fp64 for fp64 inputs) between the
     student's and the teacher's next-token distributions, with its gradient to the student
     (for a trainer's own aggregation, e.g. verl's ``agg_loss``); 0 at masked positions. The
@@ -172,10 +171,10 @@ def token_divergence(run, student, teacher, mask: Optional[torch.Tensor] = None,
         return value, {"entropy": entropy.detach(), **{k: v.detach() for k, v in extras.items()}}
 
 
-def distill_loss(run, student, teacher, mask: torch.Tensor, divergence, *,
+def distill_loss(student, teacher, mask: torch.Tensor, divergence, *,
                  agg: str = "token-mean", num_tokens: Optional[float] = None,
                  loss_scale: float = 1.0, weights: Optional[torch.Tensor] = None,
-                 validate: bool = True) -> LossOutput:
+                 validate: bool = True, run) -> LossOutput:
     """The divergence between a student's and a teacher's next-token distributions, aggregated
     over the actor tokens: on-policy distillation (TRL's ``DistillationTrainer`` and GKD with
     ``JSD(beta)``, verl's ``forward_kl_topk`` with a ``TopK`` teacher).

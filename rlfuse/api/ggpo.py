@@ -1,20 +1,22 @@
 """GGPO's loss: the stable Gibbs (log-mean-exp) gap of KL-adjusted rewards."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .._types import LossOutput
+from ..checks.policy import PolicyInfo, check_loss_policy, check_policy_targets
+from ..checks.values import (check_actor_tokens, check_group_size, check_loss_scale,
+                             check_positive, check_sequence_tensor)
 from ..scaleout import context
-from .args import check_ggpo_args
 
 
-def ggpo_loss(run, policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor,
+def ggpo_loss(policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor,
               mask: torch.Tensor, *, group_size: int, beta: float,
               clip_radius: Optional[float] = None, loss_scale: float = 1.0,
               num_tokens: Optional[float] = None, context_parallel_group=None,
-              validate: bool = True) -> LossOutput:
+              validate: bool = True, run) -> LossOutput:
     """GGPO: the stable Gibbs (log-mean-exp) gap of KL-adjusted rewards.
 
     Args:
@@ -91,3 +93,32 @@ def ggpo_loss(run, policy, ref_logprobs: torch.Tensor, rewards: torch.Tensor,
         args = check(whole.logprobs, ref, whole.mask)
         return context.share(impl.ggpo(whole.logprobs, args, ref, rewards.detach(), validate),
                              context_parallel_group)
+
+
+class GGPOArgs(NamedTuple):
+    info: PolicyInfo
+    mask: torch.Tensor             # bool
+    group_size: int
+    beta: float
+    clip_radius: Optional[float]   # None: the unclipped branch
+    loss_scale: float
+    num_tokens: Optional[float]
+
+
+def check_ggpo_args(policy, ref_logprobs, rewards, mask, *, group_size, beta, clip_radius,
+                    loss_scale, num_tokens, validate, whole: bool = True) -> GGPOArgs:
+    """The checks of ``ggpo_loss`` (``whole``: the mask holds whole sequences, not a context-
+    parallel rank's chunks of them, whose actor tokens may all sit elsewhere)."""
+    info, mask = check_loss_policy(policy, mask, {"ref_logprobs": ref_logprobs}, validate)
+    check_sequence_tensor("rewards", rewards, batch=info.shape[0], device=info.device,
+                          validate=validate)
+    m = check_group_size(group_size, info.shape[0], minimum=2)
+    beta = check_positive("beta", beta)
+    rho = None if clip_radius is None else check_positive("clip_radius", clip_radius,
+                                                          allow_inf=True)
+    if num_tokens is not None:
+        num_tokens = check_positive("num_tokens", num_tokens)
+    check_policy_targets(policy, mask, mask.shape, validate)
+    if validate and whole:
+        check_actor_tokens(mask, m, what="group")
+    return GGPOArgs(info, mask, m, beta, rho, check_loss_scale(loss_scale), num_tokens)

@@ -2,16 +2,20 @@
 GR-OPD's loss: its advantages, then ``policy_loss``'s step with the clip over them."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .._types import LossOutput, compute_dtype
-from ..checks.values import (check_actor_tokens, check_finite, check_group_size,
-                             check_positive, check_tensor)
+from ..checks.policy import check_loss_policy, check_policy_targets
+from ..checks.values import (check_actor_tokens, check_clip, check_count, check_finite,
+                             check_group_size, check_loss_scale, check_nonnegative,
+                             check_number, check_positive, check_sequence_tensor, check_tensor,
+                             check_token_tensors, check_unit_interval)
+from ..objectives import Clip
 from ..shared.aggregation import clamped_feedback, discounted_sums, group_credit, masked_mean
 from ..scaleout import context
-from .args import check_advantage_inputs, check_gr_opd_args
+from .policy_loss import PolicyLossArgs
 
 
 def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-6,
@@ -49,11 +53,11 @@ def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = 1e-
     return adv.reshape(-1)
 
 
-def gr_opd_advantages(run, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
                       mask: torch.Tensor, *, group_size: int, gamma: float = 0.99,
                       lam: float = 0.25, feedback_clip: float = 5.0, adv_clip: float = 5.0,
                       std_eps: float = 1e-6, context_parallel_group=None,
-                      validate: bool = True) -> torch.Tensor:
+                      validate: bool = True, run) -> torch.Tensor:
     """GR-OPD's group-relative sequence credit, one advantage per response (``[B]``, detached).
 
     Args:
@@ -103,12 +107,12 @@ def gr_opd_advantages(run, old_logprobs: torch.Tensor, teacher_logprobs: torch.T
                                args.hyper, acc, context_parallel_group, validate)[0]
 
 
-def gr_opd_loss(run, policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+def gr_opd_loss(policy, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
                 mask: torch.Tensor, *, group_size: int, gamma: float = 0.99, lam: float = 0.25,
                 eps: float = 0.2, feedback_clip: float = 5.0, adv_clip: float = 5.0,
                 std_eps: float = 1e-6, advantages: Optional[torch.Tensor] = None,
                 loss_scale: float = 1.0, num_sequences: Optional[float] = None,
-                context_parallel_group=None, validate: bool = True) -> LossOutput:
+                context_parallel_group=None, validate: bool = True, run) -> LossOutput:
     """GR-OPD: PPO on the student's tokens with the group-relative teacher credit ``A_i``.
 
     Args:
@@ -244,3 +248,81 @@ def _context_credit(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor
         dist.all_reduce(total, group=group)
         return (group_credit(score, hyper.group_size, hyper.lam, hyper.adv_clip,
                              hyper.std_eps), total[0] / total[1].clamp_min(1))
+
+
+class AdvantageArgs(NamedTuple):
+    """The normalised hyper-parameters of GR-OPD's advantages (the kernel's argument order)."""
+
+    group_size: int
+    gamma: float
+    lam: float
+    feedback_clip: float
+    adv_clip: float
+    std_eps: float
+
+
+def _check_advantage_args(group_size, batch: int, gamma, lam, feedback_clip, adv_clip,
+                          std_eps) -> AdvantageArgs:
+    return AdvantageArgs(check_group_size(group_size, batch), check_unit_interval("gamma", gamma),
+                         check_number("lam", lam),
+                         check_nonnegative("feedback_clip", feedback_clip),
+                         check_nonnegative("adv_clip", adv_clip),
+                         check_positive("std_eps", std_eps))
+
+
+class GROPDAdvantageArgs(NamedTuple):
+    mask: torch.Tensor             # bool
+    hyper: AdvantageArgs
+
+
+def check_advantage_inputs(old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
+                           feedback_clip, adv_clip, std_eps, validate,
+                           whole: bool = True) -> GROPDAdvantageArgs:
+    """The checks of ``gr_opd_advantages`` (``whole`` as in ``check_ggpo_args``)."""
+    check_tensor("old_logprobs", old_logprobs, floating=True)
+    if old_logprobs.dim() != 2:
+        raise ValueError(f"old_logprobs: expected shape [B, T], got {tuple(old_logprobs.shape)}")
+    shape = tuple(old_logprobs.shape)
+    mask = check_token_tensors(mask, {"old_logprobs": old_logprobs,
+                                      "teacher_logprobs": teacher_logprobs},
+                               shape=shape, device=old_logprobs.device, validate=validate)
+    hyper = _check_advantage_args(group_size, shape[0], gamma, lam, feedback_clip, adv_clip,
+                                  std_eps)
+    if validate and whole:
+        check_actor_tokens(mask, 1, what="sequence")
+    return GROPDAdvantageArgs(mask, hyper)
+
+
+class GROPDArgs(NamedTuple):
+    """GR-OPD's loss: its advantages' hyper-parameters, the advantages given (or None), and the
+    loss step, ``policy_loss`` of the clip over ``[1 - eps_low, 1 + eps_high]`` with no dual
+    clip and no clamp of the log-ratio, aggregated by ``seq-mean-token-mean`` (its advantages
+    filled in once known)."""
+
+    hyper: AdvantageArgs
+    advantages: Optional[torch.Tensor]   # [B]
+    loss: "PolicyLossArgs"
+
+
+def check_gr_opd_args(policy, old_logprobs, teacher_logprobs, mask, *, group_size, gamma, lam,
+                      eps, feedback_clip, adv_clip, std_eps, advantages, loss_scale,
+                      num_sequences, validate, whole: bool = True) -> GROPDArgs:
+    """The checks of ``gr_opd_loss`` (``whole`` as in ``check_ggpo_args``)."""
+    info, mask = check_loss_policy(policy, mask, {"old_logprobs": old_logprobs,
+                                             "teacher_logprobs": teacher_logprobs}, validate)
+    batch, device = info.shape[0], info.device
+    hyper = _check_advantage_args(group_size, batch, gamma, lam, feedback_clip, adv_clip,
+                                  std_eps)
+    objective = Clip(clip=check_clip("eps", eps), log_ratio_clamp=None)
+    if advantages is not None:
+        if isinstance(advantages, torch.Tensor) and tuple(advantages.shape) == (batch, 1):
+            advantages = advantages[:, 0]
+        check_sequence_tensor("advantages", advantages, batch=batch, device=device,
+                              validate=validate)
+    num_sequences = check_count("num_sequences", num_sequences, device, validate)
+    check_policy_targets(policy, mask, mask.shape, validate)
+    if validate and whole:
+        check_actor_tokens(mask, 1, what="sequence")
+    loss = PolicyLossArgs(info, mask, advantages, None, objective, "seq-mean-token-mean", None,
+                          None, None, None, check_loss_scale(loss_scale), None, num_sequences)
+    return GROPDArgs(hyper, advantages, loss)

@@ -1,20 +1,20 @@
 """What a public function runs on: an implementation of rlfuse's math, and how a definition of
 ``rlfuse.api`` becomes a public function bound to one (``bind``).
 
-A definition takes the implementation it runs on as its first argument and picks the one for
-its first tensor with ``run.on(x)`` (``run.on(x, *others)``: policies that go with it):
-``Implementation.on`` is always itself (the reference binds ``rlfuse.reference.*`` to its own),
-``rlfuse._dispatch.Dispatch.on`` the kernels where they run on ``x``'s device and the
-reference elsewhere (``rlfuse.*``).
+A definition takes the implementation it runs on as its last, keyword-only argument ``run``
+and picks the one for its first tensor with ``run.on(x)`` (``run.on(x, *others)``: policies
+that go with it): ``Implementation.on`` is always itself (the reference binds
+``rlfuse.reference.*`` to its own), ``rlfuse._dispatch.Dispatch.on`` the kernels where they
+run on ``x``'s device and the reference elsewhere (``rlfuse.*``).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import types
 from typing import Callable, NamedTuple
 
-from ..forms import prepared
 
 
 class Implementation(NamedTuple):
@@ -29,14 +29,14 @@ class Implementation(NamedTuple):
     - ``gr_opd_advantages(old_logprobs, teacher_logprobs, mask, hyper, acc)``: ``(advantages
       [B], the mean clamped feedback)``;
     - ``policy_loss(policy, args, old_logprobs, ref_logprobs, generator, validate, *,
-      entropy=None)``: the ``LossOutput`` of ``api.args.PolicyLossArgs`` (``entropy``: the
+      entropy=None)``: the ``LossOutput`` of ``api.policy_loss.PolicyLossArgs`` (``entropy``: the
       entropies of ``[B, T]`` log-probs, when known);
     - ``kl_penalty(logprobs, ref_logprobs, estimator, straight, clamp)``: the estimates;
     - ``head_logits(hidden, weight, bias)``: the batch-invariant head's logits;
     - ``token_divergence(student, teacher, divergence, mask, validate)``: ``(divergence, the
       student's entropy, {extra metric: [B, T]})`` of a distillation (``api.distill``);
     - ``context_in_place``: under context parallelism ``policy_loss`` takes a rank's chunks of
-      a token-local objective in place (the ``counts`` of ``api.args.PolicyLossArgs``,
+      a token-local objective in place (the ``counts`` of ``api.policy_loss.PolicyLossArgs``,
       ``scaleout.context.in_place``), where
       otherwise the loss runs on the gathered whole sequences.
     """
@@ -58,16 +58,20 @@ class Implementation(NamedTuple):
         """``(self, x, *others)``, each policy holding DTensors made of its local tensors
         (``scaleout.dtensor``), a sequence-parallel head of every rank's rows
         (``scaleout.sequence``)."""
-        yield (self, *(prepared(y) for y in (x, *others)))
+        yield (self, *(y.prepared() if hasattr(y, "prepared") else y for y in (x, *others)))
 
 
 def bind(definition: Callable, run) -> Callable:
     """The public function of ``definition`` on ``run`` (an ``Implementation`` or a dispatch
-    between them): the definition's signature without its first parameter, its docstring."""
-    @functools.wraps(definition)
-    def public(*args, **kwargs):
-        return definition(run, *args, **kwargs)
-
+    between them): a copy of the definition — its code, hence its own frame, no wrapper around
+    it — whose keyword-only ``run`` defaults to ``run``; its signature without ``run``, its
+    docstring."""
+    public = types.FunctionType(definition.__code__, definition.__globals__, definition.__name__,
+                                definition.__defaults__, definition.__closure__)
+    public.__kwdefaults__ = {**(definition.__kwdefaults__ or {}), "run": run}
+    functools.update_wrapper(public, definition, updated=())
+    del public.__wrapped__
     signature = inspect.signature(definition)
-    public.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    public.__signature__ = signature.replace(
+        parameters=[p for p in signature.parameters.values() if p.name != "run"])
     return public

@@ -6,14 +6,15 @@ from typing import Optional
 
 import torch
 
-from ..checks.policy import (check_bool, check_head_logits_args, check_logprob_args,
-                             check_policy, check_policy_targets)
+from ..checks.policy import check_bool, check_head_tensors, check_policy, check_policy_targets
+from ..checks.values import (as_bool_mask, check_logits, check_mask, check_no_overlap,
+                             check_positive, check_targets, check_tensor)
 
 
-def token_logprobs(run, logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                    return_entropy: bool = False, inplace_backward: bool = False,
                    mask: Optional[torch.Tensor] = None, validate: bool = True,
-                   batch_invariant: bool = False):
+                   batch_invariant: bool = False, run):
     """Per-token log-probs of ``targets`` under ``softmax(logits / temperature)``.
 
     Args:
@@ -52,7 +53,7 @@ def token_logprobs(run, logits: torch.Tensor, targets: torch.Tensor, *, temperat
                                    batch_invariant)
 
 
-def policy_logprobs(run, policy, *, return_entropy: bool = False, validate: bool = True):
+def policy_logprobs(policy, *, return_entropy: bool = False, validate: bool = True, run):
     """Per-token log-probs ``[B, T]`` (fp32; fp64 for fp64 inputs) of any policy form, with
     autograd — the old or reference log-probs a trainer needs, and the entropy for a bonus,
     without a ``[B, T, V]`` tensor when the policy is a ``LinearHead``.
@@ -84,8 +85,8 @@ def policy_logprobs(run, policy, *, return_entropy: bool = False, validate: bool
         return policy
 
 
-def head_logits(run, hidden: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, *, run) -> torch.Tensor:
     """A head's logits ``hidden @ weight.T + bias``, each row's bits its own whatever the
     batch: those of ``LinearHead(..., batch_invariant=True)`` before its logit scale, softcap
     and temperature.
@@ -110,3 +111,36 @@ def head_logits(run, hidden: torch.Tensor, weight: torch.Tensor,
     with run.on(hidden) as (impl, hidden):
         check_head_logits_args(hidden, weight, bias)
         return impl.head_logits(hidden, weight, bias)
+
+
+def check_head_logits_args(hidden, weight, bias) -> None:
+    """``head_logits``' tensors: ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]`` (or
+    None) of one floating dtype and device."""
+    check_tensor("hidden", hidden, floating=True)
+    if hidden.dim() < 1:
+        raise ValueError("hidden: expected shape [..., H], got a 0-dim tensor")
+    check_head_tensors(hidden, weight, bias)
+
+
+
+
+def check_logprob_args(logits, targets, temperature, mask, inplace_backward: bool,
+                       validate: bool) -> Optional[torch.Tensor]:
+    """Checks the arguments of ``token_logprobs``; returns the mask as bool (or None). Without
+    ``validate`` the values (0/1 mask, target range: one host sync) are not checked."""
+    check_logits(logits)
+    check_positive("temperature", temperature)
+    if inplace_backward:
+        check_no_overlap("logits", logits)
+    shape = tuple(logits.shape[:-1])
+    if mask is not None:
+        if validate:
+            mask = check_mask(mask, shape, logits.device)
+        else:
+            check_tensor("mask", mask, shape=shape, device=logits.device)
+            mask = as_bool_mask(mask)
+    if validate:
+        check_targets(targets, shape, logits.shape[-1], logits.device, mask)
+    else:
+        check_tensor("targets", targets, shape=shape, device=logits.device, floating=False)
+    return mask

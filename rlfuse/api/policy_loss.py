@@ -3,26 +3,29 @@ of ``rlfuse.terms``), ``ppo_loss`` and ``gppo_loss`` (``policy_loss`` with ``Cli
 ``GSPOTRL`` and ``GPPO``), GPPO's trust region ``gppo_bounds``, and ``kl_penalty``."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .._names import RATIO_LEVELS
-from .._types import LossOutput
-from ..checks.values import check_choice, check_tensor
-from ..objectives import GPPO, GSPOTRL, Clip
+from .._names import AGGREGATIONS, RATIO_LEVELS
+from .._types import LossOutput, SequenceCounts
+from ..checks.policy import (PolicyInfo, check_advantages, check_loss_policy,
+                             check_policy_targets, check_weights)
+from ..checks.values import check_choice, check_count, check_loss_scale, check_tensor
+from ..objectives import GPPO, GSPOTRL, Clip, Objective, as_objective
 from ..scaleout import context
-from .args import check_kl_penalty_args, check_policy_loss_args
+from ..terms import (EntropyBonus, KLPenalty, KLTerm, OffPolicyMask, TopEntropyMask,
+                     kl_estimator)
 
 
-def policy_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
+def policy_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
                 mask: torch.Tensor, objective="clip", *, agg: Optional[str] = None,
                 weights: Optional[torch.Tensor] = None,
                 ref_logprobs: Optional[torch.Tensor] = None, kl=None, entropy=None,
                 entropy_mask=None, off_policy_mask=None, loss_scale: float = 1.0,
                 num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
                 generator: Optional[torch.Generator] = None,
-                context_parallel_group=None, validate: bool = True) -> LossOutput:
+                context_parallel_group=None, validate: bool = True, run) -> LossOutput:
     """Any policy objective TRL or verl runs, with a KL penalty, an entropy bonus and TRL's masks.
 
     Args:
@@ -125,12 +128,12 @@ def policy_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: t
                              context_parallel_group)
 
 
-def ppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
+def ppo_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
              mask: torch.Tensor, *, clip=0.2, dual_clip: Optional[float] = None,
              ratio_level: str = "token", agg: str = "token-mean",
              weights: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
              num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
-             context_parallel_group=None, validate: bool = True) -> LossOutput:
+             context_parallel_group=None, validate: bool = True, run) -> LossOutput:
     """The PPO clipped surrogate, as GRPO / DAPO / Dr. GRPO / GSPO trainers run it.
 
     Args:
@@ -185,18 +188,19 @@ def ppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: torc
         objective = GSPOTRL(clip=clip, dual_clip=dual_clip)
     else:
         objective = Clip(clip=clip, dual_clip=dual_clip)
-    return policy_loss(run, policy, old_logprobs, advantages, mask, objective, agg=agg,
+    return policy_loss(policy, old_logprobs, advantages, mask, objective, agg=agg,
                        weights=weights, loss_scale=loss_scale, num_tokens=num_tokens,
                        num_sequences=num_sequences,
-                       context_parallel_group=context_parallel_group, validate=validate)
+                       context_parallel_group=context_parallel_group, validate=validate,
+                       run=run)
 
 
-def gppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
+def gppo_loss(policy, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
               mask: torch.Tensor, *, geometry: str = "chi2", topology: str = "atomic",
               delta: float = 0.04, agg: str = "token-mean", dual_clip: Optional[float] = None,
               weights: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
               num_tokens: Optional[float] = None, num_sequences: Optional[float] = None,
-              context_parallel_group=None, validate: bool = True) -> LossOutput:
+              context_parallel_group=None, validate: bool = True, run) -> LossOutput:
     """GPPO: the policy-gradient surrogate clipped to each token's f-divergence trust region.
 
     Args:
@@ -255,15 +259,16 @@ def gppo_loss(run, policy, old_logprobs: Optional[torch.Tensor], advantages: tor
     ``Logits`` one kernel computes the log-probs, the loss and ``dlogits`` in a single pass;
     from ``LinearHead`` that pass on each chunk of the logits.
     """
-    return policy_loss(run, policy, old_logprobs, advantages, mask,
+    return policy_loss(policy, old_logprobs, advantages, mask,
                        GPPO(geometry, topology, delta, dual_clip), agg=agg, weights=weights,
                        loss_scale=loss_scale, num_tokens=num_tokens,
                        num_sequences=num_sequences,
-                       context_parallel_group=context_parallel_group, validate=validate)
+                       context_parallel_group=context_parallel_group, validate=validate,
+                       run=run)
 
 
-def gppo_bounds(run, old_logprobs: torch.Tensor, *, geometry: str, topology: str,
-                delta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def gppo_bounds(old_logprobs: torch.Tensor, *, geometry: str, topology: str,
+                delta: float, run) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token trust region ``[lo, hi] = {r : D(r) <= delta}`` of GPPO.
 
     Args:
@@ -309,8 +314,8 @@ def gppo_bounds(run, old_logprobs: torch.Tensor, *, geometry: str, topology: str
         return impl.gppo_bounds(old_logprobs.detach(), surrogate)
 
 
-def kl_penalty(run, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3", *,
-               clamp: bool = True) -> torch.Tensor:
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3", *,
+               clamp: bool = True, run) -> torch.Tensor:
     """Per-token KL estimates of a policy against reference log-probs (verl's ``kl_penalty``).
 
     Args:
@@ -329,3 +334,95 @@ def kl_penalty(run, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimato
     with run.on(logprobs) as (impl, logprobs):
         name, straight = check_kl_penalty_args(logprobs, ref_logprobs, estimator)
         return impl.kl_penalty(logprobs, ref_logprobs.detach(), name, straight, bool(clamp))
+
+
+class PolicyLossArgs(NamedTuple):
+    """The normalised arguments of ``policy_loss``."""
+
+    info: PolicyInfo
+    mask: torch.Tensor                  # bool
+    advantages: torch.Tensor            # [B] or [B, T]
+    weights: Optional[torch.Tensor]
+    objective: Objective
+    agg: str
+    kl: Optional[KLTerm]
+    entropy: Optional[EntropyBonus]
+    entropy_mask: Optional[TopEntropyMask]
+    off_policy_mask: Optional[OffPolicyMask]
+    loss_scale: float
+    num_tokens: Optional[float]
+    num_sequences: Optional[float]
+    # context parallelism in place (``scaleout.context.in_place``): the whole sequences' counts
+    # and the group over which the metrics' sums are reduced
+    counts: Optional[SequenceCounts] = None
+    context_parallel_group: Optional[object] = None
+
+
+def _check_term(name: str, value, kind: type):
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name}: expected None or an rlfuse.terms.{kind.__name__}, got "
+                        f"{type(value).__name__}")
+    return value
+
+
+def _check_agg(agg, objective: Objective) -> str:
+    if objective.agg is None:
+        return check_choice("agg", "token-mean" if agg is None else agg, AGGREGATIONS)
+    if agg is not None and agg != objective.agg:
+        raise ValueError(f"agg: objective {objective.name!r} aggregates by {objective.agg!r} "
+                         f"(got agg={agg!r}); leave agg unset")
+    return objective.agg
+
+
+def check_policy_loss_args(policy, old_logprobs, advantages, mask, objective, *, agg, weights,
+                           ref_logprobs, kl, entropy, entropy_mask, off_policy_mask,
+                           loss_scale, num_tokens, num_sequences, generator,
+                           validate, known_entropy: bool = False) -> PolicyLossArgs:
+    """The checks of ``policy_loss`` (``known_entropy``: ``[B, T]`` log-probs whose entropies
+    come beside them)."""
+    objective = as_objective(objective)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None; got "
+                        f"{type(generator).__name__}")
+    kl = _check_term("kl", kl, KLPenalty)
+    entropy = _check_term("entropy", entropy, EntropyBonus)
+    entropy_mask = _check_term("entropy_mask", entropy_mask, TopEntropyMask)
+    off_policy_mask = _check_term("off_policy_mask", off_policy_mask, OffPolicyMask)
+    if (kl is None) != (ref_logprobs is None):
+        raise ValueError("ref_logprobs: the KL penalty needs both kl=rlfuse.terms.KLPenalty(...) "
+                         "and ref_logprobs; got " + ("kl alone" if ref_logprobs is None
+                                                     else "ref_logprobs alone"))
+    sampling = None if off_policy_mask is None else off_policy_mask.check().sampling_logprobs
+    info, mask = check_loss_policy(policy, mask, {"old_logprobs": old_logprobs,
+                                             "ref_logprobs": ref_logprobs,
+                                             "sampling_logprobs": sampling}, validate)
+    for name, term in (("entropy", entropy), ("entropy_mask", entropy_mask)):
+        if term is not None and not known_entropy and isinstance(policy, torch.Tensor):
+            raise ValueError(f"{name}: needs the policy's entropy, which [B, T] log-probs do not "
+                             f"have; pass rlfuse.Logits or rlfuse.LinearHead")
+    advantages = check_advantages(advantages, info, mask, validate)
+    weights = check_weights(weights, info, mask, validate)
+    agg = _check_agg(agg, objective)
+    num_tokens = check_count("num_tokens", num_tokens, info.device, validate)
+    num_sequences = check_count("num_sequences", num_sequences, info.device, validate)
+    if entropy is not None:
+        entropy.check()
+    for name, term in (("kl", kl), ("entropy", entropy)):
+        if term is not None:
+            check_count(f"{name}.num_tokens", term.num_tokens, info.device, validate)
+            check_count(f"{name}.num_sequences", term.num_sequences, info.device, validate)
+    if entropy_mask is not None:
+        entropy_mask.check()
+    check_policy_targets(policy, mask, mask.shape, validate)
+    return PolicyLossArgs(info, mask, advantages, weights, objective, agg,
+                          None if kl is None else kl.term(), entropy, entropy_mask,
+                          off_policy_mask, check_loss_scale(loss_scale), num_tokens,
+                          num_sequences)
+
+
+def check_kl_penalty_args(logprobs, ref_logprobs, estimator) -> Tuple[str, bool]:
+    """The checks of ``kl_penalty``; returns ``(estimator, straight-through)``."""
+    check_tensor("logprobs", logprobs, floating=True)
+    check_tensor("ref_logprobs", ref_logprobs, shape=logprobs.shape, device=logprobs.device,
+                 floating=True)
+    return kl_estimator(estimator)

@@ -1,8 +1,8 @@
-"""The checks the policy forms share (``rlfuse.forms``: each form checks itself with them) —
-a window of a whole output with ``offset``, packed rows with ``index``, a head's tensors, the
-targets — and the checks of learner log-probs ``[B, T]`` and of ``token_logprobs``' arguments.
-``check_policy`` and ``check_policy_targets`` take any policy: a tensor is checked here, a form
-by its own methods.
+"""The checks of a loss's policy and of the ``[B, T]`` tensors beside it (``check_loss_policy``,
+``check_advantages``, ``check_weights``), and those the policy forms share (``rlfuse.forms``:
+each form checks itself with them) — a window of a whole output with ``offset``, packed rows
+with ``index``, a head's tensors, the targets. ``check_policy`` and ``check_policy_targets`` take
+any policy: learner log-probs ``[B, T]`` are checked here, a form by its own methods.
 
 Only metadata and ``[B, T]``-sized data are read (the targets and the index with ``validate``);
 nothing here communicates: the shard sizes of a split vocabulary are compared by the scale-out
@@ -11,13 +11,15 @@ code that uses them (``scaleout.vocab.check_shard_sizes``).
 from __future__ import annotations
 
 import math
+import collections
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from .._types import compute_dtype
-from .values import (as_bool_mask, check_chunk_tokens, check_logits, check_mask,
-                          check_no_overlap, check_positive, check_targets, check_tensor)
+from .values import (check_chunk_tokens, check_finite, check_positive, check_targets,
+                     check_tensor, check_token_tensors)
+from ..scaleout.dtensor import is_dtensor
 from ..scaleout.layout import check_index, packed_rows_mask
 
 
@@ -70,15 +72,6 @@ def check_head_tensors(hidden, weight, bias, *, prefix: str = "", cast: bool = F
         if bias.dtype != hidden.dtype and not cast:
             raise TypeError(f"{prefix}bias: expected the hidden states' dtype {hidden.dtype}"
                             f"{hint}, got {bias.dtype}")
-
-
-def check_head_logits_args(hidden, weight, bias) -> None:
-    """``head_logits``' tensors: ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]`` (or
-    None) of one floating dtype and device."""
-    check_tensor("hidden", hidden, floating=True)
-    if hidden.dim() < 1:
-        raise ValueError("hidden: expected shape [..., H], got a 0-dim tensor")
-    check_head_tensors(hidden, weight, bias)
 
 
 def check_head(head, dims: int) -> None:
@@ -140,6 +133,10 @@ def check_policy(policy, loss_shape: Optional[Tuple[int, ...]] = None) -> Policy
     Only metadata is read here; the targets' and index's values are checked with the mask
     (``check_policy_targets``)."""
     if isinstance(policy, torch.Tensor):
+        if is_dtensor(policy):
+            raise ValueError("policy: a DTensor: pass logits sharded on the vocabulary as "
+                             "rlfuse.Logits(logits, targets), or log-probs as a plain tensor "
+                             "(to_local())")
         check_tensor("policy", policy, floating=True)
         if policy.dim() != 2:
             raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or "
@@ -179,23 +176,62 @@ def check_form_targets(policy, vocab: int, mask: Optional[torch.Tensor], shape,
         check_tensor("targets", policy.targets, shape=shape, device=device, floating=False)
 
 
-def check_logprob_args(logits, targets, temperature, mask, inplace_backward: bool,
-                       validate: bool) -> Optional[torch.Tensor]:
-    """Checks the arguments of ``token_logprobs``; returns the mask as bool (or None). Without
-    ``validate`` the values (0/1 mask, target range: one host sync) are not checked."""
-    check_logits(logits)
-    check_positive("temperature", temperature)
-    if inplace_backward:
-        check_no_overlap("logits", logits)
-    shape = tuple(logits.shape[:-1])
-    if mask is not None:
-        if validate:
-            mask = check_mask(mask, shape, logits.device)
-        else:
-            check_tensor("mask", mask, shape=shape, device=logits.device)
-            mask = as_bool_mask(mask)
+def check_loss_policy(policy, mask, tensors, validate: bool):
+    """The policy, the bool mask and the ``[B, T]`` float ``tensors`` (name -> tensor, None
+    left out) of a loss; returns ``(info, mask)``."""
+    shape = getattr(mask, "shape", None)
+    if not isinstance(policy, torch.Tensor) and getattr(policy, "index", None) is not None:
+        # a form's packed rows
+        shape = packed_loss_shape(mask, tensors)
+    info = check_policy(policy, shape)
+    mask = check_token_tensors(mask, {k: v for k, v in tensors.items() if v is not None},
+                               shape=info.shape, device=info.device, validate=validate)
+    return info, mask
+
+
+def packed_loss_shape(mask, tensors):
+    """Packed rows have no ``[B, T]`` of their own: the shape most of the mask and ``tensors``
+    share; with no majority the mask's, after an error naming the mask and the first tensor
+    of another shape (either may be the wrong one)."""
+    named = {"mask": mask, **{k: v for k, v in tensors.items() if v is not None}}
+    shapes = {k: tuple(v.shape) for k, v in named.items() if isinstance(v, torch.Tensor)}
+    if len(set(shapes.values())) <= 1 or "mask" not in shapes:
+        return shapes.get("mask")
+    counts = collections.Counter(shapes.values())
+    shape, count = counts.most_common(1)[0]
+    if 2 * count > len(shapes):
+        return shape
+    other = next(k for k, v in shapes.items() if v != shapes["mask"])
+    raise ValueError(f"mask, {other}: shapes {shapes['mask']} and {shapes[other]} differ (packed "
+                     f"rows take the loss's [B, T] from the mask and its [B, T] inputs alike)")
+
+
+def check_advantages(advantages, info: PolicyInfo, mask, validate: bool) -> torch.Tensor:
+    """``[B]``, ``[B, 1]`` or ``[B, T]`` advantages (finite at actor tokens with ``validate``);
+    returns them as ``[B]`` or ``[B, T]``."""
+    batch, shape = info.shape[0], info.shape
+    check_tensor("advantages", advantages, device=info.device, floating=True)
+    if tuple(advantages.shape) not in ((batch,), (batch, 1), shape):
+        raise ValueError(f"advantages: expected shape ({batch},), ({batch}, 1) or {shape}, got "
+                         f"{tuple(advantages.shape)}")
+    if advantages.dim() == 2 and advantages.shape[1] == 1 and shape[1] != 1:
+        advantages = advantages[:, 0]
     if validate:
-        check_targets(targets, shape, logits.shape[-1], logits.device, mask)
-    else:
-        check_tensor("targets", targets, shape=shape, device=logits.device, floating=False)
-    return mask
+        per_token = advantages.unsqueeze(-1).expand(shape) if advantages.dim() == 1 \
+            else advantages
+        check_finite("advantages", per_token, mask)
+    return advantages
+
+
+def check_weights(weights, info: PolicyInfo, mask, validate: bool) -> Optional[torch.Tensor]:
+    """Optional ``[B, T]`` per-token multipliers, finite and >= 0 at actor tokens."""
+    if weights is None:
+        return None
+    check_tensor("weights", weights, shape=info.shape, device=info.device, floating=True)
+    if validate:
+        check_finite("weights", weights, mask)
+        bad = (weights < 0) & mask
+        if bool(bad.any()):
+            raise ValueError(f"weights: expected values >= 0 at actor (mask=True) positions; "
+                             f"found {weights[bad][0].item()}")
+    return weights

@@ -13,7 +13,7 @@ from .._types import compute_dtype
 from ..checks.policy import (PolicyInfo, check_form_targets, check_head, check_head_dtype,
                              check_packed, check_window)
 from ..scaleout import layout
-from ..scaleout.dtensor import is_dtensor, local_fields
+from ..scaleout.dtensor import DTensor, is_dtensor, local_fields
 from ..scaleout.rank_rows import MeanOverRanks, every_ranks_rows
 from ..scaleout.sequence import gather_rows
 from ..scaleout.vocab import SumGradOverGroup, vocab_group_size
@@ -150,10 +150,16 @@ class LinearHead(NamedTuple):
         return self._replace(hidden=cast(self.hidden), weight=cast(self.weight),
                              bias=cast(self.bias))
 
+    def prepared(self) -> "LinearHead":
+        """Ready to run: its local tensors (``local``), every rank's rows (``gathered``)."""
+        return self.local().gathered()
+
     def local(self) -> "LinearHead":
         """Its local tensors: a weight that is a DTensor sharded on its rows (``Shard(0)``)
         becomes its shard and the mesh dimension's group (``scaleout.dtensor``); plain hidden
         states beside it are this rank's own rows (a ``RankRowsHead``)."""
+        if DTensor is None or not any(isinstance(x, DTensor) for x in self):
+            return self             # plain tensors throughout
         found = local_fields(self, "policy.weight", self.weight, 0,
                              {"hidden": self.hidden, "targets": self.targets,
                               "index": self.index, "bias": self.bias})
@@ -182,9 +188,9 @@ class LinearHead(NamedTuple):
         vocab_group_size(self.vocab_parallel_group)
         hidden = self.hidden
         if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
+            got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else hidden
             raise ValueError(f"policy.hidden: expected [B, S / W, H] (or packed [N / W, H]) "
-                             f"under sequence_parallel, got "
-                             f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else hidden}")
+                             f"under sequence_parallel, got {got}")
         dim = hidden.dim() - 2
         return GatheredRowsHead(*self)._replace(
             hidden=gather_rows(hidden, dim, self.vocab_parallel_group.group_name),

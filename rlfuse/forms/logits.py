@@ -11,7 +11,7 @@ from ..checks.policy import (PolicyInfo, check_bool, check_form_targets, check_p
                              check_window)
 from ..checks.values import check_logits, check_no_overlap
 from ..scaleout import layout
-from ..scaleout.dtensor import local_fields
+from ..scaleout.dtensor import DTensor, local_fields
 from ..scaleout.vocab import vocab_group_size
 
 
@@ -116,9 +116,15 @@ class Logits(NamedTuple):
         """Itself: no matmul forms its logits."""
         return self
 
+    def prepared(self) -> "Logits":
+        """Ready to run: its local tensors (``local``), every rank's rows (``gathered``)."""
+        return self.local().gathered()
+
     def local(self) -> "Logits":
         """Its local tensors: logits a DTensor sharded on the vocabulary become their shard and
         the mesh dimension's group (``scaleout.dtensor``)."""
+        if DTensor is None or not any(isinstance(x, DTensor) for x in self):
+            return self             # plain tensors throughout
         found = local_fields(self, "policy.logits", self.logits, -1,
                              {"targets": self.targets, "index": self.index})
         if found is None:

@@ -33,6 +33,10 @@ class TopK(NamedTuple):
         return TopK(*(x.reshape(-1, x.shape[-1])[at].unsqueeze(0)
                       for x in (self.ids, self.logprobs)))
 
+    def prepared(self) -> "TopK":
+        """Ready to run: its local tensors (``local``), every rank's rows (``gathered``)."""
+        return self.local().gathered()
+
     def local(self) -> "TopK":
         return self
 

@@ -28,4 +28,9 @@ def token_divergence(student, teacher, divergence, mask: Tensor, validate: bool 
         value, extras = twin.top_k_divergence(s_k, teacher.logprobs.detach(), divergence)
         return (*twin.at_actor_positions(mask, value, entropy, extras), None)
     function, params = divergence.terms()
-    return ops.divergence(student, teacher, function, params, mask, validate, token_weights)
+    call, with_loss = ops.divergence_call(student, teacher, function, params, mask, validate,
+                                          token_weights)
+    out = call()
+    if with_loss:
+        return out[1], out[2], {}, out[0]
+    return out[0], out[1], {}, None

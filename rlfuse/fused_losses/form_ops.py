@@ -1,5 +1,7 @@
 """Each policy form's fused ops: what the losses ask of a policy, one class per form of logits
-(``LogitsOps``, ``HeadOps``), found by the form's ``kind`` (``of``):
+(``LogitsOps``, ``HeadOps``), found by the form's ``kind`` (``of``), and the log-probs of any
+policy's window (``window_logprobs``: its rows, packed rows as one batch of N, each rank's own
+rows of a split as every rank's, then the loss layout):
 
 - ``logprobs``: the log-probs (and entropy) of its rows over the whole vocabulary, or over a
   split one (its ``vocab_parallel_group``);
@@ -12,12 +14,14 @@
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from functools import partial
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..kernels.head import HeadParams
+from ..scaleout import layout
 from ..scaleout.vocab import check_shard_sizes
 from ._op import input_names
 from .distill import distill_loss_op, distill_op, vocab_split_distill_op
@@ -46,21 +50,17 @@ class LogitsOps:
     """A ``Logits`` policy's fused ops: its rows in memory, read by the row kernels."""
 
     @staticmethod
-    def logprobs(rows, mask: Optional[Tensor], *, gather: bool,
-                 return_entropy: bool) -> Tuple[Tensor, Tensor]:
-        """``(logp, entropy or empty)`` ``[B, T]`` over ``[B, S, V]`` rows (``gather`` is a
-        head's)."""
+    def logprobs_call(rows, mask: Optional[Tensor], *, gather: bool,
+                      return_entropy: bool) -> Callable:
+        """The op call whose first two outputs are ``(logp, entropy or empty)`` ``[B, T]`` of
+        ``[B, S, V]`` rows (``gather`` is a head's)."""
+        fields = dict(logits=rows.logits, targets=rows.targets, mask=mask,
+                      temperature=float(rows.temperature), with_entropy=bool(return_entropy),
+                      inplace_backward=bool(rows.inplace_backward), offset=int(rows.offset),
+                      batch_invariant=bool(rows.batch_invariant))
         if rows.vocab_parallel_group is not None:
-            logp, entropy, _ = vocab_split_logprobs_op(
-                rows.logits, rows.targets, mask, float(rows.temperature), bool(return_entropy),
-                bool(rows.inplace_backward), int(rows.offset), _group_name(rows),
-                bool(rows.batch_invariant))
-        else:
-            logp, entropy, _ = token_logprobs_op(rows.logits, rows.targets, mask,
-                                                 float(rows.temperature), bool(return_entropy),
-                                                 bool(rows.inplace_backward), int(rows.offset),
-                                                 bool(rows.batch_invariant))
-        return logp, entropy
+            return partial(vocab_split_logprobs_op, **fields, group_name=_group_name(rows))
+        return partial(token_logprobs_op, **fields)
 
     @staticmethod
     def can_single_pass(policy) -> bool:
@@ -69,27 +69,28 @@ class LogitsOps:
         return policy.vocab_parallel_group is None
 
     @staticmethod
-    def single_pass(policy, mask: Tensor, tokens: dict, terms: dict, surrogate: dict,
-                    validate: bool, row_blocks: int) -> Tuple[Tensor, Tensor]:
-        """``(loss, sums)`` of the single pass over the logits (``surrogate_logits_op``; with
-        ``inplace_backward``, the gradient written over the logits themselves)."""
+    def single_pass_call(policy, mask: Tensor, tokens: dict, terms: dict, surrogate: dict,
+                         validate: bool, row_blocks: int) -> Callable:
+        """The op call whose first two outputs are ``(loss, sums)`` of the single pass over the
+        logits (``surrogate_logits_op``; with ``inplace_backward``, the gradient written over
+        the logits themselves)."""
         logits, targets, _ = batched_rows(policy.logits, policy.targets, mask)
         write = policy.logits.requires_grad and torch.is_grad_enabled()
         inputs = dict(logits=logits, targets=targets, **tokens, **terms,
                       temperature=float(policy.temperature), **surrogate,
                       offset=int(policy.offset))
         if write and policy.inplace_backward and logits is policy.logits:
-            return InPlaceSinglePass.apply(
-                *(inputs[name] for name in input_names(surrogate_logits_inplace_op)))
-        loss, sums, _ = surrogate_logits_op(**inputs, write_dlogits=write)
-        return loss, sums
+            return partial(InPlaceSinglePass.apply,
+                           *(inputs[name] for name in input_names(surrogate_logits_inplace_op)))
+        return partial(surrogate_logits_op, **inputs, write_dlogits=write)
 
     @staticmethod
-    def divergence(student, teacher, function: str, params, mask: Tensor, validate: bool,
-                   token_weights: Optional[Tensor]):
-        """``(value, entropy, extras, loss or None)`` beside a teacher of logits or a head:
-        the two passes (``distill_op``), or with ``token_weights`` the loss's single pass when
-        the student's gradient is wanted (``distill_loss_op``); over a split vocabulary
+    def divergence_call(student, teacher, function: str, params, mask: Tensor, validate: bool,
+                        token_weights: Optional[Tensor]) -> Tuple[Callable, bool]:
+        """``(call, with_loss)``: the op call whose outputs begin ``(value, entropy)``, or with
+        ``with_loss`` ``(loss, value, entropy)``, beside a teacher of logits or a head: the two
+        passes (``distill_op``), or with ``token_weights`` the loss's single pass when the
+        student's gradient is wanted (``distill_loss_op``); over a split vocabulary
         ``vocab_split_distill_op``."""
         if student.logits.stride(-1) != 1:
             # the kernels read a row's logits at unit stride (the gradient flows through the copy)
@@ -103,14 +104,11 @@ class LogitsOps:
                      teacher_offset=t_offset, function=function, params=list(params),
                      teacher_logit_scale=t_head.logit_scale, teacher_softcap=t_head.softcap)
         if student.vocab_parallel_group is not None:
-            value, entropy, _ = vocab_split_distill_op(*models, **heads,
-                                                       group_name=_group_name(student))
-            return value, entropy, {}, None
+            return partial(vocab_split_distill_op, *models, **heads,
+                           group_name=_group_name(student)), False
         if token_weights is not None and _single_pass(student.logits):
-            loss, value, entropy, _ = distill_loss_op(*models, token_weights, **heads)
-            return value, entropy, {}, loss
-        value, entropy, _ = distill_op(*models, **heads)
-        return value, entropy, {}, None
+            return partial(distill_loss_op, *models, token_weights, **heads), True
+        return partial(distill_op, *models, **heads), False
 
     @staticmethod
     def top_k_logprobs(student, ids: Tensor, mask: Tensor, validate: bool
@@ -138,23 +136,20 @@ class HeadOps:
     never an ``[N, V]`` tensor."""
 
     @staticmethod
-    def logprobs(rows, mask: Optional[Tensor], *, gather: bool,
-                 return_entropy: bool) -> Tuple[Tensor, Tensor]:
-        """``(logp, entropy or empty)`` ``[B, T]`` over ``[B, S, H]`` rows (``gather``: the
-        chunks hold the actor rows only)."""
+    def logprobs_call(rows, mask: Optional[Tensor], *, gather: bool,
+                      return_entropy: bool) -> Callable:
+        """The op call whose first two outputs are ``(logp, entropy or empty)`` ``[B, T]`` of
+        ``[B, S, H]`` rows (``gather``: the chunks hold the actor rows only)."""
         chunk = chunk_tokens_for(rows.weight, rows.chunk_tokens, rows.targets.numel())
-        fields = dict(**head_fields(rows), offset=int(rows.offset), chunk_tokens=chunk,
-                      gather=gather, with_entropy=bool(return_entropy))
+        fields = dict(hidden=rows.hidden, weight=rows.weight, bias=rows.bias,
+                      targets=rows.targets, mask=mask, **head_fields(rows),
+                      offset=int(rows.offset), chunk_tokens=chunk, gather=gather,
+                      with_entropy=bool(return_entropy),
+                      batch_invariant=bool(rows.batch_invariant))
         if rows.vocab_parallel_group is not None:
-            logp, entropy, _ = vocab_split_linear_logprobs_op(
-                rows.hidden, rows.weight, rows.bias, rows.targets, mask, **fields,
-                group_name=_group_name(rows), batch_invariant=bool(rows.batch_invariant),
-                row_blocks=rows.row_blocks)
-        else:
-            logp, entropy, _ = linear_logprobs_op(rows.hidden, rows.weight, rows.bias,
-                                                  rows.targets, mask, **fields,
-                                                  batch_invariant=bool(rows.batch_invariant))
-        return logp, entropy
+            return partial(vocab_split_linear_logprobs_op, **fields,
+                           group_name=_group_name(rows), row_blocks=rows.row_blocks)
+        return partial(linear_logprobs_op, **fields)
 
     @staticmethod
     def can_single_pass(policy) -> bool:
@@ -163,10 +158,11 @@ class HeadOps:
         return True
 
     @staticmethod
-    def single_pass(policy, mask: Tensor, tokens: dict, terms: dict, surrogate: dict,
-                    validate: bool, row_blocks: int) -> Tuple[Tensor, Tensor]:
-        """``(loss, sums)`` of the single pass over the head's chunks (``linear_surrogate_op``),
-        the gradients of the hidden states, weight and bias formed in the forward."""
+    def single_pass_call(policy, mask: Tensor, tokens: dict, terms: dict, surrogate: dict,
+                         validate: bool, row_blocks: int) -> Callable:
+        """The op call whose first two outputs are ``(loss, sums)`` of the single pass over the
+        head's chunks (``linear_surrogate_op``), the gradients of the hidden states, weight and
+        bias formed in the forward."""
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad
                  for t in (policy.hidden, policy.weight, policy.bias)]
@@ -174,19 +170,18 @@ class HeadOps:
         group = policy.vocab_parallel_group
         if validate and group is not None:
             check_shard_sizes(group, policy.weight.shape[0], policy.targets.device)
-        loss, sums, *_ = linear_surrogate_op(
-            policy.hidden, policy.weight, policy.bias, policy.targets, **tokens, **terms,
-            **head_fields(policy), **surrogate, offset=int(policy.offset),
-            chunk_tokens=chunk, gather=validate, needs=needs, group_name=_group_name(policy),
-            row_blocks=row_blocks)
-        return loss, sums
+        return partial(linear_surrogate_op, policy.hidden, policy.weight, policy.bias,
+                       policy.targets, **tokens, **terms, **head_fields(policy), **surrogate,
+                       offset=int(policy.offset), chunk_tokens=chunk, gather=validate,
+                       needs=needs, group_name=_group_name(policy), row_blocks=row_blocks)
 
     @staticmethod
-    def divergence(student, teacher, function: str, params, mask: Tensor, validate: bool,
-                   token_weights: Optional[Tensor]):
-        """``(value, entropy, extras, loss or None)`` beside a teacher of logits or a head,
-        chunk by chunk (``linear_distill_op``), or with ``token_weights`` the loss's single
-        pass (``linear_distill_loss_op``; not over a split vocabulary)."""
+    def divergence_call(student, teacher, function: str, params, mask: Tensor, validate: bool,
+                        token_weights: Optional[Tensor]) -> Tuple[Callable, bool]:
+        """``(call, with_loss)``: the op call whose outputs begin ``(value, entropy)``, or with
+        ``with_loss`` ``(loss, value, entropy)``, beside a teacher of logits or a head, chunk
+        by chunk (``linear_distill_op``), or with ``token_weights`` the loss's single pass
+        (``linear_distill_loss_op``; not over a split vocabulary)."""
         teacher = _detached(teacher)
         t_head = HeadParams.of(teacher)
         t_rows, t_weight, t_bias = of(teacher).teacher_rows(teacher)
@@ -202,11 +197,10 @@ class HeadOps:
         if token_weights is not None and group is None:
             needs = [x is not None and x.requires_grad
                      for x in (student.hidden, student.weight, student.bias)]
-            loss, value, entropy, *_ = linear_distill_loss_op(*models, token_weights, **fields,
-                                                             needs=needs)
-            return value, entropy, {}, loss
-        value, entropy, _ = linear_distill_op(*models, **fields, group_name=_group_name(student))
-        return value, entropy, {}, None
+            return partial(linear_distill_loss_op, *models, token_weights, **fields,
+                           needs=needs), True
+        return partial(linear_distill_op, *models, **fields,
+                       group_name=_group_name(student)), False
 
     @staticmethod
     def top_k_logprobs(student, ids: Tensor, mask: Tensor, validate: bool
@@ -243,6 +237,45 @@ FORMS: Dict[str, type] = {"logits": LogitsOps, "head": HeadOps}
 def of(policy):
     """The fused ops of ``policy``'s form."""
     return FORMS[policy.kind]
+
+
+def window_logprobs(policy, mask: Optional[Tensor], *, validate: bool,
+                    return_entropy: bool = False) -> Tuple[Tensor, Tensor]:
+    """``(logp, entropy)`` ``[B, T]`` (entropy empty unless ``return_entropy``) of a ``Logits``
+    or ``LinearHead`` policy, whose arguments the caller has checked; packed rows at their loss
+    positions (``[N]`` without a mask). ``validate``: a ``LinearHead`` forms the logits of the
+    actor rows only (reads the mask on the host), and a split vocabulary's shard sizes are
+    compared first (one collective)."""
+    over_ranks = policy.every_ranks_rows(mask)
+    if over_ranks is not None:    # each rank's own rows: every rank's at once
+        head, head_mask, own = over_ranks
+        logp, entropy = window_logprobs(head, head_mask, validate=validate,
+                                        return_entropy=return_entropy)
+        return own(logp), own(entropy) if return_entropy else logp.new_empty(0)
+    group = policy.vocab_parallel_group
+    if validate and group is not None:
+        check_shard_sizes(group, policy.vocab_size, policy.targets.device)
+    if policy.index is None:
+        logp, entropy = of(policy).logprobs_call(policy, mask, gather=validate,
+                                                 return_entropy=return_entropy)()[:2]
+        return logp, entropy
+    # packed rows: as one batch of N rows, then at their loss positions
+    rows, rows_mask = layout.as_rows(policy), layout.row_mask(policy, mask)
+    logp, entropy = of(policy).logprobs_call(rows, rows_mask, gather=validate,
+                                             return_entropy=return_entropy)()[:2]
+    return (layout.to_loss_layout(policy, logp, mask),
+            layout.to_loss_layout(policy, entropy, mask) if return_entropy else entropy)
+
+
+def learner_logprobs(policy, mask: Tensor, *, validate: bool, return_entropy: bool = False):
+    """The learner log-probs ``[B, T]`` of any policy form (checked by the loss), with
+    ``return_entropy`` ``(logp, entropy)`` (entropy None for ``[B, T]`` log-probs); the loss's
+    gradient reaches logits or head through one backward pass over them."""
+    if not isinstance(policy, Tensor):      # a form: its log-probs to compute
+        logp, entropy = window_logprobs(policy, mask, validate=validate,
+                                        return_entropy=return_entropy)
+        return (logp, entropy) if return_entropy else logp
+    return (policy, None) if return_entropy else policy
 
 
 def _single_pass(logits: Tensor) -> bool:

@@ -10,7 +10,7 @@ from ..shared.aggregation import k3_kl_mean
 from .._types import LossOutput, compute_dtype
 from ..kernels.ggpo import GROUP_COLUMNS, ggpo_bwd, ggpo_fwd
 from ._op import custom_op, register_autograd
-from .policy import learner_logprobs
+from .form_ops import window_logprobs
 
 
 @custom_op("ggpo")
@@ -80,8 +80,9 @@ def _metrics(group_sums: Tensor, batch: int):
 
 def ggpo(policy, args, ref_logprobs: Tensor, rewards: Tensor, validate: bool) -> LossOutput:
     """GGPO's loss and metrics (``rlfuse.ggpo_loss``) of checked ``args``
-    (``api.args.GGPOArgs``): the log-probs, the group kernel, the token gradient."""
-    lp = learner_logprobs(policy, args.mask, validate=validate)
+    (``api.ggpo.GGPOArgs``): the log-probs, the group kernel, the token gradient."""
+    lp = policy if isinstance(policy, Tensor) else \
+        window_logprobs(policy, args.mask, validate=validate)[0]
     loss, group_sums, _, _ = ggpo_op(lp, ref_logprobs, rewards, args.mask, args.group_size,
                                      args.beta, args.clip_radius, args.loss_scale,
                                      args.num_tokens)

@@ -32,7 +32,7 @@ def _(old_logprobs, teacher_logprobs, mask, group_size, gamma, lam, feedback_cli
 def gr_opd_advantages(old_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, hyper,
                       acc: torch.dtype) -> Tuple[Tensor, Tensor]:
     """``(advantages [B], mean clamped feedback)`` of GR-OPD in ``acc`` (``hyper``:
-    ``api.args.AdvantageArgs``): one kernel, one program per group."""
+    ``api.gr_opd.AdvantageArgs``): one kernel, one program per group."""
     adv, group_sums = gr_opd_advantages_op(old_logprobs, teacher_logprobs, mask, *hyper, acc)
     totals = dict(zip(GROUP_COLUMNS, group_sums.sum(0).unbind()))
     return adv, totals["feedback"] / totals["tokens"].clamp_min(1)

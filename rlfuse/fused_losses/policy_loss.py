@@ -2,7 +2,8 @@
 ``rlfuse.terms``, from every policy form.
 
 A token-local objective with its KL and entropy terms runs in the surrogate kernels: in one
-pass over the logits from ``Logits`` / ``LinearHead`` (``surrogate.surrogate_loss``). A
+pass over the logits from ``Logits`` / ``LinearHead`` (``surrogate_loss``: the policy's
+form's single pass, ``form_ops``). A
 sequence- or batch-level objective, or a mask that reads the current policy, needs every
 log-prob (and entropy) of the batch first: the log-prob kernels run, then the loss on
 ``[B, T]`` (the surrogate kernels from log-probs, or the objective's ``batch`` function), and
@@ -25,9 +26,8 @@ from ..scaleout.layout import as_one_token_rows
 from ..shared.aggregation import aggregation_weights, sequence_shares
 from ..shared.masks import apply_masks, entropy_weights, kl_weights, term_ratio
 from ._op import kl_fields, surrogate_fields
-from .form_ops import of
+from .form_ops import learner_logprobs, of
 from .kl import kl_penalty_op
-from .policy import learner_logprobs
 from .surrogate import surrogate_op
 
 
@@ -38,7 +38,7 @@ def _detached(x: Optional[Tensor]) -> Optional[Tensor]:
 def policy_loss(policy, args, old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
                 generator: Optional[torch.Generator], validate: bool, *,
                 entropy: Optional[Tensor] = None) -> LossOutput:
-    """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``); ``entropy``:
+    """``rlfuse.policy_loss`` of checked ``args`` (``api.policy_loss.PolicyLossArgs``); ``entropy``:
     the entropies of ``[B, T]`` log-probs ``policy``, when known. With the ``counts`` of
     ``args`` (context parallelism in place, ``scaleout.context``) the policy holds chunks of
     whole sequences: a token-local objective's loss over them with the whole sequences'
@@ -187,8 +187,8 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     terms_in = dict(ref_lp=ref_lp, kl_scale=kl_scale,
                     entropy_scale=entropy_scale, **kl_fields(kl))
     if single:
-        loss, sums = of(policy).single_pass(policy, mask, tokens, terms_in, flat, validate,
-                                            blocks)
+        loss, sums = of(policy).single_pass_call(policy, mask, tokens, terms_in, flat,
+                                                 validate, blocks)()[:2]
         terms = {}
     else:
         if entropy_scale is not None:

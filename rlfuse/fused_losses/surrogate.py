@@ -107,16 +107,16 @@ register_autograd(surrogate_op, _surrogate_backward, _surrogate_setup)
 def _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale,
                  entropy_scale, temperature, function, geometry, topology, delta_low,
                  delta_high, params, clamp, kl_estimator, kl_straight, kl_weighted, kl_clamp,
-                 write_dlogits, dlogits, offset) -> Tuple[Optional[Tensor], Tensor]:
-    """``(dlogits or None, sums)`` of the single pass (``surrogate_logits_op``), the gradient
-    written into ``dlogits`` when given."""
+                 write_dlogits, dlogits, offset) -> dict:
+    """The arguments of ``surrogate_logits_fwd`` for the single pass (``surrogate_logits_op``),
+    the gradient written into ``dlogits`` when given."""
     spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
-    kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
-    return surrogate_logits_fwd(
-        logits, targets, mask, old_lp, adv, weights, row_scale, spec,
-        head=HeadParams(temperature),
-        write_dlogits=write_dlogits, dlogits=dlogits, offset=offset, ref_lp=ref_lp, kl=kl,
-        kl_scale=kl_scale, entropy_scale=entropy_scale)
+    return dict(logits=logits, targets=targets, mask=mask, old_lp=old_lp, adv=adv,
+                weights=weights, row_scale=row_scale, objective=spec,
+                head=HeadParams(temperature), write_dlogits=write_dlogits, dlogits=dlogits,
+                offset=offset, ref_lp=ref_lp,
+                kl=kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp), kl_scale=kl_scale,
+                entropy_scale=entropy_scale)
 
 
 @custom_op("surrogate_logits")
@@ -138,10 +138,10 @@ def surrogate_logits_op(logits: Tensor, targets: Tensor, mask: Tensor, old_lp: O
     the window), or empty without ``write_dlogits`` (the loss alone, one read of the logits).
     ``surrogate_logits_inplace_op`` writes it into the logits' own buffer instead.
     """
-    dlogits, sums = _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp,
-                                 kl_scale, entropy_scale, temperature, function, geometry,
-                                 topology, delta_low, delta_high, params, clamp, kl_estimator,
-                                 kl_straight, kl_weighted, kl_clamp, write_dlogits, None, offset)
+    dlogits, sums = surrogate_logits_fwd(**_single_pass(
+        logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale, entropy_scale,
+        temperature, function, geometry, topology, delta_low, delta_high, params, clamp,
+        kl_estimator, kl_straight, kl_weighted, kl_clamp, write_dlogits, None, offset))
     return _loss(sums), sums, logits.new_empty(0) if dlogits is None else dlogits
 
 
@@ -169,10 +169,10 @@ def surrogate_logits_inplace_op(logits: Tensor, targets: Tensor, mask: Tensor,
     """``(loss, sums)`` of ``surrogate_logits_op`` with the gradient (for an upstream gradient
     of 1) written over ``logits`` (``inplace_backward``; ``stride(-1) == 1`` required). An op
     that mutates an input carries no autograd formula: ``InPlaceSinglePass`` holds it."""
-    _, sums = _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp,
-                           kl_scale, entropy_scale, temperature, function, geometry, topology,
-                           delta_low, delta_high, params, clamp, kl_estimator, kl_straight,
-                           kl_weighted, kl_clamp, True, logits, offset)
+    _, sums = surrogate_logits_fwd(**_single_pass(
+        logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp, kl_scale, entropy_scale,
+        temperature, function, geometry, topology, delta_low, delta_high, params, clamp,
+        kl_estimator, kl_straight, kl_weighted, kl_clamp, True, logits, offset))
     return _loss(sums), sums
 
 

@@ -13,7 +13,7 @@ from .logprobs import learner_logprobs
 def ggpo(policy, args, ref_logprobs: torch.Tensor, rewards: torch.Tensor,
          validate: bool) -> LossOutput:
     """GGPO's loss and metrics (``rlfuse.ggpo_loss``) of checked ``args``
-    (``api.args.GGPOArgs``)."""
+    (``api.ggpo.GGPOArgs``)."""
     mask, m, beta, rho = args.mask, args.group_size, args.beta, args.clip_radius
     loss_scale, num_tokens = args.loss_scale, args.num_tokens
     batch, device, cdt = args.info.shape[0], args.info.device, args.info.compute_dtype

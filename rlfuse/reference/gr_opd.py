@@ -10,7 +10,7 @@ from ..shared.aggregation import (clamped_feedback, discounted_sums, group_credi
 def gr_opd_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
                       mask: torch.Tensor, hyper, acc: torch.dtype):
     """``(advantages [B], mean clamped feedback)`` of GR-OPD in ``acc`` (``hyper``:
-    ``api.args.AdvantageArgs``)."""
+    ``api.gr_opd.AdvantageArgs``)."""
     with torch.no_grad():
         feedback = clamped_feedback(old_logprobs.to(acc), teacher_logprobs.to(acc), mask,
                                     hyper.feedback_clip)

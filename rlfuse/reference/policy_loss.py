@@ -25,7 +25,7 @@ def _logprobs(policy, mask, *, validate: bool, entropy: bool):
 def policy_loss(policy, args, old_logprobs: Optional[torch.Tensor],
                 ref_logprobs: Optional[torch.Tensor], generator: Optional[torch.Generator],
                 validate: bool, *, entropy: Optional[torch.Tensor] = None) -> LossOutput:
-    """``rlfuse.policy_loss`` of checked ``args`` (``api.args.PolicyLossArgs``); ``entropy``:
+    """``rlfuse.policy_loss`` of checked ``args`` (``api.policy_loss.PolicyLossArgs``); ``entropy``:
     the entropies of ``[B, T]`` log-probs ``policy``, when known."""
     objective, mask, cdt = args.objective, args.mask, args.info.compute_dtype
     if entropy is not None:

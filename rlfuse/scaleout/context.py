@@ -189,7 +189,7 @@ def gather_chunks(x: Tensor, group) -> Tensor:
 
 
 def in_place(args) -> bool:
-    """Whether a loss of ``args`` (``api.args.PolicyLossArgs``) may run on this rank's chunks
+    """Whether a loss of ``args`` (``api.policy_loss.PolicyLossArgs``) may run on this rank's chunks
     alone: a token-local objective without the masks that read the whole batch, whose
     sequence-level parts are the aggregation's weights (``sequence_counts``) and the metrics'
     sums (``group_sums``)."""

@@ -70,7 +70,7 @@ def gather_entropies(group: Optional[object]):
 def apply_masks(args, lp: Tensor, entropy: Optional[Tensor], old: Optional[Tensor],
                 weights: Optional[Tensor]):
     """``(weights, entropy mask, metrics)``: the objective's weights times the masks of
-    ``args`` (``api.args.PolicyLossArgs``) that read the current policy, the actor tokens the
+    ``args`` (``api.policy_loss.PolicyLossArgs``) that read the current policy, the actor tokens the
     entropy bonus covers, and the share of actor tokens each mask keeps (and the entropy mask's
     mean entropy, ``entropy_kept``)."""
     mask = args.mask
