@@ -18,7 +18,7 @@ setup(
     # torch >= 2.10 supports Python 3.10 and newer
     python_requires=">=3.10",
     packages=find_packages(include=["rlfuse", "rlfuse.*"]),
-    package_data={"rlfuse": ["py.typed"], "rlfuse.integrations": ["*.yaml"]},
+    package_data={"rlfuse": ["py.typed"], "rlfuse.integrations.verl": ["*.yaml"]},
     # numpy: Triton's interpreter (TRITON_INTERPRET=1, the kernels on CPU tensors) runs on it
     install_requires=["torch>=2.10", "triton>=3.3", "numpy"],
     extras_require={

@@ -19,7 +19,7 @@ integration("rlfuse.integrations.trl")      # TRL's trainers, with all they impo
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 import rlfuse  # noqa: E402
-from rlfuse.integrations._models import add_head_forward, model_head  # noqa: E402
+from rlfuse.integrations.model_heads import add_head_forward, model_head  # noqa: E402
 from rlfuse.integrations.trl import RLFuseGRPOConfig, RLFuseGRPOTrainer  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)]

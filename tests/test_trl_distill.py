@@ -143,15 +143,15 @@ def test_batch_invariant_heads_under_the_default_precision(tmp_path, monkeypatch
     """``rlfuse_batch_invariant=True`` with TRL's default config (bf16 autocast): the first
     step's loss and gradients keep the three-way rule against TRL's fp32 run, TRL's own bf16
     run the yardstick, through the batch-invariant heads' tiles."""
-    from rlfuse.integrations import _trl_distill
+    from rlfuse.integrations.trl import distill
 
-    seen, loss_fn = [], _trl_distill.chunked_divergence_loss
+    seen, loss_fn = [], distill.chunked_divergence_loss
 
     def spy(*args, **kwargs):
         seen.append(kwargs["batch_invariant"])
         return loss_fn(*args, **kwargs)
 
-    monkeypatch.setattr(_trl_distill, "chunked_divergence_loss", spy)
+    monkeypatch.setattr(distill, "chunked_divergence_loss", spy)
     nets = (student(), teacher())
     theirs32, _, inputs = trainers(tmp_path, nets=nets, bf16=False)
     results = [step(theirs32, inputs)]
@@ -232,22 +232,22 @@ def test_batch_invariant_heads(tmp_path):
     """``rlfuse_batch_invariant=True``: the trainer's loss equals TRL's (as without it), and
     its loss function (``chunked_divergence_loss``) gives each position's student hidden-state
     gradient the same bits in the batch and in a sub-batch, for any chunking."""
-    from rlfuse.integrations import _trl_distill
+    from rlfuse.integrations.trl import distill
 
     theirs, ours, inputs = trainers(tmp_path, beta=0.5, bf16=False)
     ours.args.rlfuse_batch_invariant = True
     seen = []
-    loss_fn = _trl_distill.chunked_divergence_loss
+    loss_fn = distill.chunked_divergence_loss
 
     def spy(*args, **kwargs):
         seen.append(kwargs["batch_invariant"])
         return loss_fn(*args, **kwargs)
 
-    _trl_distill.chunked_divergence_loss = spy
+    distill.chunked_divergence_loss = spy
     try:
         assert_same_step(theirs, ours, inputs)
     finally:
-        _trl_distill.chunked_divergence_loss = loss_fn
+        distill.chunked_divergence_loss = loss_fn
     assert seen == [True]
     g = torch.Generator().manual_seed(2)
     h_s = torch.randn(5, 6, TINY["hidden_size"], generator=g)

@@ -15,8 +15,8 @@ trl = integration("trl")
 integration("rlfuse.integrations.trl")      # TRL's trainers, with all they import
 import rlfuse  # noqa: E402
 import rlfuse.reference  # noqa: E402
-from rlfuse.integrations._trl_config import GGPO_BETA as BETA  # noqa: E402
-from rlfuse.integrations._trl_ggpo import STEP_TOKENS  # noqa: E402
+from rlfuse.integrations.trl.grpo_config import GGPO_BETA as BETA  # noqa: E402
+from rlfuse.integrations.trl.ggpo import STEP_TOKENS  # noqa: E402
 from rlfuse.integrations.trl import RLFuseGRPOConfig, RLFuseGRPOTrainer  # noqa: E402
 from test_trl import config, dataset, eos_model, tokenizer  # noqa: E402
 

@@ -23,7 +23,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import rlfuse  # noqa: E402
 from rlfuse.integrations import verl as rlfuse_verl  # noqa: E402  (installs the backend)
-from rlfuse.integrations import _verl_backend as rlfuse_backend  # noqa: E402
+from rlfuse.integrations.verl import backend as rlfuse_backend  # noqa: E402
 
 V = 53
 TINY = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

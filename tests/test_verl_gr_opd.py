@@ -23,7 +23,8 @@ from verl.utils.config import validate_config  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 
 import rlfuse  # noqa: E402
-from rlfuse.integrations import _verl_gr_opd, verl_gr_opd  # noqa: E402
+from rlfuse.integrations import verl_gr_opd  # noqa: E402
+from rlfuse.integrations.verl import gr_opd as gr_opd_in_verl  # noqa: E402
 
 M, GROUPS, T = 3, 4, 7
 B = M * GROUPS
@@ -38,7 +39,7 @@ def recipe(*overrides, teacher="/models/teacher", checked=True):
     """verl's whole config as ``verl_gr_opd`` composes it (``checked``: after its checks, as the
     runner hands it to verl's trainer)."""
     extra = [f"algorithm.rlfuse_gr_opd.teacher={teacher}"] if teacher else []
-    with initialize_config_module(config_module="rlfuse.integrations",
+    with initialize_config_module(config_module="rlfuse.integrations.verl",
                                   version_base=None):
         config = compose("rlfuse_gr_opd", overrides=[*SIZES, *extra, *overrides])
     if checked:
@@ -190,7 +191,8 @@ def test_recipe_is_verls_config_with_gr_opd():
     assert config.actor_rollout_ref.actor.loss_agg_mode == "seq-mean-token-mean"
     assert config.algorithm.rlfuse_gr_opd.gamma == 0.99 and not config.trainer.use_v1
     node = config.algorithm.rlfuse_gr_opd    # the yaml's defaults are gr_opd_advantages'
-    assert {k: node[k] for k in _verl_gr_opd.ADVANTAGE_DEFAULTS} == _verl_gr_opd.ADVANTAGE_DEFAULTS
+    assert {k: node[k] for k in gr_opd_in_verl.ADVANTAGE_DEFAULTS} == \
+        gr_opd_in_verl.ADVANTAGE_DEFAULTS
     verl_gr_opd.check_recipe(config)
     assert config.algorithm.rlfuse_gr_opd.reference == "teacher"
     from verl.trainer.ppo.reward import get_custom_reward_fn
@@ -269,7 +271,9 @@ def test_the_workers_import_registers_both():
     code = ("import rlfuse.integrations.verl\n"
             "from verl.trainer.ppo import core_algos as c\n"
             "c.get_adv_estimator_fn('rlfuse_gr_opd'), c.get_policy_loss_fn('rlfuse_gr_opd')\n"
-            "assert 'rlfuse.integrations.verl_gr_opd' not in __import__('sys').modules")
+            "modules = __import__('sys').modules\n"
+            "assert 'rlfuse.integrations.verl_gr_opd' not in modules\n"
+            "assert 'rlfuse.integrations.verl.gr_opd_runner' not in modules")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=process_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

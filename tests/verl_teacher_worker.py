@@ -128,7 +128,7 @@ def main(which: str) -> dict:
     lend_verl_a_cpu()
     folder = tempfile.mkdtemp()
     student, teacher = tiny(0, f"{folder}/student"), tiny(1, f"{folder}/teacher")
-    with initialize_config_module(config_module="rlfuse.integrations",
+    with initialize_config_module(config_module="rlfuse.integrations.verl",
                                   version_base=None):
         config = compose("rlfuse_gr_opd", overrides=[
             f"algorithm.rlfuse_gr_opd.teacher={folder}/teacher",

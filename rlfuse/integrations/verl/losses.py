@@ -1,37 +1,7 @@
-"""rlfuse in verl: importing this module registers policy losses in verl's registry.
-
-    import rlfuse.integrations.verl   # e.g. through VERL_USE_EXTERNAL_MODULES
-    # actor_rollout_ref.actor.policy_loss.loss_mode = rlfuse_<mode>
-
-Every verl 0.9.1 ``loss_mode`` has its ``rlfuse_<mode>``: ``rlfuse_vanilla`` (also
-``rlfuse_ppo``), ``rlfuse_dppo_tv``, ``rlfuse_dppo_kl``, ``rlfuse_gspo``, ``rlfuse_sapo``,
-``rlfuse_gpg``, ``rlfuse_clip_cov``, ``rlfuse_kl_cov``, ``rlfuse_geo_mean``, ``rlfuse_dro``,
-``rlfuse_cispo`` and ``rlfuse_bypass_mode``, each ``rlfuse.policy_loss`` with the objective
-verl's mode computes, read from the same config fields (``clip_ratio*``, ``tau_pos`` /
-``tau_neg``, ``policy_loss.clip_cov_*``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``dro_beta``,
-``rollout_correction``, ``global_batch_info``) and returning verl's metric names, plus
-``actor/rlfuse_overflow`` where the objective can overflow. ``rlfuse_gppo`` is
-``rlfuse.gppo_loss`` with the seed's region (chi2 / atomic / delta 0.04); :func:`register_gppo`
-registers other regions under other names. ``rlfuse_ggpo`` is GGPO as an advantage estimator
-and a policy loss over verl's KL in the reward (``_verl_ggpo``), ``rlfuse_gr_opd`` GR-OPD's
-(``_verl_gr_opd``, trained by ``python -m rlfuse.integrations.verl_gr_opd``, whose reference
-worker holds the teacher). :func:`kl_penalty` is verl's ``kl_penalty`` by
-``rlfuse.kl_penalty``. The losses take verl's ``[B, T]`` log-probs; the import also makes
-``fused_kernels_backend="rlfuse"`` a backend of verl's fused-kernel forward, which computes
-those log-probs and the entropy from the last hidden state (``_verl_backend``), and
-:func:`linear_cross_entropy` is verl's tensor-parallel call over rlfuse's vocabulary split, and
-:func:`patch_megatron` routes verl's Megatron fused forward through it.
-
-Where verl draws at random (``clip_cov``), rlfuse draws the same numbers from the same
-generator (torch's default one): a run seeded as verl's takes verl's choice. ``bypass_mode``
-computes its importance weights and rejection mask with verl's own
-``compute_rollout_correction_and_rejection_mask`` (``[B, T]`` data, no gradient).
-
-Differences from verl, all to fp32 rounding: verl exponentiates a log-ratio clamped to +-20
-where rlfuse selects the branch in log space and exponentiates only the selected one (the
-values are equal wherever verl's are finite); verl's ``seq-mean-token-mean`` divides each row
-by ``T_i + 1e-8``, rlfuse by ``T_i``.
-"""
+"""verl's ``loss_mode``s by rlfuse, registered in verl's policy-loss registry when this module is
+imported (by ``import rlfuse.integrations.verl``, which says what each is): ``rlfuse_<mode>``
+for every mode of :data:`MODES` (``rlfuse_ppo`` too), ``rlfuse_bypass_mode``, ``rlfuse_gppo``
+(:func:`register_gppo` for other regions), and verl's ``kl_penalty`` (:func:`kl_penalty`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -41,13 +11,9 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 
 import rlfuse
 from rlfuse import objectives
-from . import _verl_ggpo, _verl_gr_opd  # noqa: F401  (GGPO's and GR-OPD's estimators, losses)
-from ._verl_aggregation import fused_metric, verl_aggregation, verl_clip
-from ._verl_backend import (BACKEND, install, linear_cross_entropy, log_probs_and_entropy,
-                            patch_forward_with_backends, patch_megatron)
+from .aggregation import fused_metric, verl_aggregation, verl_clip
 
-__all__ = ["BACKEND", "MODES", "kl_penalty", "linear_cross_entropy", "log_probs_and_entropy",
-           "patch_forward_with_backends", "patch_megatron", "register_gppo", "verl_aggregation"]
+__all__ = ["MODES", "kl_penalty", "register_gppo"]
 
 
 def _policy_config(config):
@@ -218,4 +184,3 @@ def register_gppo(name: str = "rlfuse_gppo", *, geometry: str = "chi2", topology
 
 
 register_gppo()
-install()

@@ -38,7 +38,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 import rlfuse
 from rlfuse.divergences import ForwardKL
 from rlfuse.scaleout.rank_rows import MeanOverRanks
-from ._models import check_head, config_head
+from ..model_heads import check_head, config_head
 
 BACKEND = "rlfuse"
 # the backend with a batch-invariant head (``LinearHead(..., batch_invariant=True)``): the

@@ -20,7 +20,7 @@ import torch
 from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 
 import rlfuse
-from ._verl_aggregation import fused_metric, row_values, verl_aggregation
+from .aggregation import fused_metric, row_values, verl_aggregation
 
 
 def _check_groups(index) -> None:

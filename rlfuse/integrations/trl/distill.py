@@ -24,7 +24,7 @@ from trl import DistillationConfig, DistillationTrainer
 
 import rlfuse
 from rlfuse.divergences import JSD
-from rlfuse.integrations._models import model_head
+from rlfuse.integrations.model_heads import model_head
 
 __all__ = ["RLFuseDistillationConfig", "RLFuseDistillationTrainer", "chunked_divergence_loss"]
 

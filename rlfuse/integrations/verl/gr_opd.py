@@ -19,8 +19,8 @@ from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 
 import rlfuse
 from rlfuse import objectives
-from ._verl_aggregation import fused_metric, row_values, verl_aggregation, verl_clip
-from ._verl_ggpo import kl_in_reward_coef
+from .aggregation import fused_metric, row_values, verl_aggregation, verl_clip
+from .ggpo import kl_in_reward_coef
 
 NAME = "rlfuse_gr_opd"
 # GR-OPD's advantage settings under ``algorithm.rlfuse_gr_opd``, with gr_opd_advantages' defaults
@@ -30,7 +30,7 @@ ADVANTAGE_DEFAULTS = {name: inspect.signature(rlfuse.gr_opd_advantages).paramete
 # worker holds the teacher (verl's own runner loads the actor's model there)
 TEACHER_STAMP = ("reference", "teacher")
 # verl's ``reward.custom_reward_function`` (path, name) of the recipe
-NO_TASK_REWARD = ("pkg://rlfuse.integrations._verl_gr_opd", "no_task_reward")
+NO_TASK_REWARD = ("pkg://rlfuse.integrations.verl.gr_opd", "no_task_reward")
 
 
 def no_task_reward(data_source=None, solution_str=None, ground_truth=None, extra_info=None,
