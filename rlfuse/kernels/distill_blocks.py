@@ -25,30 +25,41 @@ from .divergence_functions import divergence_args
 from .head import HeadParams
 from .head_blocks import BLOCK_H, LOGITS_DTYPE, add_tile_product, head_tile, kept_rows
 from .matmul import BLOCK_K, BLOCK_M, NUM_WARPS, dot_modes
-from .utils import empty, fp64_values, tl_compute_dtype
+from .utils import Flags, empty, fp64_values, tl_compute_dtype
 from .vocab_blocks import BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, sum_blocks, tree_sum
 
 # Columns of the per-row statistics the kernels read: each model's max and log-sum (the
 # ``DISTILL_STATS`` of ``kernels.distill``, aux last)
 _N_STATS = tl.constexpr(5)
 _HALF_STEPS = tl.constexpr(6)      # log2(HALF_BLOCK)
+# The kernels' FLAGS: each head's bias and softcap, the teacher given as logits, each model's
+# matmul modes (``matmul.dot_modes``), the backward's wanted gradients
+HEAD_PAIR_FLAGS = Flags("S_BIAS", "T_BIAS", "S_SOFTCAP", "T_SOFTCAP", "T_LOGITS", "IEEE",
+                        "UPCAST", "T_IEEE", "T_UPCAST", "NEED_WEIGHT", "NEED_BIAS")
+(_S_BIAS, _T_BIAS, _S_SOFTCAP, _T_SOFTCAP, _T_LOGITS, _IEEE, _UPCAST, _T_IEEE, _T_UPCAST,
+ _NEED_WEIGHT, _NEED_BIAS) = HEAD_PAIR_FLAGS.bits()
 
 
 @triton.jit
 def _both_halves(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, start, C, V, H_s, H_t,
-                 s_strides, t_strides, stats, s_head, t_head, S_BIAS: tl.constexpr,
-                 T_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
-                 T_LOGITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                 T_IEEE: tl.constexpr, T_UPCAST: tl.constexpr, ACC: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 s_strides, t_strides, stats, s_head, t_head, FLAGS: tl.constexpr,
+                 ACC: tl.constexpr, BLOCK_K: tl.constexpr):
     """``(s, t, ds, cols)``: both models' log-probs of ``rows`` and the ``HALF_BLOCK`` ids from
     ``start`` (``stats``: the rows' ``(m_s, log s_s, m_t, log s_t, aux)``; ``s_strides``,
     ``t_strides``: each model's hidden states' and weight's strides) and the softcap's
     derivative of the student's. ``T_LOGITS``: the teacher's logits read from memory (a row
     ``c``'s at the element offset ``tw_ptr[c]`` from ``th_ptr``, unit stride), not formed."""
+    S_BIAS: tl.constexpr = (_S_BIAS & FLAGS) != 0
+    T_BIAS: tl.constexpr = (_T_BIAS & FLAGS) != 0
+    S_SOFTCAP: tl.constexpr = (_S_SOFTCAP & FLAGS) != 0
+    T_SOFTCAP: tl.constexpr = (_T_SOFTCAP & FLAGS) != 0
+    IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
+    UPCAST: tl.constexpr = (_UPCAST & FLAGS) != 0
+    T_IEEE: tl.constexpr = (_T_IEEE & FLAGS) != 0
+    T_UPCAST: tl.constexpr = (_T_UPCAST & FLAGS) != 0
     cols = start + tl.arange(0, HALF_BLOCK)
     inside = cols[None, :] < V
-    if T_LOGITS:
+    if _T_LOGITS & FLAGS:
         # read (and taken to log-probs) before the student's tile is formed: registers free
         # for its products. Every row in [0, C) is a position of the teacher's (a masked one's
         # values never count); ids past V read V - 1's (in bounds, never counted: -inf)
@@ -95,10 +106,7 @@ def _row_stats(stats_ptr, rows, live, ACC: tl.constexpr):
 def _distill_blocks_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
                            out_ptr, C, V, H_s, H_t, NB, s_wv, s_wk, t_wv, t_wk,
                            s_head_args, t_head_args, hyper,
-                           DIVERGENCE: tl.constexpr, S_BIAS: tl.constexpr, T_BIAS: tl.constexpr,
-                           S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
-                           T_LOGITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                           T_IEEE: tl.constexpr, T_UPCAST: tl.constexpr, ACC: tl.constexpr,
+                           DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per BLOCK_M rows and vocabulary block: out [C, NB, 2] (the divergence's terms
     # and aux terms summed over the block)
@@ -113,8 +121,7 @@ def _distill_blocks_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_
         s, t, unused_ds, unused_cols = _both_halves(
             sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows,
             block * BLOCK_IDS + half * HALF_BLOCK, C, V, H_s, H_t, (H_s, 1, s_wv, s_wk),
-            (H_t, 1, t_wv, t_wk), stats, s_head, t_head, S_BIAS, T_BIAS, S_SOFTCAP,
-            T_SOFTCAP, T_LOGITS, IEEE, UPCAST, T_IEEE, T_UPCAST, ACC, BLOCK_K)
+            (H_t, 1, t_wv, t_wk), stats, s_head, t_head, FLAGS, ACC, BLOCK_K)
         term_v, aux_v, unused_grad = DIVERGENCE(s, t, tl.zeros_like(s), params)
         term += tree_sum(term_v, _HALF_STEPS)
         aux += tree_sum(aux_v, _HALF_STEPS)
@@ -126,10 +133,7 @@ def _distill_blocks_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_
 @triton.jit
 def _student_dlogits(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, live, start, C, V,
                      H_s, H_t, s_strides, t_strides, stats, g, s_head, t_head, params,
-                     DIVERGENCE: tl.constexpr, S_BIAS: tl.constexpr, T_BIAS: tl.constexpr,
-                     S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
-                     T_LOGITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                     T_IEEE: tl.constexpr, T_UPCAST: tl.constexpr, ACC: tl.constexpr,
+                     DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,
                      GRAD: tl.constexpr, BLOCK_K: tl.constexpr):
     """``(the student's gradient, cols)`` of ``rows`` and the ``HALF_BLOCK`` ids from
     ``start``: ``g ∂D/∂z_v`` times the softcap's derivative (``g``: each row's upstream
@@ -137,8 +141,7 @@ def _student_dlogits(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, live,
     rounded to ``GRAD`` (the weight's dtype)."""
     s, t, ds, cols = _both_halves(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, start,
                                   C, V, H_s, H_t, s_strides, t_strides, stats, s_head,
-                                  t_head, S_BIAS, T_BIAS, S_SOFTCAP, T_SOFTCAP, T_LOGITS, IEEE,
-                                  UPCAST, T_IEEE, T_UPCAST, ACC, BLOCK_K)
+                                  t_head, FLAGS, ACC, BLOCK_K)
     unused_term, unused_aux, d = DIVERGENCE(s, t, stats[4][:, None], params)
     d = g[:, None] * d * ds
     return tl.where(live[:, None] & (cols[None, :] < V), d, 0.0).to(GRAD), cols
@@ -161,27 +164,24 @@ def _backward_rows(rows, C, keep_ptr, stats_ptr, dvalue_ptr, s_head, S_SOFTCAP: 
 def _distill_dhidden_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
                             dvalue_ptr, dh_ptr, C, V, H_s, H_t, NB, s_wv, s_wk, t_wv, t_wk,
                             s_head_args, t_head_args, hyper,
-                            DIVERGENCE: tl.constexpr, S_BIAS: tl.constexpr,
-                            T_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr,
-                            T_SOFTCAP: tl.constexpr, T_LOGITS: tl.constexpr,
-                            IEEE: tl.constexpr, UPCAST: tl.constexpr, T_IEEE: tl.constexpr,
-                            T_UPCAST: tl.constexpr, ACC: tl.constexpr, GRAD: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,
+                            GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                             BLOCK_H: tl.constexpr):
     # one program per BLOCK_M rows: dh [C, H_s] (fp32, zeros) += the student's gradient's tiles
     # times its weight, the vocabulary blocks in order
+    IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
+    UPCAST: tl.constexpr = (_UPCAST & FLAGS) != 0
     s_head, t_head, params = _scalars(s_head_args, t_head_args, hyper, ACC)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     live, stats, g = _backward_rows(rows, C, keep_ptr, stats_ptr, dvalue_ptr, s_head,
-                                    S_SOFTCAP, ACC)
+                                    (_S_SOFTCAP & FLAGS) != 0, ACC)
     for block in range(NB):
         for half in tl.static_range(2):
             d, cols = _student_dlogits(
                 sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, live,
                 block * BLOCK_IDS + half * HALF_BLOCK, C, V, H_s, H_t,
                 (H_s, 1, s_wv, s_wk), (H_t, 1, t_wv, t_wk), stats, g, s_head, t_head,
-                params, DIVERGENCE, S_BIAS, T_BIAS, S_SOFTCAP, T_SOFTCAP, T_LOGITS, IEEE,
-                UPCAST, T_IEEE, T_UPCAST, ACC, GRAD, BLOCK_K)
+                params, DIVERGENCE, FLAGS, ACC, GRAD, BLOCK_K)
             add_tile_product(dh_ptr, H_s, rows, live, d, sw_ptr, cols, cols < V, s_wv, s_wk,
                              H_s, IEEE, UPCAST, BLOCK_H)
 
@@ -190,16 +190,14 @@ def _distill_dhidden_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep
 def _distill_dweight_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
                             dvalue_ptr, dw_ptr, db_ptr, C, V, H_s, H_t, s_wv, s_wk, t_wv, t_wk,
                             s_head_args, t_head_args, hyper,
-                            DIVERGENCE: tl.constexpr, S_BIAS: tl.constexpr,
-                            T_BIAS: tl.constexpr, NEED_WEIGHT: tl.constexpr,
-                            NEED_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr,
-                            T_SOFTCAP: tl.constexpr, T_LOGITS: tl.constexpr,
-                            IEEE: tl.constexpr, UPCAST: tl.constexpr, T_IEEE: tl.constexpr,
-                            T_UPCAST: tl.constexpr, ACC: tl.constexpr, GRAD: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,
+                            GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                             BLOCK_H: tl.constexpr):
     # one program per HALF_BLOCK ids: dw [V, H_s] (fp32) += the student's gradient's tiles
     # transposed times its hidden rows, the rows in order (no atomics); db [V] += their sums
+    IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
+    UPCAST: tl.constexpr = (_UPCAST & FLAGS) != 0
+    NEED_BIAS: tl.constexpr = (_NEED_BIAS & FLAGS) != 0
     s_head, t_head, params = _scalars(s_head_args, t_head_args, hyper, ACC)
     start = tl.program_id(0) * HALF_BLOCK
     cols = start + tl.arange(0, HALF_BLOCK)
@@ -207,13 +205,12 @@ def _distill_dweight_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep
     for tile in range(0, C, BLOCK_M):
         rows = tile + tl.arange(0, BLOCK_M)
         live, stats, g = _backward_rows(rows, C, keep_ptr, stats_ptr, dvalue_ptr, s_head,
-                                        S_SOFTCAP, ACC)
+                                        (_S_SOFTCAP & FLAGS) != 0, ACC)
         d, unused_cols = _student_dlogits(
             sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, rows, live, start, C, V, H_s, H_t,
             (H_s, 1, s_wv, s_wk), (H_t, 1, t_wv, t_wk), stats, g, s_head, t_head,
-            params, DIVERGENCE, S_BIAS, T_BIAS, S_SOFTCAP, T_SOFTCAP, T_LOGITS, IEEE, UPCAST,
-            T_IEEE, T_UPCAST, ACC, GRAD, BLOCK_K)
-        if NEED_WEIGHT:
+            params, DIVERGENCE, FLAGS, ACC, GRAD, BLOCK_K)
+        if _NEED_WEIGHT & FLAGS:
             add_tile_product(dw_ptr, H_s, cols, cols < V, tl.trans(d), sh_ptr, rows, live, H_s,
                              1, H_s, IEEE, UPCAST, BLOCK_H)
         if NEED_BIAS:
@@ -265,11 +262,16 @@ class TwoHeads:
         self.strides = (weight.stride(0), weight.stride(1), *t_strides)
         self.scalars = (s_args, t_args, hyper)
         self.acc = compute_dtype(weight.dtype)
-        self.constexprs = dict(
-            DIVERGENCE=divergence, S_BIAS=bias is not None, T_BIAS=t_bias is not None,
-            S_SOFTCAP=s_cap, T_SOFTCAP=t_cap, T_LOGITS=from_logits, IEEE=ieee, UPCAST=upcast,
-            T_IEEE=t_ieee, T_UPCAST=t_upcast, ACC=tl_compute_dtype(weight.dtype),
-            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        self.flags = dict(S_BIAS=bias is not None, T_BIAS=t_bias is not None, S_SOFTCAP=s_cap,
+                          T_SOFTCAP=t_cap, T_LOGITS=from_logits, IEEE=ieee, UPCAST=upcast,
+                          T_IEEE=t_ieee, T_UPCAST=t_upcast)
+        self.constexprs = dict(DIVERGENCE=divergence, ACC=tl_compute_dtype(weight.dtype),
+                               BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+
+    def flags_word(self, need_weight: bool = False, need_bias: bool = False) -> int:
+        """The kernels' ``FLAGS``: these heads' with the gradients a backward wants."""
+        return HEAD_PAIR_FLAGS.word(**self.flags, NEED_WEIGHT=need_weight,
+                                    NEED_BIAS=need_bias)
 
 
 def distill_blocks(heads: TwoHeads, stats: torch.Tensor) -> torch.Tensor:
@@ -282,7 +284,7 @@ def distill_blocks(heads: TwoHeads, stats: torch.Tensor) -> torch.Tensor:
     if heads.C and NB:
         _distill_blocks_kernel[(triton.cdiv(heads.C, BLOCK_M), NB)](
             *heads.pointers, stats.contiguous(), blocks, heads.C, heads.V, *heads.sizes, NB,
-            *heads.strides, *heads.scalars, **heads.constexprs,
+            *heads.strides, *heads.scalars, FLAGS=heads.flags_word(), **heads.constexprs,
             num_stages=1)      # no spill in fp32 beside a teacher's logits (SASS test)
     return sum_blocks(blocks)
 
@@ -303,8 +305,8 @@ def distill_head_backward(heads: TwoHeads, stats: torch.Tensor, dvalue: torch.Te
     if C and dhidden is not None:
         _distill_dhidden_kernel[(triton.cdiv(C, BLOCK_M),)](
             *common, dhidden, C, V, *heads.sizes, triton.cdiv(V, VOCAB_BLOCK),
-            *heads.strides, *heads.scalars, **constexprs)
+            *heads.strides, *heads.scalars, FLAGS=heads.flags_word(), **constexprs)
     if C and (dweight is not None or dbias is not None):
         _distill_dweight_kernel[(triton.cdiv(V, HALF_BLOCK),)](
             *common, dweight, dbias, C, V, *heads.sizes, *heads.strides, *heads.scalars,
-            NEED_WEIGHT=dweight is not None, NEED_BIAS=dbias is not None, **constexprs)
+            FLAGS=heads.flags_word(dweight is not None, dbias is not None), **constexprs)

@@ -21,7 +21,7 @@ import triton.language as tl
 from .head import softcap
 from .rows import dlogits_coefficients, dlogits_of
 from .matmul import BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS, dot_modes, fixed_dot, fixed_tile
-from .utils import empty, fp64_values, tl_compute_dtype
+from .utils import Flags, empty, fp64_values, tl_compute_dtype
 from .vocab_blocks import (BLOCK_COLUMNS, BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, block_statistics,
                            half_statistics, store_block)
 
@@ -29,6 +29,12 @@ from .vocab_blocks import (BLOCK_COLUMNS, BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, bl
 assert VOCAB_BLOCK == 2 * BLOCK_N
 # Columns of the hidden states (dhidden) or of the weight (dweight) per product in the backward
 BLOCK_H = 32
+# The backward kernels' FLAGS: the head's bias and softcap, the entropy's gradient, the matmul
+# modes (``matmul.dot_modes``), the gradients the weight's kernel adds
+HEAD_GRAD_FLAGS = Flags("HAS_BIAS", "SOFTCAP", "WITH_ENTROPY", "IEEE", "UPCAST", "NEED_WEIGHT",
+                        "NEED_BIAS")
+_HAS_BIAS, _SOFTCAP, _WITH_ENTROPY, _IEEE, _UPCAST, _NEED_WEIGHT, _NEED_BIAS = \
+    HEAD_GRAD_FLAGS.bits()
 
 
 @triton.jit
@@ -192,12 +198,16 @@ def add_tile_product(acc_ptr, stride_acc, out_rows, live, d, b_ptr, b_rows, b_li
 @triton.jit(do_not_specialize=["C"])   # one binary for any row count
 def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, entropy_ptr,
                          g_ptr, dent_ptr, dh_ptr, C, V, H, NB, stride_hm, stride_hk, stride_wv,
-                         stride_wk, head_args, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-                         WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                         ACC: tl.constexpr, LOGITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                         stride_wk, head_args, FLAGS: tl.constexpr, ACC: tl.constexpr,
+                         LOGITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
     # one program per BLOCK_M rows: dh [C, H] (fp32, zeros) += their gradient's tiles times the
     # weight, the vocabulary blocks in order
+    HAS_BIAS: tl.constexpr = (_HAS_BIAS & FLAGS) != 0
+    SOFTCAP: tl.constexpr = (_SOFTCAP & FLAGS) != 0
+    WITH_ENTROPY: tl.constexpr = (_WITH_ENTROPY & FLAGS) != 0
+    IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
+    UPCAST: tl.constexpr = (_UPCAST & FLAGS) != 0
     head = fp64_values(head_args, ACC)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = kept_rows(rows, C, keep_ptr)
@@ -217,14 +227,17 @@ def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
 @triton.jit(do_not_specialize=["C"])   # one binary for any row count
 def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, entropy_ptr,
                          g_ptr, dent_ptr, dw_ptr, db_ptr, C, V, H, stride_hm, stride_hk, stride_wv,
-                         stride_wk, head_args, HAS_BIAS: tl.constexpr, NEED_WEIGHT: tl.constexpr,
-                         NEED_BIAS: tl.constexpr,
-                         SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-                         IEEE: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+                         stride_wk, head_args, FLAGS: tl.constexpr, ACC: tl.constexpr,
                          LOGITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_H: tl.constexpr):
     # one program per half block of HALF_BLOCK ids: dw [V, H] (fp32) += the gradient's tiles
     # transposed times the hidden rows, the rows in order (no atomics); db [V] += their sums
+    HAS_BIAS: tl.constexpr = (_HAS_BIAS & FLAGS) != 0
+    SOFTCAP: tl.constexpr = (_SOFTCAP & FLAGS) != 0
+    WITH_ENTROPY: tl.constexpr = (_WITH_ENTROPY & FLAGS) != 0
+    IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
+    UPCAST: tl.constexpr = (_UPCAST & FLAGS) != 0
+    NEED_BIAS: tl.constexpr = (_NEED_BIAS & FLAGS) != 0
     head = fp64_values(head_args, ACC)
     start = tl.program_id(0) * HALF_BLOCK
     cols = start + tl.arange(0, HALF_BLOCK)
@@ -238,7 +251,7 @@ def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
         d, _ = _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm,
                              stride_hk, stride_wv, stride_wk, y, row, head, HAS_BIAS, SOFTCAP,
                              WITH_ENTROPY, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
-        if NEED_WEIGHT:
+        if _NEED_WEIGHT & FLAGS:
             add_tile_product(dw_ptr, H, cols, cols < V, tl.trans(d), h_ptr, rows, live,
                          stride_hm, stride_hk, H, IEEE, UPCAST, BLOCK_H)
         if NEED_BIAS:
@@ -270,15 +283,19 @@ def head_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
               keep.to(torch.uint8), stats.contiguous(),
               entropy.contiguous() if with_entropy else dlogp, dlogp.contiguous(),
               dentropy.contiguous() if with_entropy else dlogp)
-    constexprs = dict(SOFTCAP=softcapped, WITH_ENTROPY=with_entropy, IEEE=ieee, UPCAST=upcast,
-                      ACC=tl_compute_dtype(weight.dtype), LOGITS=LOGITS_DTYPE[weight.dtype],
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcapped, WITH_ENTROPY=with_entropy,
+                 IEEE=ieee, UPCAST=upcast)
+    constexprs = dict(ACC=tl_compute_dtype(weight.dtype), LOGITS=LOGITS_DTYPE[weight.dtype],
                       BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
     strides = (hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1))
     if dhidden is not None:
         _head_dhidden_kernel[(triton.cdiv(C, BLOCK_M),)](
             *common, dhidden, C, V, H, triton.cdiv(V, VOCAB_BLOCK), *strides, head_args,
-            HAS_BIAS=bias is not None, **constexprs)
+            FLAGS=HEAD_GRAD_FLAGS.word(**flags, NEED_WEIGHT=False, NEED_BIAS=False),
+            **constexprs)
     if dweight is not None or dbias is not None:
         _head_dweight_kernel[(triton.cdiv(V, HALF_BLOCK),)](
-            *common, dweight, dbias, C, V, H, *strides, head_args, HAS_BIAS=bias is not None,
-            NEED_WEIGHT=dweight is not None, NEED_BIAS=dbias is not None, **constexprs)
+            *common, dweight, dbias, C, V, H, *strides, head_args,
+            FLAGS=HEAD_GRAD_FLAGS.word(**flags, NEED_WEIGHT=dweight is not None,
+                                       NEED_BIAS=dbias is not None),
+            **constexprs)

@@ -37,8 +37,8 @@ from .regions import region_bounds, row_region, token_bounds
 from .head import HeadParams
 from .rows import (at, load_target_logit, program_token, row_logsumexp,
                    row_write_dlogits, row_write_zeros, target_column, target_logprob)
-from .utils import (constexpr_codes, empty, exp_accurate, fp64_values, mask_args, ones_if_none,
-                    time_block, tl_compute_dtype, token_at, token_tensor)
+from .utils import (Flags, constexpr_codes, empty, exp_accurate, fp64_values, mask_args,
+                    ones_if_none, time_block, tl_compute_dtype, token_at, token_tensor)
 
 TOKEN_RATIO, SEQUENCE_RATIO, STRAIGHT_RATIO = constexpr_codes(RATIO_MODES, *RATIO_MODES)
 _STRAIGHT_LOG_MAX = tl.constexpr(10.0)    # verl's GSPO clamps log s_bt at 10
@@ -46,6 +46,13 @@ FWD_BLOCK_T = 128    # tokens of a program of the forward from log-probs
 # The whole-row statistics of a shard's rows (``row_stats``), gathered over the group.
 ROW_STAT_COLUMNS = ("logp", "max", "log_sum", "entropy")
 N_ROW_STATS = tl.constexpr(len(ROW_STAT_COLUMNS))
+# The single pass's FLAGS: dlogits written, old log-probs given, the KL term's options
+# (``kl.kl_codes``), the entropy bonus, a softcap, a shard's given row statistics, a persistent
+# grid (``single_pass.SinglePassConfig``)
+SINGLE_PASS_FLAGS = Flags("WRITE_DLOGITS", "HAS_OLD", "KL_STRAIGHT", "KL_WEIGHTED", "KL_CLAMP",
+                          "WITH_ENTROPY", "SOFTCAP", "ROW_STATS", "PERSISTENT")
+(_WRITE_DLOGITS, _HAS_OLD, _KL_STRAIGHT, _KL_WEIGHTED, _KL_CLAMP, _WITH_ENTROPY, _SOFTCAP,
+ _ROW_STATS, _PERSISTENT) = SINGLE_PASS_FLAGS.bits()
 
 
 @triton.jit
@@ -186,11 +193,8 @@ def _surrogate_logits_row(
     T, S, offset, V,
     head, region, hyper, clamp,         # in the compute dtype (head and hyper: their values)
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
-    TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
-    HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
-    KL_WEIGHTED: tl.constexpr, KL_CLAMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    SOFTCAP: tl.constexpr, ROW_STATS: tl.constexpr, EVICT: tl.constexpr,
-    NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
+    TOPOLOGY: tl.constexpr, ACC: tl.constexpr, KL: tl.constexpr, FLAGS: tl.constexpr,
+    EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
     # Row s of the [B, S] logits (rows outside the window [offset, offset + T) only get zeros):
     # lse = m + log s by the online pass (and the entropy H), lp = (z_y - m) - log s, the
@@ -204,6 +208,11 @@ def _surrogate_logits_row(
     # ROW_STATS (a shard of a split vocabulary): the whole row's (lp, m, log s, H) are given,
     # gathered over the group (``scaleout.vocab``), and the row is read by the write pass alone;
     # its target is -1 where another rank holds it.
+    WRITE_DLOGITS: tl.constexpr = (_WRITE_DLOGITS & FLAGS) != 0
+    HAS_OLD: tl.constexpr = (_HAS_OLD & FLAGS) != 0
+    WITH_ENTROPY: tl.constexpr = (_WITH_ENTROPY & FLAGS) != 0
+    SOFTCAP: tl.constexpr = (_SOFTCAP & FLAGS) != 0
+    ROW_STATS: tl.constexpr = (_ROW_STATS & FLAGS) != 0
     inv_temp, cap, cap_in = head
     token, b, s, t, in_window, is_actor = program_token(row, mask[0], T, S, offset, mask[1],
                                                         mask[2], True)
@@ -244,7 +253,8 @@ def _surrogate_logits_row(
         kl = tl.zeros((), ACC)
         if KL != NO_KL:
             ref_lp = tl.load(token_at(ref, b, t)).to(ACC)
-            kl, dkl = kl_term(lp, ref_lp, log_ratio, KL, KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP)
+            kl, dkl = kl_term(lp, ref_lp, log_ratio, KL, (_KL_STRAIGHT & FLAGS) != 0,
+                              (_KL_WEIGHTED & FLAGS) != 0, (_KL_CLAMP & FLAGS) != 0)
             coef = tl.load(row_weights[1] + b).to(ACC)
             loss -= coef * kl
             g += coef * dkl
@@ -295,34 +305,29 @@ def _surrogate_logits_kernel(
     # scalars (head.HeadParams, token_functions.objective_args; region: regions.row_region's,
     # the region's sizes or, with GEOMETRY == regions.GIVEN, the [B, T] bounds)
     head, region, hyper, clamp,
+    # constexprs: the objective's codes, the KL estimator's (kl.NO_KL: none), the flags
+    # (SINGLE_PASS_FLAGS), the launch configuration (single_pass.SinglePassConfig)
     BLOCK_V: tl.constexpr, OBJECTIVE: tl.constexpr, GEOMETRY: tl.constexpr,
-    TOPOLOGY: tl.constexpr, ACC: tl.constexpr, WRITE_DLOGITS: tl.constexpr,
-    HAS_OLD: tl.constexpr, KL: tl.constexpr, KL_STRAIGHT: tl.constexpr,
-    KL_WEIGHTED: tl.constexpr, KL_CLAMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    SOFTCAP: tl.constexpr, ROW_STATS: tl.constexpr,
-    # launch configuration (single_pass.SinglePassConfig)
-    PERSISTENT: tl.constexpr, EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
+    TOPOLOGY: tl.constexpr, ACC: tl.constexpr, KL: tl.constexpr, FLAGS: tl.constexpr,
+    EVICT: tl.constexpr, NUM_STAGES: tl.constexpr, ORDER: tl.constexpr,
 ):
     # One program per row; PERSISTENT: a grid sized from the L2 or the SM count, each program
     # taking the rows pid, pid + programs, ... in turn, so that fewer rows are in flight between
     # the two reads of a row.
     head = fp64_values(head, ACC)
     hyper = fp64_values(hyper, ACC)
-    if PERSISTENT:
+    if _PERSISTENT & FLAGS:
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             _surrogate_logits_row(
                 row, logits, targets, mask, old, adv, weights, ref, row_weights, row_stats_ptr,
                 dlogits, sums_ptr, T, S, offset, V, head, region, hyper, clamp,
-                BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, KL,
-                KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, ROW_STATS, EVICT,
-                NUM_STAGES, ORDER)
+                BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, KL, FLAGS, EVICT, NUM_STAGES,
+                ORDER)
     else:
         _surrogate_logits_row(
             tl.program_id(0), logits, targets, mask, old, adv, weights, ref, row_weights,
             row_stats_ptr, dlogits, sums_ptr, T, S, offset, V, head, region, hyper, clamp,
-            BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, WRITE_DLOGITS, HAS_OLD, KL,
-            KL_STRAIGHT, KL_WEIGHTED, KL_CLAMP, WITH_ENTROPY, SOFTCAP, ROW_STATS, EVICT,
-            NUM_STAGES, ORDER)
+            BLOCK_V, OBJECTIVE, GEOMETRY, TOPOLOGY, ACC, KL, FLAGS, EVICT, NUM_STAGES, ORDER)
 
 
 
@@ -428,10 +433,11 @@ def surrogate_logits_fwd(logits, targets, mask, old_lp, adv, weights, row_scale,
         T, S, offset, V, B * S,
         head_args, region, hyper, clamp,
         BLOCK_V=block_v, OBJECTIVE=objective_code, GEOMETRY=geometry_code,
-        TOPOLOGY=topology_code, ACC=tl_compute_dtype(logits.dtype), WRITE_DLOGITS=write_dlogits,
-        HAS_OLD=old_lp is not None, KL=kl_code, KL_STRAIGHT=kl_straight,
-        KL_WEIGHTED=kl_weighted, KL_CLAMP=kl_clamp, WITH_ENTROPY=entropy_scale is not None,
-        SOFTCAP=softcapped, ROW_STATS=row_stats is not None, PERSISTENT=config.persistent,
+        TOPOLOGY=topology_code, ACC=tl_compute_dtype(logits.dtype), KL=kl_code,
+        FLAGS=SINGLE_PASS_FLAGS.word(
+            WRITE_DLOGITS=write_dlogits, HAS_OLD=old_lp is not None, KL_STRAIGHT=kl_straight,
+            KL_WEIGHTED=kl_weighted, KL_CLAMP=kl_clamp, WITH_ENTROPY=entropy_scale is not None,
+            SOFTCAP=softcapped, ROW_STATS=row_stats is not None, PERSISTENT=config.persistent),
         EVICT=config.evict, NUM_STAGES=config.stages_code, ORDER=config.order_code,
         num_warps=num_warps, maxnreg=maxnreg,
     )

@@ -68,6 +68,26 @@ def constexpr_codes(names, *wanted):
     return tuple(tl.constexpr(names.index(name)) for name in wanted)
 
 
+class Flags:
+    """A kernel's boolean options in one constexpr word ``FLAGS``, one bit each in the order of
+    ``names``: the launcher packs them (``word(NAME=bool, ...)``, every name given), the kernel
+    reads one with its bit (``bits()``, module-level constexprs) at compile time:
+    ``NAME: tl.constexpr = (NAME_BIT & FLAGS) != 0`` (the bit first: the interpreter passes
+    ``FLAGS`` as an int, which has no ``&`` with a constexpr). A narrow signature, the same
+    binaries."""
+
+    def __init__(self, *names: str):
+        self.names = names
+
+    def bits(self):
+        return tuple(tl.constexpr(1 << i) for i in range(len(self.names)))
+
+    def word(self, **values: bool) -> int:
+        if set(values) != set(self.names):
+            raise TypeError(f"flags: expected {self.names}, got {tuple(values)}")
+        return sum(1 << i for i, name in enumerate(self.names) if values[name])
+
+
 def vocab_launch_config(vocab_size: int, element_size: int, block_v=None, num_warps=None):
     """(BLOCK_V, num_warps) for a kernel that streams one row of ``vocab_size`` logits: from the
     table, or ``block_v`` / ``num_warps`` when given (a block is never wider than the row's next
