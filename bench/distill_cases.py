@@ -52,7 +52,8 @@ def run_token_divergence(lib, x):
 
 
 def run_head(lib, x, batch_invariant=False):
-    """``batch_invariant``: both heads' tiles formed on the chip (``kernels.distill_blocks``)."""
+    """``batch_invariant``: both heads' tiles formed on the chip
+    (``kernels.tiles.distill_tiles``)."""
     student = lib.LinearHead(x.hidden, x.weight, x.targets, batch_invariant=batch_invariant)
     teacher = lib.LinearHead(x.teacher_hidden, x.teacher_weight, x.targets,
                              batch_invariant=batch_invariant)

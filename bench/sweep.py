@@ -1,7 +1,7 @@
 """``python -m bench.sweep``: the single pass's launch configurations, checked and timed in one
 process, ranked.
 
-Each configuration (``RLFUSE_SINGLE_PASS`` text, ``rlfuse/kernels/single_pass.py``) runs the
+Each configuration (``RLFUSE_SINGLE_PASS`` text, ``rlfuse/kernels/rows/single_pass.py``) runs the
 training step of one op (default ``gppo_logits``) at the headline shape inside
 ``single_pass_config``; its loss and gradient are compared with the default configuration's
 first, and only a configuration that agrees is timed (one that differs is listed as failed,
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import rlfuse
-from rlfuse.kernels.single_pass import CANDIDATES, single_pass_config
+from rlfuse.kernels.rows.single_pass import CANDIDATES, single_pass_config
 
 from . import cases, measure
 from .__main__ import DTYPES, _device_name, _git_commit, _triton_version

@@ -13,11 +13,11 @@ import torch
 
 from . import api, reference
 from .api import Implementation, bind
-from .checks.policy import policy_device
+from .checks.policy import no_dtensor, policy_device
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # `@triton.jit` picks the interpreter when the kernels are decorated, at their import below
-# (``kernels.utils.INTERPRET`` records the same decision).
+# (``kernels.lib.utils.INTERPRET`` records the same decision).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if HAVE_TRITON:
@@ -89,7 +89,7 @@ class Dispatch(NamedTuple):
         (``scaleout.sequence``). On the kernels, a head's matmuls run in its ``head_dtype``,
         else in autocast's dtype (as autocast runs a linear layer), and the rest in the kernels'
         own precision (fp32 accumulation): autocast is off inside."""
-        xs = [y.prepared() if hasattr(y, "prepared") else y for y in (x, *others)]
+        xs = [y.prepared() if hasattr(y, "prepared") else no_dtensor(y) for y in (x, *others)]
         device = policy_device(xs[0])
         if self.fused is None or device is None or not use_kernels(device):
             if device is not None:

@@ -1,6 +1,6 @@
 """The names of the choices rlfuse offers, one registry for the checks, both implementations and
 the kernels (whose constexpr codes are positions in these tuples:
-``kernels.utils.constexpr_codes``), and ``FunctionsByName``, the tables of an implementation's
+``kernels.lib.utils.constexpr_codes``), and ``FunctionsByName``, the tables of an implementation's
 functions that a record names."""
 
 # GPPO's trust regions: the divergence (or PPO's symmetric log region) and how it is estimated.
@@ -15,7 +15,8 @@ MU_MIN = 1e-6  # GPPO's mu = exp(old_lp) is clamped to [MU_MIN, 1 - MU_MIN]
 # through the sequence's mean, TRL; or straight through to each token, verl).
 RATIO_MODES = ("token", "sequence", "sequence_straight")
 
-# The KL penalty's estimators (verl's ``kl_penalty`` names; ``kernels.kl``) and their aliases.
+# The KL penalty's estimators (verl's ``kl_penalty`` names; ``kernels.tokens.kl``) and their
+# aliases.
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 

@@ -13,7 +13,7 @@ frozen dataclass of its parameters, checked when it is built.
   KL, otherwise ``β KL(T ‖ M) + (1 − β) KL(S ‖ M)`` with ``M = β T + (1 − β) S``.
 
 A record is all that the rest of rlfuse knows of its divergence (``Divergence`` says what it
-holds): the kernels (``kernels.divergence_functions``) and the reference
+holds): the kernels (``kernels.lib.divergence_functions``) and the reference
 (``reference.divergence_functions``) evaluate the function its ``terms()`` names.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import ClassVar, NamedTuple, Optional, Tuple
 
 class DivergenceTerms(NamedTuple):
     """What both implementations evaluate at a position: the per-position function ``function``
-    (``kernels.divergence_functions.<function>``, ``reference.divergence_functions.<function>``)
+    (``kernels.lib.divergence_functions.<function>``, ``reference.divergence_functions.<function>``)
     and its parameters in the order it takes them."""
 
     function: str

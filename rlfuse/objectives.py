@@ -57,7 +57,7 @@ class Objective:
 
     - ``name``: its key in ``OBJECTIVES`` (verl's ``loss_mode`` / TRL's ``loss_type``);
     - ``token``: the per-token function of a token-local or sequence objective
-      (``kernels.token_functions.<token>``, ``reference.token_functions.<token>``),
+      (``kernels.lib.token_functions.<token>``, ``reference.token_functions.<token>``),
       ``flags`` the metric names of that function's flags and ``surrogate()`` what it takes
       (a ``TokenSurrogate``);
     - ``batch``: a batch-level objective's ``[B, T]`` function (``shared.batch_objectives``);

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 import progress  # noqa: E402
 import rlfuse  # noqa: E402
-import rlfuse.kernels.utils as kernel_utils  # noqa: E402
+import rlfuse.kernels.lib.utils as kernel_utils  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

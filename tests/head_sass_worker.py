@@ -1,5 +1,5 @@
-"""Compiles the batch-invariant head's kernels (``kernels.head_blocks``: the forward's block
-statistics, the backward's two products; ``kernels.distill_blocks``: a divergence between two
+"""Compiles the batch-invariant head's kernels (``kernels.tiles.head_tiles``: the forward's block
+statistics, the backward's two products; ``kernels.tiles.distill_tiles``: a divergence between two
 such heads, or such a head and logits in memory, and its two products) for sm_90 without a GPU (``tools.compile_only``) and prints,
 per kernel, dtype and softcap, its tensor-core instructions, local-memory accesses and
 resources as JSON lines; run without ``TRITON_INTERPRET``."""
@@ -15,10 +15,10 @@ from tools import compile_only, sass
 compile_only.install(90)
 
 from rlfuse.divergences import JSD  # noqa: E402
-from rlfuse.kernels.distill_blocks import (TwoHeads, distill_blocks,  # noqa: E402
-                                           distill_head_backward)
-from rlfuse.kernels.head import HeadParams  # noqa: E402
-from rlfuse.kernels.head_blocks import head_backward, head_blocks  # noqa: E402
+from rlfuse.kernels.tiles.distill_tiles import (TwoHeads, distill_blocks,  # noqa: E402
+                                               distill_head_backward)
+from rlfuse.kernels.lib.head_functions import HeadParams  # noqa: E402
+from rlfuse.kernels.tiles.head_tiles import head_backward, head_blocks  # noqa: E402
 
 C, H, V = 70, 256, 1000
 for dtype in (torch.bfloat16, torch.float32):

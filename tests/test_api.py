@@ -350,6 +350,18 @@ def test_no_module_above_450_lines():
         assert len(path.read_text().splitlines()) <= 450, name
 
 
+def test_no_folder_above_12_modules():
+    """Folders by kind (``kernels/lib``, ``rows``, ``tokens``, ``tiles``; ``fused_losses/logits``,
+    ``head``; ``integrations/trl``, ``verl``): each a room a reader takes in at once."""
+    folders = {}
+    for path in PACKAGE.rglob("*.py"):
+        folders.setdefault(path.parent, []).append(path.name)
+    crowded = {str(f.relative_to(PACKAGE)): len(names) for f, names in folders.items()
+               if len(names) > 12}
+    assert not crowded, crowded
+    assert len(folders) >= 12       # the walk found the folders
+
+
 def test_the_tools_import_no_cycle():
     """``tools/``: the modules they take from each other (at the top or in a function) form no
     cycle (``compile_only`` under ``gpu_compile`` and ``sass``)."""

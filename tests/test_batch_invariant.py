@@ -9,10 +9,10 @@ import torch
 import rlfuse
 import rlfuse.reference
 from conftest import TOL, nvidia_backend, process_env
-from rlfuse.kernels.head import HeadParams
-from rlfuse.kernels.head_blocks import head_blocks
-from rlfuse.kernels.matmul import BLOCK_M, fixed_matmul
-from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK, block_stats
+from rlfuse.kernels.lib.head_functions import HeadParams
+from rlfuse.kernels.tiles.head_tiles import head_blocks
+from rlfuse.kernels.tiles.matmul import BLOCK_M, fixed_matmul
+from rlfuse.kernels.tiles.tile_stats import VOCAB_BLOCK, block_stats
 
 H, V, T = 24, 83, 5
 HEADS = {"plain": {}, "bias": dict(bias=True), "scaled": dict(logit_scale=0.25, bias=True),

@@ -1,4 +1,4 @@
-"""Distillation from a batch-invariant student head (``kernels.distill_blocks``), beside a
+"""Distillation from a batch-invariant student head (``kernels.tiles.distill_tiles``), beside a
 batch-invariant teacher head or the teacher's logits: each position's
 divergence and the student's entropy, and each row's hidden-state gradient, bitwise the same
 whatever else is in the call; every gradient the same run to run; exact against float64 by the
@@ -11,7 +11,7 @@ import rlfuse
 import rlfuse.reference
 from conftest import assert_three_way
 from rlfuse.divergences import JSD, ForwardKL, ReverseKL
-from rlfuse.kernels.matmul import BLOCK_M
+from rlfuse.kernels.tiles.matmul import BLOCK_M
 
 H, H_T, V, T = 24, 16, 300, 5
 DIVERGENCES = {"forward_kl": ForwardKL(), "reverse_kl": ReverseKL(), "jsd": JSD(0.3)}

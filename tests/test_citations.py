@@ -1,7 +1,7 @@
 """Every name and file a comment, a docstring or a page of the docs cites exists: a dotted name
-in double backticks whose first part is one of the project's modules (``head.HeadParams``,
-``rlfuse.kernels.token_functions.token_function``) resolves to an attribute (an installed package's
-name as that package's), a ``rlfuse.*`` name in the docs too, and a cited file of the project
+in double backticks whose first part is one of the project's modules
+(``head_functions.HeadParams``, ``rlfuse.kernels.lib.token_functions.token_function``) resolves
+to an attribute (an installed package's name as that package's), a ``rlfuse.*`` name in the docs too, and a cited file of the project
 (a ``.py`` file, or a path under one of its folders) is there. A moved or renamed piece of code
 leaves no stale pointer behind."""
 import ast
@@ -29,7 +29,8 @@ def _modules():
 
 
 MODULES = _modules()
-# the last parts by which a citation may name a module (``rows``, ``kernels.rows``)
+# the last parts by which a citation may name a module (``row_functions``,
+# ``kernels.lib.row_functions``)
 SUFFIXES = {}
 for _name in MODULES:
     _parts = _name.split(".")
@@ -119,7 +120,9 @@ def test_every_citation_resolves(path):
 
 
 def test_the_check_catches_a_stale_citation():
-    assert _resolves("kernels.head.HeadParams") and _resolves("rlfuse.objectives.Clip")
-    assert not _resolves("kernels.rows.row_inv_temp") and not _resolves("rlfuse._specs.KLTerm")
-    assert _file_exists("kernels/rows.py", ROOT / "docs" / "layout.md")
+    assert _resolves("kernels.lib.head_functions.HeadParams")
+    assert _resolves("rlfuse.objectives.Clip")
+    assert not _resolves("kernels.lib.row_functions.row_inv_temp")
+    assert not _resolves("rlfuse._specs.KLTerm")
+    assert _file_exists("kernels/lib/row_functions.py", ROOT / "docs" / "layout.md")
     assert not _file_exists("scaleout/vocab_op.py", ROOT / "docs" / "layout.md")

@@ -10,8 +10,9 @@ import torch
 
 import rlfuse
 from rlfuse.divergences import JSD
-from rlfuse.fused_losses import (distill, ggpo, gr_opd, head_logits, kl, linear_distill,
-                                 linear_head, logprobs, regions, scale_rows, surrogate, top_k)
+from rlfuse.fused_losses.logits import distill, logprobs, scale_rows
+from rlfuse.fused_losses import ggpo, gr_opd, kl, regions, surrogate, top_k
+from rlfuse.fused_losses.head import head_logits, linear_distill, linear_head
 
 from conftest import TOL
 from vocab_split_worker import SPLIT_OPS

@@ -18,7 +18,7 @@ import rlfuse.reference
 from conftest import TOL, assert_three_way, matmul_rounding
 from rlfuse import divergences
 from rlfuse.divergences import JSD, ForwardKL, ReverseKL
-from rlfuse.kernels import divergence_functions as kernel_divergences
+from rlfuse.kernels.lib import divergence_functions as kernel_divergences
 from rlfuse.reference import divergence_functions as reference_divergences
 
 B, S, V, H = 3, 6, 37, 8
@@ -363,12 +363,12 @@ class _Counted:
 def test_logits_loss_single_pass_is_the_two_passes(monkeypatch, agg, loss_scale, weighted,
                                                    teacher_form):
     """distill_loss from a Logits student whose gradient is wanted runs in one launch
-    (``kernels.distill.distill_single_pass``: each position's upstream gradient is its weight
+    (``kernels.rows.distill.distill_single_pass``: each position's upstream gradient is its weight
     in the loss): its loss, metrics and gradient for an upstream gradient of 3 (the gradient
     rescaled in place) equal those of the per-token divergence (two passes) aggregated by
     hand, float64; the student a model's whole output (offset 1): the row before the window
     and masked rows get zeros."""
-    from rlfuse.fused_losses import distill as fused_distill
+    from rlfuse.fused_losses.logits import distill as fused_distill
 
     single = _Counted(fused_distill.distill_single_pass)
     monkeypatch.setattr(fused_distill, "distill_single_pass", single)
@@ -407,7 +407,7 @@ def test_logits_loss_single_pass_only_where_it_serves(monkeypatch):
     logits (a gradient rounded to fp16 at upstream 1 would lose what a loss scaler keeps):
     there the two passes give the same loss and gradient as float64 (the three-way rule);
     its gradient is handed out once (a second backward raises)."""
-    from rlfuse.fused_losses import distill as fused_distill
+    from rlfuse.fused_losses.logits import distill as fused_distill
 
     single = _Counted(fused_distill.distill_single_pass)
     monkeypatch.setattr(fused_distill, "distill_single_pass", single)

@@ -252,7 +252,7 @@ def test_loss_is_nonnegative_and_zero_for_equal_adjusted_rewards(device):
 
 def test_runtime_hyperparameters_are_not_constexpr():
     """beta and clip_radius (and every shape) are runtime arguments: no recompilation."""
-    from rlfuse.kernels import ggpo
+    from rlfuse.kernels.tokens import ggpo
 
     for kernel in (ggpo._ggpo_fwd_kernel, ggpo._ggpo_bwd_kernel):
         assert constexpr_params(kernel) <= {"BLOCK_M", "BLOCK_T", "HAS_CLIP", "ACC"}

@@ -252,7 +252,8 @@ def test_bounds_bad_arguments(impl, device):
 def test_runtime_hyperparameters_are_not_constexpr():
     """delta and the other run-time hyper-parameters are kernel arguments, not constexprs (one
     compilation serves every value)."""
-    from rlfuse.kernels import regions as gppo, surrogate
+    from rlfuse.kernels.lib import regions as gppo
+    from rlfuse.kernels.rows import surrogate
 
     for kernel in (surrogate._surrogate_fwd_kernel, surrogate._surrogate_bwd_kernel,
                    surrogate._surrogate_logits_kernel, gppo._gppo_bounds_kernel):

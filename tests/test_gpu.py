@@ -146,7 +146,7 @@ def test_batch_invariant_head_on_the_gpu(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_batch_invariant_distillation_on_the_gpu(dtype, teacher_form):
     """A batch-invariant student head beside a batch-invariant teacher head or the teacher's
-    logits (``kernels.distill_blocks``, tensor cores in bf16): a position's divergence and the
+    logits (``kernels.tiles.distill_tiles``, tensor cores in bf16): a position's divergence and the
     student's hidden-state gradient the same bits alone and among 300 random rows, at two chunk
     sizes, at real hidden sizes and a vocabulary of many blocks, and against float64 by the
     three-way rule (the reference's batch-invariant heads: each row's matmul its own)."""
@@ -198,10 +198,10 @@ def test_head_blocks_are_its_logits_blocks_on_the_gpu(dtype):
     size and a vocabulary of many blocks (a partial last one); the default head's log-probs of
     a row alone and among 300 rows are printed beside (cuBLAS picks its kernels by the row
     count: not held to it)."""
-    from rlfuse.kernels.head import HeadParams
-    from rlfuse.kernels.head_blocks import head_blocks
-    from rlfuse.kernels.matmul import fixed_matmul
-    from rlfuse.kernels.vocab_blocks import block_stats
+    from rlfuse.kernels.lib.head_functions import HeadParams
+    from rlfuse.kernels.tiles.head_tiles import head_blocks
+    from rlfuse.kernels.tiles.matmul import fixed_matmul
+    from rlfuse.kernels.tiles.tile_stats import block_stats
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(8)
@@ -285,7 +285,7 @@ def test_every_single_pass_candidate_at_the_real_vocabulary(inplace):
     (eviction hints, a persistent grid, the block order) gives the default's results bit for
     bit; one that changes the blocks, warps or pipelining holds the three-way rule against
     float64 as the default does."""
-    from rlfuse.kernels.single_pass import CANDIDATES, parse, single_pass_config
+    from rlfuse.kernels.rows.single_pass import CANDIDATES, parse, single_pass_config
 
     x = case("cuda", vocab=151936, batch=4, time=5, seed=2)
     losses = {"gppo": lambda lib, p, old, adv: lib.gppo_loss(p, old, adv, x["mask"],

@@ -223,7 +223,7 @@ def test_advantages_clipped_on_both_sides(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_advantages_discount_spans_time_blocks(dtype, device):
     """T beyond one time block of the group kernel: the actor index k carries across blocks."""
-    from rlfuse.kernels.utils import group_tile
+    from rlfuse.kernels.lib.utils import group_tile
 
     m, T = 16, 300
     assert group_tile(T, m)[1] < T
@@ -661,7 +661,7 @@ def test_bad_advantages_input(impl, device):
 # --------------------------------------------------------------------------------------------
 
 def test_runtime_hyperparameters_are_not_constexpr():
-    from rlfuse.kernels import gr_opd
+    from rlfuse.kernels.tokens import gr_opd
 
     assert constexpr_params(gr_opd._gr_opd_adv_kernel) <= {"BLOCK_M", "BLOCK_T", "ACC"}
 

@@ -237,7 +237,7 @@ def test_default_chunk_from_the_head(monkeypatch):
     """About tokens H / V tokens a chunk, in multiples of 64 (at least 64, at most H tokens and
     1 GiB of logits): a chunk's logits about the size of the hidden states, never larger than
     the weight; RLFUSE_CHUNK_BYTES sets a budget; chunk_tokens wins."""
-    from rlfuse.fused_losses.linear_head import chunk_tokens_for
+    from rlfuse.fused_losses.head.linear_head import chunk_tokens_for
 
     monkeypatch.delenv("RLFUSE_CHUNK_BYTES", raising=False)
     bf16 = lambda V, H: torch.empty(V, H, dtype=torch.bfloat16, device="meta")  # noqa: E731

@@ -16,11 +16,11 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import rlfuse
 from rlfuse import reference
-from rlfuse.kernels import logprobs
-from rlfuse.kernels import utils as kernel_utils
-from rlfuse.kernels.head import HeadParams
-from rlfuse.kernels.utils import exp_accurate
-from rlfuse.kernels.single_pass import single_pass_config
+from rlfuse.kernels.rows import logprobs
+from rlfuse.kernels.lib import utils as kernel_utils
+from rlfuse.kernels.lib.head_functions import HeadParams
+from rlfuse.kernels.lib.utils import exp_accurate
+from rlfuse.kernels.rows.single_pass import single_pass_config
 
 from conftest import TOL, assert_three_way
 from loss_harness import check_against_shifted_oracle, run_loss
@@ -377,7 +377,7 @@ def test_bf16_outputs_round_to_nearest_even(device):
     """A kernel's fp32 -> bf16 cast rounds to nearest, ties to even, as a GPU's does (the
     interpreter is made to, conftest): exact halves both ways, values just off a half, the
     largest finite values, subnormals, infinities and NaN, against torch's own conversion."""
-    from rlfuse.kernels.scale_rows import scale_cast
+    from rlfuse.kernels.rows.scale_rows import scale_cast
 
     one = 1.0 + 2.0 ** -8                                    # halfway between two bf16
     x = torch.tensor([one, 1.0 + 3 * 2.0 ** -8, -one, one + 2.0 ** -20, one - 2.0 ** -20,
@@ -415,7 +415,7 @@ def gpu_exp(monkeypatch):
 
 @triton.jit
 def _group_softmax_kernel(r_ptr, q_ptr, m, beta, BLOCK: tl.constexpr):
-    from rlfuse.kernels.ggpo import _centred_lme   # noqa: F401  (resolved by the JIT)
+    from rlfuse.kernels.tokens.ggpo import _centred_lme   # noqa: F401  (resolved by the JIT)
     rows = tl.arange(0, BLOCK)
     valid = rows < m
     r = tl.load(r_ptr + rows, mask=valid, other=0.0)
@@ -438,7 +438,7 @@ def test_ggpo_group_softmax_with_the_gpus_exp(gpu_exp, device):
 
 @triton.jit
 def _discount_kernel(k_ptr, w_ptr, n, log_gamma, BLOCK: tl.constexpr):
-    from rlfuse.kernels.gr_opd import discount   # noqa: F401  (resolved by the JIT)
+    from rlfuse.kernels.tokens.gr_opd import discount   # noqa: F401  (resolved by the JIT)
     cols = tl.arange(0, BLOCK)
     k = tl.load(k_ptr + cols, mask=cols < n, other=1)
     tl.store(w_ptr + cols, discount(k, log_gamma, tl.float32), mask=cols < n)

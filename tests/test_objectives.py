@@ -15,9 +15,9 @@ import rlfuse
 from rlfuse import divergences as D
 from rlfuse import objectives as O
 from rlfuse._names import KL_ESTIMATORS
-from rlfuse.kernels import divergence_functions as kernel_divergences
-from rlfuse.kernels import kl as kernel_kl
-from rlfuse.kernels import token_functions as kernel_functions
+from rlfuse.kernels.lib import divergence_functions as kernel_divergences
+from rlfuse.kernels.tokens import kl as kernel_kl
+from rlfuse.kernels.lib import token_functions as kernel_functions
 from rlfuse.reference import divergence_functions as reference_divergences
 from rlfuse.reference import kl as reference_kl
 from rlfuse.reference import token_functions as reference_functions
@@ -67,7 +67,7 @@ def test_an_unknown_function_or_estimator_raises_in_both_implementations():
 
 def test_every_estimator_has_its_math_in_both_implementations():
     """The kernels' codes are positions in ``_names.KL_ESTIMATORS`` (a code without a branch
-    fails to compile: ``kernels.kl.kl_term``'s static assert), the reference's functions are
+    fails to compile: ``kernels.tokens.kl.kl_term``'s static assert), the reference's functions are
     keyed by the same names."""
     assert set(reference_kl.ESTIMATORS) == set(KL_ESTIMATORS)
     assert [int(c) for c in (kernel_kl.K1, kernel_kl.ABS, kernel_kl.K2, kernel_kl.K3)] == \
@@ -135,7 +135,7 @@ def _jit_functions():
 
 
 def test_no_kernel_takes_more_than_30_parameters():
-    """A kernel's boolean options in one ``FLAGS`` word (``kernels.utils.Flags``), its strides
+    """A kernel's boolean options in one ``FLAGS`` word (``kernels.lib.utils.Flags``), its strides
     in tuples: every ``@triton.jit`` function stays readable at a glance."""
     wide = {name: n for name, n in _jit_functions() if n > 30}
     assert not wide, wide
@@ -157,7 +157,7 @@ def test_each_flag_reads_its_own_bit():
     import pkgutil
 
     import rlfuse.kernels
-    from rlfuse.kernels.utils import Flags
+    from rlfuse.kernels.lib.utils import Flags
 
     found = 0
     for info in pkgutil.walk_packages(rlfuse.kernels.__path__, "rlfuse.kernels."):

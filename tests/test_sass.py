@@ -20,7 +20,7 @@ import pytest
 from conftest import nvidia_backend, process_env
 
 from rlfuse._names import GEOMETRIES, TOPOLOGIES
-from rlfuse.kernels.regions import ROOT_FOUND
+from rlfuse.kernels.lib.regions import ROOT_FOUND
 from tools import sass
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,8 +242,8 @@ def test_counts_held_to_their_pins(counted):
 
 @pytest.mark.skipif(not nvidia_backend(), reason="this triton has no NVIDIA backend")
 def test_the_head_kernels_use_the_tensor_cores_without_spills():
-    """The batch-invariant head's kernels (``kernels.head_blocks``: the forward's block
-    statistics, the backward's two products; ``kernels.distill_blocks``: a divergence between
+    """The batch-invariant head's kernels (``kernels.tiles.head_tiles``: the forward's block
+    statistics, the backward's two products; ``kernels.tiles.distill_tiles``: a divergence between
     two such heads, or such a head and logits in memory, and its two products), compiled for sm_90 (``head_sass_worker.py``):
     bf16 multiplies on the tensor cores (HGMMA), no kernel touches local memory (no spill,
     no stack), bf16 and fp32, with and without a softcap."""

@@ -12,8 +12,8 @@ import torch
 
 import rlfuse
 from rlfuse import reference
-from rlfuse.kernels import single_pass
-from rlfuse.kernels.single_pass import SinglePassConfig, parse, single_pass_config
+from rlfuse.kernels.rows import single_pass
+from rlfuse.kernels.rows.single_pass import SinglePassConfig, parse, single_pass_config
 
 from loss_harness import check_three_way, with_garbage
 

@@ -269,7 +269,7 @@ def test_dispatch_without_interpreter_uses_reference():
                          check=True)
     assert out.stdout.strip() == "False"
     assert use_kernels(torch.device("cpu")) == (not torch.cuda.is_available()
-                                                 or rlfuse.kernels.utils.INTERPRET)
+                                                 or rlfuse.kernels.lib.utils.INTERPRET)
 
 
 @pytest.mark.gpu

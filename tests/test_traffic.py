@@ -26,7 +26,7 @@ V = 9001   # two vocab blocks in bf16 (8192) and three in fp32 (4096), with a ra
 @pytest.fixture(autouse=True)
 def unpoisoned(monkeypatch):
     """Poisoning (conftest) fills every output before the kernel writes it: a write of its own."""
-    from rlfuse.kernels import utils
+    from rlfuse.kernels.lib import utils
 
     monkeypatch.setattr(utils, "OUTPUT_FILL", None)
 
@@ -318,7 +318,7 @@ def test_the_cli_writes_the_table(tmp_path):
 
 
 def test_the_counter_refuses_poisoned_outputs(monkeypatch):
-    from rlfuse.kernels import utils
+    from rlfuse.kernels.lib import utils
 
     monkeypatch.setattr(utils, "OUTPUT_FILL", float("nan"))
     geometry = traffic.Geometry(B=1, S=1, T=1, V=V, offset=0, mask=torch.ones(1, 1, dtype=bool),
@@ -359,7 +359,7 @@ def test_default_single_pass_keeps_its_rows_in_flight_within_the_l2():
     sized from the L2, holds one an SM there (38 MiB) and a bf16 row of every benchmark
     vocabulary within the L2 of every GPU of the model. An fp32 row of 151936 (608 KB) does not
     fit even one an SM: there the default can only hold the fewest."""
-    from rlfuse.kernels.single_pass import L2_BUDGET, parse
+    from rlfuse.kernels.rows.single_pass import L2_BUDGET, parse
     from tools.gpus import GPUS
 
     h200 = next(gpu for gpu in GPUS if gpu.name == "H200")

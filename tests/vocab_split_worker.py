@@ -444,8 +444,8 @@ def check_opcheck(d, group, rank, world):
     over the split, and of sequence parallelism's gather of the rows): schema, autograd
     registration, the fake implementation against the real one, AOT dispatch with dynamic
     shapes."""
-    from rlfuse.fused_losses import linear_head
-    from rlfuse.fused_losses import vocab_split as vocab_op
+    from rlfuse.fused_losses.head import linear_head
+    from rlfuse.fused_losses.logits import vocab_split as vocab_op
     from rlfuse.scaleout.vocab import shard_targets
 
     name = group.group_name
@@ -496,7 +496,7 @@ def check_opcheck(d, group, rank, world):
                             (own_rows("sp_packed_head", d["sp_packed_hidden"], rank, world)
                              .clone().requires_grad_(), 0, name)]
     # distillation between two Logits over the split
-    from rlfuse.fused_losses import distill
+    from rlfuse.fused_losses.logits import distill
 
     t_logits = torch.randn_like(logits.detach()) * 2
     ops["vocab_split_distill"] = distill.vocab_split_distill_op
@@ -514,7 +514,7 @@ def check_opcheck(d, group, rank, world):
     cases["linear_logprobs_at"] = [(hidden, weight, bias, ids, d["mask"], 0.9, 0.5, 3.0, P, 3,
                                     False, False, name)]
     # a LinearHead student beside a LinearHead teacher over the split
-    from rlfuse.fused_losses import linear_distill
+    from rlfuse.fused_losses.head import linear_distill
 
     ops["linear_distill"] = linear_distill.linear_distill_op
     cases["linear_distill"] = [(hidden, weight, bias, hidden.detach().flip(0), weight.detach(),
@@ -532,7 +532,7 @@ def check_invariant_over_ranks(group, rank, world):
     the same bits as the whole head on one process, so the same on 1, 2 and 4 ranks, and so of
     ``Logits`` (each shard's gradient too); a shard of a partial block refused on every
     rank."""
-    from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
+    from rlfuse.kernels.tiles.tile_stats import VOCAB_BLOCK
 
     g = torch.Generator().manual_seed(17)
     vocab, width, n, t = 4 * VOCAB_BLOCK, 5, 4, 3
@@ -609,7 +609,7 @@ def check_rows_over_ranks(group, rank, world):
     order) the same bits alone and among other rows, at other places (an all-reduce's ring,
     gloo's too, orders an element's sum by its place in the tensor); fp32 and bf16."""
     from rlfuse.divergences import JSD
-    from rlfuse.kernels.vocab_blocks import VOCAB_BLOCK
+    from rlfuse.kernels.tiles.tile_stats import VOCAB_BLOCK
     from rlfuse.scaleout import sequence, vocab as split
 
     # the sums in rank order are the sums (integers: exact in any order), at a size that is

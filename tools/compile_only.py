@@ -112,7 +112,8 @@ def install(arch: int, wrap=None, keys_only: bool = False) -> None:
     the kernel path, kernel outputs zero-filled (the launches write nothing); the single pass's
     grid sized for the GPU (``target_gpu``)."""
     import rlfuse._dispatch
-    from rlfuse.kernels import single_pass, utils
+    from rlfuse.kernels.rows import single_pass
+    from rlfuse.kernels.lib import utils
 
     single_pass.INTERPRETER_SM_COUNT, single_pass.INTERPRETER_L2_BYTES = target_gpu(arch)
 

@@ -50,20 +50,20 @@ from rlfuse import divergences  # noqa: E402
 from rlfuse._names import GEOMETRIES, TOPOLOGIES  # noqa: E402
 from rlfuse._types import compute_dtype  # noqa: E402
 from rlfuse.divergences import JSD  # noqa: E402
-from rlfuse.kernels import single_pass, surrogate  # noqa: E402
-from rlfuse.kernels.distill import DISTILL_STATS, distill_fwd  # noqa: E402
-from rlfuse.fused_losses.linear_head import chunk_tokens_for  # noqa: E402
-from rlfuse.kernels.head import HeadParams  # noqa: E402
-from rlfuse.kernels.single_pass import single_pass_config  # noqa: E402
-from rlfuse.kernels.utils import vocab_launch_config  # noqa: E402
+from rlfuse.kernels.rows import single_pass, surrogate  # noqa: E402
+from rlfuse.kernels.rows.distill import DISTILL_STATS, distill_fwd  # noqa: E402
+from rlfuse.fused_losses.head.linear_head import chunk_tokens_for  # noqa: E402
+from rlfuse.kernels.lib.head_functions import HeadParams  # noqa: E402
+from rlfuse.kernels.rows.single_pass import single_pass_config  # noqa: E402
+from rlfuse.kernels.lib.utils import vocab_launch_config  # noqa: E402
 from tools import compile_only, sass  # noqa: E402
 
 
 
 def kernel_modules():
     """Every module of ``rlfuse.kernels``: a kernel in none of them the drive never reaches."""
-    return [importlib.import_module(f"rlfuse.kernels.{m.name}")
-            for m in pkgutil.iter_modules(rlfuse.kernels.__path__)]
+    return [importlib.import_module(m.name)
+            for m in pkgutil.walk_packages(rlfuse.kernels.__path__, "rlfuse.kernels.")]
 
 # Launch configurations of the single pass compiled besides the default (RLFUSE_SINGLE_PASS text):
 # every candidate of the GPU sweep, then each switch alone (bf16: the table's 8192-wide blocks and
@@ -272,7 +272,8 @@ def _drive():
                                                                  temperature=1.0), mask,
                                          divergence).loss)
 
-    # The batch-invariant head (kernels.matmul, kernels.head_blocks: the logits, the hidden
+    # The batch-invariant head (kernels.tiles.matmul, kernels.tiles.head_tiles: the logits, the
+    # hidden
     # states' and the weight's gradients), in bf16, fp32 and fp64 with a bias, from the
     # log-probs and a loss, and batch-invariant log-probs of logits in memory.
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
@@ -283,7 +284,7 @@ def _drive():
         lp, ent = rlfuse.policy_logprobs(invariant, return_entropy=True)
         (lp.sum() + ent.sum()).backward()
         backward(rlfuse.ppo_loss(invariant, old, adv_seq, mask, validate=False).loss)
-        # distillation from a batch-invariant head (kernels.distill_blocks), capped and not,
+        # distillation from a batch-invariant head (kernels.tiles.distill_tiles), capped and not,
         # beside a batch-invariant teacher head and the teacher's logits: the two passes and
         # the single pass
         teacher_head = invariant._replace(hidden=leaves[0].detach(), temperature=1.3)

@@ -26,7 +26,7 @@ def main() -> None:
     assert (installed / "py.typed").is_file(), f"no py.typed in {installed}"
     from triton.runtime.interpreter import InterpretedFunction
 
-    from rlfuse.kernels import utils
+    from rlfuse.kernels.lib import utils
 
     assert rlfuse.use_kernels("cpu") and isinstance(utils.load_tile, InterpretedFunction), \
         "the kernels do not run on the CPU"

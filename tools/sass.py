@@ -553,7 +553,7 @@ CELL_DTYPE = "bf16"
 def cell_variants():
     """(label, geometry, topology, on policy) of the GPPO cells' single passes."""
     from rlfuse._names import GEOMETRIES, TOPOLOGIES
-    from rlfuse.kernels.regions import ROOT_FOUND
+    from rlfuse.kernels.lib.regions import ROOT_FOUND
 
     cells = [(f"single pass GPPO {g}/{t}", g, t, False) for g in GEOMETRIES for t in TOPOLOGIES
              if (g, t) != ("chi2", "atomic")]

@@ -300,7 +300,7 @@ class Traffic:
 
 def measure_case(run: Callable, geometry: Geometry) -> Traffic:
     """The traffic of ``run()`` over logits of ``geometry``."""
-    from rlfuse.kernels import utils
+    from rlfuse.kernels.lib import utils
 
     if utils.OUTPUT_FILL is not None:
         raise RuntimeError("tools.traffic: OUTPUT_FILL adds a write to every output")
@@ -568,7 +568,7 @@ def rows_in_flight(config, V: int, element_size: int, gpu) -> dict:
 def l2_table(configs: Sequence[str] = ()) -> str:
     """``rows_in_flight`` of each configuration (default: the GPU sweep's candidates) on each GPU
     of ``tools.gpus.GPUS``, at each of ``L2_SHAPES``."""
-    from rlfuse.kernels.single_pass import CANDIDATES, parse
+    from rlfuse.kernels.rows.single_pass import CANDIDATES, parse
     from tools.gpus import GPUS
 
     lines = ["The single pass's rows in flight between a row's two reads against the L2 (a model "
@@ -630,7 +630,7 @@ def main(argv=None) -> int:
         print(communication_table(args.N, args.V, bench_cases.HIDDEN,
                                   torch.finfo(dtype).bits // 8))
         return 0
-    from rlfuse.kernels.utils import INTERPRET
+    from rlfuse.kernels.lib.utils import INTERPRET
 
     if not INTERPRET:   # the interpreter is chosen before triton is imported: a new process
         argv = sys.argv[1:] if argv is None else list(argv)

@@ -104,7 +104,7 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor,
         for bit on the head (the rest of the model, attention and norms, is the engine's to
         make invariant).
 
-    Fused (``rlfuse.head_logits``): the fixed-order matmul of ``kernels.matmul`` (one tile
+    Fused (``rlfuse.head_logits``): the fixed-order matmul of ``kernels.tiles.matmul`` (one tile
     configuration for every shape, fp32 sums, no split-K), its backward's products likewise;
     the reference forms each row by its own matmul.
     """

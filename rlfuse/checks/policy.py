@@ -126,6 +126,16 @@ def check_packed(rows: torch.Tensor, policy, loss_shape) -> Tuple[int, ...]:
     return tuple(loss_shape) if loss_shape is not None else (N,)
 
 
+def no_dtensor(x):
+    """``x`` as it is, unless it is a bare DTensor (logits or log-probs): a ValueError saying
+    how to pass one."""
+    if is_dtensor(x):
+        raise ValueError("policy: a DTensor: pass logits sharded on the vocabulary as "
+                         "rlfuse.Logits(logits, targets), or log-probs as a plain tensor "
+                         "(to_local())")
+    return x
+
+
 def check_policy(policy, loss_shape: Optional[Tuple[int, ...]] = None) -> PolicyInfo:
     """A policy is learner log-probs ``[B, T]`` (floating tensor), or a form whose rows predict
     ``[B, T]`` targets (``rlfuse.Logits``, ``rlfuse.LinearHead``: their ``check_policy``), or
@@ -133,10 +143,7 @@ def check_policy(policy, loss_shape: Optional[Tuple[int, ...]] = None) -> Policy
     Only metadata is read here; the targets' and index's values are checked with the mask
     (``check_policy_targets``)."""
     if isinstance(policy, torch.Tensor):
-        if is_dtensor(policy):
-            raise ValueError("policy: a DTensor: pass logits sharded on the vocabulary as "
-                             "rlfuse.Logits(logits, targets), or log-probs as a plain tensor "
-                             "(to_local())")
+        no_dtensor(policy)
         check_tensor("policy", policy, floating=True)
         if policy.dim() != 2:
             raise ValueError(f"policy: expected learner log-probs of shape [B, T] (or "

@@ -88,10 +88,10 @@ def vocab_shard(x: torch.Tensor, group, dim: int, pad_value: float) -> torch.Ten
 
 
 def learner(lib, policy, batch, form: str, vocab_parallel_group=None):
-    """The learner over a batch, as ``lib.LinearHead`` or ``lib.Logits``. Position t predicts
-    token t + 1: the rows from ``prompt_len - 1`` on predict the response, so the whole output
-    goes in with that offset (no slice, no slice gradient buffer). With a
-    ``vocab_parallel_group`` each rank passes its shard of the head (or of the logits)."""
+    """The learner over a batch, as a ``LinearHead`` or ``Logits`` of ``lib`` (rlfuse or its
+    reference). Position t predicts token t + 1: the rows from ``prompt_len - 1`` on predict the
+    response, so the whole output goes in with that offset (no slice, no slice gradient buffer).
+    With a ``vocab_parallel_group`` each rank passes its shard of the head (or of the logits)."""
     group = vocab_parallel_group
     if form == "linear":
         hidden, weight = last_hidden_and_head(policy, batch.sequences)

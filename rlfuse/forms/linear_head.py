@@ -55,7 +55,7 @@ class LinearHead(NamedTuple):
     gradient bitwise independent of the other rows of the call (their number and values, the
     row's position, ``chunk_tokens``, packed or padded rows, the window), and every gradient
     the same run to run: the fused path forms the logits and the gradients' products by a
-    matmul of one fixed tile configuration and reduction order (``kernels.matmul``), the
+    matmul of one fixed tile configuration and reduction order (``kernels.tiles.matmul``), the
     reference each row's logits by its own matmul. Pass ``offset``, ``chunk_tokens``, ``index``,
     ``vocab_parallel_group``, ``logit_scale``, ``softcap``, ``head_dtype``,
     ``sequence_parallel`` and ``batch_invariant`` by keyword.

@@ -1,7 +1,9 @@
 """The fused implementation: custom ops (``torch.ops.rlfuse.*``) over the kernels, their
 autograd formulas, and ``FUSED``, the math of each public function on checked arguments."""
 from ..api import Implementation
-from . import distillation, form_ops, ggpo, gr_opd, head_logits, kl, logprobs, policy_loss, regions
+from . import distillation, form_ops, ggpo, gr_opd, kl, policy_loss, regions
+from .head import head_logits
+from .logits import logprobs
 
 FUSED = Implementation(
     "fused", token_logprobs=logprobs.token_logprobs, window_logprobs=form_ops.window_logprobs,

@@ -20,18 +20,19 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..kernels.head import HeadParams
+from ..kernels.lib.head_functions import HeadParams
 from ..scaleout import layout
 from ..scaleout.vocab import check_shard_sizes
 from ._op import input_names
-from .distill import distill_loss_op, distill_op, vocab_split_distill_op
-from .head_matmuls import chunk_logits
-from .linear_distill import linear_distill_loss_op, linear_distill_op
-from .linear_head import chunk_tokens_for, head_fields, linear_logprobs_op, linear_surrogate_op
-from .logprobs import batched_rows, token_logprobs_op
+from .logits.distill import distill_loss_op, distill_op, vocab_split_distill_op
+from .head.head_matmuls import chunk_logits
+from .head.linear_distill import linear_distill_loss_op, linear_distill_op
+from .head.linear_head import (chunk_tokens_for, head_fields, linear_logprobs_op,
+                               linear_surrogate_op)
+from .logits.logprobs import batched_rows, token_logprobs_op
 from .surrogate import InPlaceSinglePass, surrogate_logits_inplace_op, surrogate_logits_op
 from .top_k import linear_logprobs_at_op, logprobs_at_op
-from .vocab_split import vocab_split_linear_logprobs_op, vocab_split_logprobs_op
+from .logits.vocab_split import vocab_split_linear_logprobs_op, vocab_split_logprobs_op
 
 
 def _group_name(policy) -> str:

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ..shared.aggregation import k3_kl_mean
 from .._types import LossOutput, compute_dtype
-from ..kernels.ggpo import GROUP_COLUMNS, ggpo_bwd, ggpo_fwd
+from ..kernels.tokens.ggpo import GROUP_COLUMNS, ggpo_bwd, ggpo_fwd
 from ._op import custom_op, register_autograd
 from .form_ops import window_logprobs
 

@@ -6,7 +6,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..kernels.gr_opd import GROUP_COLUMNS, gr_opd_advantages_fwd
+from ..kernels.tokens.gr_opd import GROUP_COLUMNS, gr_opd_advantages_fwd
 from ._op import custom_op
 
 

@@ -1,11 +1,11 @@
 """The KL penalty to reference log-probs, fused: an elementwise custom op over ``[B, T]``
-log-probs (``kernels.kl``) and ``kl_penalty``'s implementation."""
+log-probs (``kernels.tokens.kl``) and ``kl_penalty``'s implementation."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ..kernels.kl import kl_penalty_bwd, kl_penalty_fwd
+from ..kernels.tokens.kl import kl_penalty_bwd, kl_penalty_fwd
 from ._op import custom_op, register_autograd
 
 

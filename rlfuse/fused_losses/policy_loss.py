@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .._types import LossOutput
 from ..checks.values import raise_on_overflow
-from ..kernels.token_functions import SUM_COLUMNS
+from ..kernels.lib.token_functions import SUM_COLUMNS
 from ..objectives import Objective
 from ..scaleout import context
 from ..scaleout.layout import as_one_token_rows

@@ -6,7 +6,7 @@ from typing import Tuple
 from torch import Tensor
 
 from .._types import compute_dtype
-from ..kernels.regions import gppo_bounds_fwd
+from ..kernels.lib.regions import gppo_bounds_fwd
 from ._op import custom_op
 
 

@@ -1,7 +1,8 @@
 """The surrogate losses fused (GPPO, GR-OPD, the PPO family, every token-local and sequence
 objective): custom ops, autograd formulas, and the dispatch over the policy forms.
 
-Three ops over ``kernels.surrogate``: the forward and backward from learner log-probs ``[B, T]``,
+Three ops over ``kernels.rows.surrogate``: the forward and backward from learner log-probs
+``[B, T]``,
 and the single pass from logits that writes ``dlogits`` in the forward (for an upstream gradient
 of 1; ``linear_head.linear_surrogate_op`` is its chunked twin for a ``LinearHead``). The single
 pass's backward rescales that buffer in place by the upstream gradient, read on the device: no
@@ -12,7 +13,7 @@ scaler's 2^16 is meant to keep; so do GSPO's sequence-level ratio (every log-pro
 first), ``Logits`` over a split vocabulary (a row's gradient needs the group's logsumexp,
 known only after an all-gather of every shard's row statistics: the second read is not saved,
 ``docs/scale-out.md``) and batch-invariant policies (their log-probs from fixed vocabulary
-blocks, a ``LinearHead``'s from tiles that never leave the chip, ``kernels.head_blocks``: no
+blocks, a ``LinearHead``'s from tiles that never leave the chip, ``kernels.tiles.head_tiles``: no
 chunk of logits). A ``LinearHead`` over a split vocabulary runs the single pass chunk by
 chunk, each chunk's statistics gathered before its gradient is written. Packed rows run the
 single pass as N sequences of one token each (``scaleout.layout.as_one_token_rows``).
@@ -28,11 +29,11 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..kernels.token_functions import SUM_COLUMNS
-from ..kernels.head import HeadParams
-from ..kernels.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd
+from ..kernels.lib.token_functions import SUM_COLUMNS
+from ..kernels.lib.head_functions import HeadParams
+from ..kernels.rows.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd
 from ._op import custom_op, kl_of, register_autograd, surrogate_of
-from .scale_rows import hand_out, register_single_pass_autograd
+from .logits.scale_rows import hand_out, register_single_pass_autograd
 
 
 def _loss(sums: Tensor) -> Tensor:

@@ -20,13 +20,13 @@ import torch
 from torch import Tensor
 
 from .._types import compute_dtype
-from ..kernels.head import HeadParams
-from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
+from ..kernels.lib.head_functions import HeadParams
+from ..kernels.rows.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ..scaleout.vocab import combine_shards, group_of, group_sum, shard_targets
 from ..shared.head import scaled_logits
 from ._op import custom_op, register_backward_op
-from .head_matmuls import HeadChunks
-from .linear_head import head_gradients_fake, register_head_autograd
+from .head.head_matmuls import HeadChunks
+from .head.linear_head import head_gradients_fake, register_head_autograd
 
 
 def _logits_at(rows: Tensor, ids: Tensor, head: HeadParams, dtype: torch.dtype) -> Tensor:

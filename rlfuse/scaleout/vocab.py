@@ -12,7 +12,8 @@ One all-gather of these ``[N, 4]`` statistics gives every rank the whole row's
 
 every difference of logits taken before the temperature. Here ``1 / tau`` stands for the factor
 that turns the logits the row kernels keep (the raw logits, or a head's softcapped ones) into z:
-``kernels.head.HeadParams.inv_temp``, with a head's logit scale folded in when it does not softcap.
+``kernels.lib.head_functions.HeadParams.inv_temp``, with a head's logit scale folded in when it does
+not softcap.
 
 The gradient of rank r's shard needs only ``(M, log S, H)``, the upstream gradients and
 its own logits: the backward moves no data between ranks (a ``LinearHead``'s hidden-state
@@ -155,7 +156,8 @@ def whole_rows(x_y: Tensor, stats: Tensor, entropy: Tensor, targets: Tensor, voc
     """``(logp, entropy or empty, stats [N, 2])`` of the whole rows from this shard's target
     logit ``x_y`` (read where this rank holds the target), its row statistics ``stats [N, 2]``
     (max, log-sum) and entropy (``combine_shards``). ``x_y`` and the max are in the units the
-    row kernels keep them in, which ``inv_temp`` turns into ``z`` (``kernels.head.HeadParams.inv_temp``:
+    row kernels keep them in, which ``inv_temp`` turns into ``z``
+    (``kernels.lib.head_functions.HeadParams.inv_temp``:
     a head's logit scale folds into it unless the head softcaps)."""
     local, owner = shard_targets(targets, vocab_local, group_name)
     mine = (local >= 0).reshape(-1)

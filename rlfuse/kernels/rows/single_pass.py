@@ -47,8 +47,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .rows import BLOCK_ORDERS, COMPILER_STAGES
-from .utils import vocab_launch_config
+from ..lib.row_functions import BLOCK_ORDERS, COMPILER_STAGES
+from ..lib.utils import vocab_launch_config
 
 ENV_VAR = "RLFUSE_SINGLE_PASS"
 

@@ -2,7 +2,7 @@
 position, over the per-position function of a divergence (``DIVERGENCE``, a function of
 ``divergence_functions``), and the student's gradient.
 
-Forward: each model's row reduced to its (m, log s) (``rows.row_logsumexp``; the student's
+Forward: each model's row reduced to its (m, log s) (``row_functions.row_logsumexp``; the student's
 entropy beside it), then both rows read once more to sum the function's terms from the exact
 log-probs ``s_v = (x_v − m_s) / τ_s − log s_s`` and ``t_v``. Backward: both rows read once,
 the student's gradient ``g ∂D/∂z_v / τ_s`` written once for an upstream gradient g of the
@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import COMPILER_STAGES, at, program_token, row_logsumexp, row_write_zeros
-from .divergence_functions import divergence_args
-from .head import HeadParams, softcap
-from .utils import empty, fp64_values, mask_args, tl_compute_dtype, vocab_launch_config
+from ..lib.row_functions import COMPILER_STAGES, at, program_token, row_logsumexp, row_write_zeros
+from ..lib.divergence_functions import divergence_args
+from ..lib.head_functions import HeadParams, softcap
+from ..lib.utils import empty, fp64_values, mask_args, tl_compute_dtype, vocab_launch_config
 
 # Columns of the per-position statistics the forward saves for the backward.
 DISTILL_STATS = ("student_max", "student_log_sum", "teacher_max", "teacher_log_sum", "aux")

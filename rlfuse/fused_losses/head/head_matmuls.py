@@ -1,7 +1,8 @@
 """A head's rows chunk by chunk: the one walk every head op takes (``HeadChunks``), a chunk's
 logits by one matmul, and the gradients of the hidden states, weight and bias that the chunks
-add up (cuBLAS, or the fixed-order matmul of a batch-invariant head, ``kernels.matmul``, or for
-its log-probs from the logits' tiles formed again on the chip, ``kernels.head_blocks``), summed
+add up (cuBLAS, or the fixed-order matmul of a batch-invariant head, ``kernels.tiles.matmul``, or
+for
+its log-probs from the logits' tiles formed again on the chip, ``kernels.tiles.head_tiles``), summed
 over a split vocabulary's group at the end. An op supplies what happens to each chunk: its row
 kernels (its epilogue)."""
 from __future__ import annotations
@@ -11,16 +12,16 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .._types import compute_dtype
-from ..kernels.matmul import fixed_matmul
-from ..scaleout import sequence, vocab
+from ..._types import compute_dtype
+from ...kernels.tiles.matmul import fixed_matmul
+from ...scaleout import sequence, vocab
 
 
 def chunk_logits(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor],
                  batch_invariant: bool = False, fp32: bool = False) -> Tensor:
     """``[C, 1, V]`` logits of a chunk of hidden rows (a batch of C one-token rows for the row
     kernels), in the weight's dtype (accumulated in fp32); ``batch_invariant``: by the
-    fixed-order matmul (``kernels.matmul``), each row's bits its own whatever the chunk;
+    fixed-order matmul (``kernels.tiles.matmul``), each row's bits its own whatever the chunk;
     ``fp32``: in fp32, the accumulation never rounded to a bf16 / fp16 weight's dtype (on CUDA
     one matmul with an fp32 output; elsewhere of the inputs cast, exact in fp32; an fp64
     weight's stay fp64)."""
@@ -76,7 +77,7 @@ class HeadGradients:
     chunks add up; empty tensors stand for the ones nobody needs. ``group_name``: the head is a
     shard of a vocabulary split over that group, and the hidden states' gradient, a partial sum
     of each rank's, is kept in the compute dtype and summed over the group by ``results``.
-    ``batch_invariant``: the products by the fixed-order matmul (``kernels.matmul``), and that
+    ``batch_invariant``: the products by the fixed-order matmul (``kernels.tiles.matmul``), and that
     sum in rank order (``vocab.ordered_sum``).
     ``row_blocks``: the rows are every rank's sequence shard (``scaleout.sequence``), and the
     hidden states' gradient is reduce-scattered to this rank's instead."""
@@ -109,8 +110,8 @@ class HeadGradients:
     def add_tiles(self, h_rows: Tensor, rows: Tensor, backward) -> None:
         """``add`` of a batch-invariant chunk's hidden rows ``h_rows`` from its logits' tiles
         formed again on the chip by ``backward(dhidden, dweight, dbias)``, which adds into
-        them (``kernels.head_blocks.head_backward`` for log-probs,
-        ``kernels.distill_blocks.distill_head_backward`` for a divergence): no ``[C, V]``
+        them (``kernels.tiles.head_tiles.head_backward`` for log-probs,
+        ``kernels.tiles.distill_tiles.distill_head_backward`` for a divergence): no ``[C, V]``
         tensor, each row's hidden-state gradient its own over the vocabulary blocks in order,
         the weight's and bias's summed over the rows in order."""
         dh = None if self.dhidden is None else \

@@ -16,14 +16,14 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._types import compute_dtype
-from ._op import custom_op, register_autograd
-from .linear_head import head_gradients, linear_logprobs_backward_op, linear_logprobs_op
+from ..._types import compute_dtype
+from .._op import custom_op, register_autograd
+from ..head.linear_head import head_gradients, linear_logprobs_backward_op, linear_logprobs_op
 from .logprobs import logits_backward, token_logprobs_op
-from ..kernels.logprobs import STAT_COLUMNS
-from ..kernels.head import HeadParams
-from .vocab_blocks import window_block_logprobs
-from ..scaleout.vocab import shard_targets, whole_rows
+from ...kernels.rows.logprobs import STAT_COLUMNS
+from ...kernels.lib.head_functions import HeadParams
+from ..head.invariant_stats import window_block_logprobs
+from ...scaleout.vocab import shard_targets, whole_rows
 
 
 def _fake_outputs(like: Tensor, targets: Tensor, with_entropy: bool):
@@ -66,7 +66,7 @@ def vocab_split_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tens
                             ) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, stats [B*T, 2])`` of the whole rows of ``logits [B, S, V_l]``
     shards (rows ``[offset, offset + T)`` predict the global ``targets [B, T]``);
-    ``batch_invariant``: from fixed vocabulary blocks (``vocab_blocks``)."""
+    ``batch_invariant``: from fixed vocabulary blocks (``invariant_stats``)."""
     if batch_invariant:
         logp, stats, entropy = window_block_logprobs(logits, targets, mask,
                                                      HeadParams(temperature), with_entropy,

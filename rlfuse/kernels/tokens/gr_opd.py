@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import (constexpr_codes, empty, exp_accurate, fp64_pair, fp64_parts, group_tile,
-                    load_tile, mask_args, tl_compute_dtype)
+from ..lib.utils import (constexpr_codes, empty, exp_accurate, fp64_pair, fp64_parts, group_tile,
+                         load_tile, mask_args, tl_compute_dtype)
 
 # Columns of the per-group sums: clamped feedback and actor tokens (the feedback_mean metric).
 GROUP_COLUMNS = ("feedback", "tokens")

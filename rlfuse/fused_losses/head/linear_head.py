@@ -24,17 +24,17 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .._types import compute_dtype
-from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
-from ..kernels.scale_rows import scale_cast
-from ..kernels.token_functions import SUM_COLUMNS
-from ..kernels.head import HeadParams
-from ..kernels.head_blocks import head_backward
-from ..kernels.surrogate import surrogate_logits_fwd
-from ..scaleout import vocab
-from ._op import custom_op, kl_of, register_autograd, register_backward_op
+from ..._types import compute_dtype
+from ...kernels.rows.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
+from ...kernels.rows.scale_rows import scale_cast
+from ...kernels.lib.token_functions import SUM_COLUMNS
+from ...kernels.lib.head_functions import HeadParams
+from ...kernels.tiles.head_tiles import head_backward
+from ...kernels.rows.surrogate import surrogate_logits_fwd
+from ...scaleout import vocab
+from .._op import custom_op, kl_of, register_autograd, register_backward_op
 from .head_matmuls import HeadChunks
-from .vocab_blocks import head_block_row_stats, logit_at_targets
+from .invariant_stats import head_block_row_stats, logit_at_targets
 
 DEFAULT_CHUNK_BYTES = 1 << 30   # the most a default chunk of logits takes: 1 GiB
 # The fewest tokens a default chunk takes (the matmul's M), and the multiple its tokens are of.
@@ -42,7 +42,7 @@ MIN_CHUNK_TOKENS = 64
 
 
 def head_fields(head) -> dict:
-    """The fields of a ``LinearHead`` that its ops take as floats (``head.HeadParams``)."""
+    """The fields of a ``LinearHead`` that its ops take as floats (``head_functions.HeadParams``)."""
     return HeadParams.of(head)._asdict()
 
 
@@ -112,7 +112,7 @@ def linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     instead (what a shard of a split vocabulary contributes, ``scaleout.vocab``; not with
     ``batch_invariant``); ``batch_invariant``: each chunk's rows' statistics from fixed
     vocabulary blocks of the fixed-order matmul's tiles, never formed whole
-    (``vocab_blocks.head_block_row_stats``: the whole rows' over the split vocabulary of
+    (``invariant_stats.head_block_row_stats``: the whole rows' over the split vocabulary of
     ``group_name``, of which ``weight`` is this rank's shard)."""
     acc = compute_dtype(hidden.dtype)
     B, T = targets.shape
@@ -332,7 +332,7 @@ def _(hidden, weight, bias, targets, mask, old_lp, adv, weights, row_scale, ref_
 
 @custom_op("scale_cast")
 def scale_cast_op(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``(x * scale).to(dtype)`` in one pass (``kernels.scale_rows.scale_cast``)."""
+    """``(x * scale).to(dtype)`` in one pass (``kernels.rows.scale_rows.scale_cast``)."""
     return scale_cast(x, scale, dtype)
 
 

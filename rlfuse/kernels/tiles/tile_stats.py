@@ -2,7 +2,7 @@
 
 A batch-invariant head (``LinearHead(..., batch_invariant=True)``) reduces each block of
 ``VOCAB_BLOCK`` ids of a row on its own (``block_statistics``, from logits in memory by
-``block_stats``, or from the head's tiles as they are formed: ``kernels.head_blocks``) and
+``block_stats``, or from the head's tiles as they are formed: ``kernels.tiles.head_tiles``) and
 combines the blocks here, always first to last over the global block index: the same bits
 whatever the other rows, and whether the blocks come from one rank or from the shards of a split
 vocabulary. A block's sums are taken by an explicit tree of pairwise additions
@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .head import softcap
-from .rows import LOG_TINY
-from .utils import LN2, LOG2E, empty, exp_accurate, fp64_args, fp64_values, tl_compute_dtype
+from ..lib.head_functions import softcap
+from ..lib.row_functions import LOG_TINY
+from ..lib.utils import LN2, LOG2E, empty, exp_accurate, fp64_args, fp64_values, tl_compute_dtype
 
 # The ids a block holds: Megatron pads a vocabulary to a multiple of 128 per tensor-parallel rank
 # (``make_vocab_size_divisible_by``), so every shard of a padded split is whole blocks.
@@ -48,7 +48,7 @@ def tree_sum(v, STEPS: tl.constexpr):
 @triton.jit
 def half_statistics(x, inv_temp, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
     """``(m, s, w)`` of each row of half a block ``x [R, HALF_BLOCK]`` (logits in the compute
-    dtype, -inf past the row's end) in the row kernels' units (``rows.row_logsumexp``: ``m``
+    dtype, -inf past the row's end) in the row kernels' units (``row_functions.row_logsumexp``: ``m``
     the max before the temperature): with ``u = (x - m) log2(e) / tau``, ``s = sum 2^u`` and
     ``w = sum 2^u u`` (0 without ``WITH_ENTROPY``), each by ``tree_sum``. A row of -inf gets
     the lowest finite ``m`` and ``s = 0``."""
@@ -193,7 +193,7 @@ def _combine_blocks_kernel(blocks_ptr, out_ptr, R, NB, scalars,
 def combine_blocks(blocks: torch.Tensor, inv_temp: float, with_entropy: bool) -> torch.Tensor:
     """``[R, 3]`` (``BLOCK_COLUMNS``: max, log-sum, entropy, 0 without ``with_entropy``) of
     whole rows from their blocks' ``blocks [R, NB, 3]`` in order (``inv_temp``: what turns the
-    statistics' logits into z, ``kernels.head.HeadParams.inv_temp``)."""
+    statistics' logits into z, ``kernels.lib.head_functions.HeadParams.inv_temp``)."""
     blocks = blocks.contiguous()
     R, NB = blocks.shape[:2]
     out = empty((R, 3), dtype=blocks.dtype, device=blocks.device)

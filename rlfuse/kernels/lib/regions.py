@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._names import MU_MIN as _MU_MIN
-from .._names import REGION_GEOMETRIES, TOPOLOGIES
-from .._types import compute_dtype
+from ..._names import MU_MIN as _MU_MIN
+from ..._names import REGION_GEOMETRIES, TOPOLOGIES
+from ..._types import compute_dtype
 from .utils import (constexpr_codes, empty, fp64_args, fp64_values, tl_compute_dtype, token_at,
                     token_tensor)
 

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._types import compute_dtype
-from .utils import (constexpr_codes, empty, exp_accurate, fp64_pair, fp64_parts, group_tile,
-                    load_tile, mask_args, time_block, tl_compute_dtype)
+from ..._types import compute_dtype
+from ..lib.utils import (constexpr_codes, empty, exp_accurate, fp64_pair, fp64_parts, group_tile,
+                         load_tile, mask_args, time_block, tl_compute_dtype)
 
 # Columns of the per-group partial sums written by the forward kernel.
 GROUP_COLUMNS = ("gap", "loss", "q_max", "tokens", "clipped", "log_ratio")

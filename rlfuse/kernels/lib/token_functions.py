@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._names import FunctionsByName
+from ..._names import FunctionsByName
 from .regions import region_codes, region_sizes
 from .utils import constexpr_codes, exp_accurate, fp64_args
 

@@ -1,4 +1,4 @@
-"""Fused ``head_logits``: a head's logits by the fixed-order matmul (``kernels.matmul``), the
+"""Fused ``head_logits``: a head's logits by the fixed-order matmul (``kernels.tiles.matmul``), the
 custom op and its autograd formula (each product of the backward in the same fixed order)."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from typing import List, Optional, Tuple
 
 from torch import Tensor
 
-from .._types import compute_dtype
-from ..kernels.matmul import fixed_matmul
-from ._op import custom_op, register_autograd
+from ..._types import compute_dtype
+from ...kernels.tiles.matmul import fixed_matmul
+from .._op import custom_op, register_autograd
 
 
 @custom_op("head_logits")

@@ -15,7 +15,7 @@ configuration is ``single_pass.SinglePassConfig``); the single pass's backward s
 ``dlogits`` by the upstream gradient (``scale_rows.scale_rows``). The single pass also carries
 the terms: a KL penalty to reference log-probs (``kl.kl_term``: loss += row_scale[b] beta KL,
 not multiplied by w) and an entropy bonus (loss -= entropy_scale[b] H, its gradient through
-the row's softmax, ``rows.row_write_dlogits``); from log-probs the terms are separate ops.
+the row's softmax, ``row_functions.row_write_dlogits``); from log-probs the terms are separate ops.
 
 The ratio of a token (``RATIO``, a code of ``_names.RATIO_MODES``, from log-probs only): its
 own; its sequence's s_b, differentiated through the mean (TRL's GSPO); or s_b's log clamped to
@@ -26,19 +26,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._names import RATIO_MODES
-from .._types import compute_dtype
+from ..._names import RATIO_MODES
+from ..._types import compute_dtype
 from . import single_pass
-from .kl import NO_KL, kl_codes, kl_term
-from .token_functions import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FLAG1,
-                              SUM_FLAG2, SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW,
-                              SUM_RATIO, clamped_log_ratio, objective_args)
-from .regions import region_bounds, row_region, token_bounds
-from .head import HeadParams
-from .rows import (at, load_target_logit, program_token, row_logsumexp,
-                   row_write_dlogits, row_write_zeros, target_column, target_logprob)
-from .utils import (Flags, constexpr_codes, empty, exp_accurate, fp64_values, mask_args,
-                    ones_if_none, time_block, tl_compute_dtype, token_at, token_tensor)
+from ..tokens.kl import NO_KL, kl_codes, kl_term
+from ..lib.token_functions import (N_SUM_COLS, SUM_COLUMNS, SUM_ENTROPY, SUM_FLAG0, SUM_FLAG1,
+                                   SUM_FLAG2, SUM_KL, SUM_LOSS, SUM_NEG_LOG_RATIO, SUM_OVERFLOW,
+                                   SUM_RATIO, clamped_log_ratio, objective_args)
+from ..lib.regions import region_bounds, row_region, token_bounds
+from ..lib.head_functions import HeadParams
+from ..lib.row_functions import (at, load_target_logit, program_token, row_logsumexp,
+                                 row_write_dlogits, row_write_zeros, target_column, target_logprob)
+from ..lib.utils import (Flags, constexpr_codes, empty, exp_accurate, fp64_values, mask_args,
+                         ones_if_none, time_block, tl_compute_dtype, token_at, token_tensor)
 
 TOKEN_RATIO, SEQUENCE_RATIO, STRAIGHT_RATIO = constexpr_codes(RATIO_MODES, *RATIO_MODES)
 _STRAIGHT_LOG_MAX = tl.constexpr(10.0)    # verl's GSPO clamps log s_bt at 10

@@ -1,4 +1,4 @@
-"""Distillation's ops over the divergence kernels (``kernels.distill``) between a ``Logits``
+"""Distillation's ops over the divergence kernels (``kernels.rows.distill``) between a ``Logits``
 student's rows and a teacher's logits (a ``LinearHead`` teacher's window formed once, never
 differentiated), the per-position divergence and the student's entropy:
 
@@ -19,14 +19,14 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from ..kernels.distill import distill_bwd, distill_fwd, distill_single_pass
-from ..kernels.head import HeadParams
-from ..kernels.logprobs import token_logprobs_fwd
-from ..scaleout.vocab import group_sum
-from ._op import custom_op, register_backward_op
-from .linear_distill import distill_stats_fake
+from ...kernels.rows.distill import distill_bwd, distill_fwd, distill_single_pass
+from ...kernels.lib.head_functions import HeadParams
+from ...kernels.rows.logprobs import token_logprobs_fwd
+from ...scaleout.vocab import group_sum
+from .._op import custom_op, register_backward_op
+from ..head.linear_distill import distill_stats_fake
 from .scale_rows import register_single_pass_autograd
-from .top_k import whole_rows
+from ..top_k import whole_rows
 
 
 def window_rows(logits: Tensor, offset: int, T: int) -> Tensor:

@@ -1,14 +1,14 @@
 """The backward of a single pass from ``Logits``, which writes the gradient of its loss into a
 ``[B, S, V]`` buffer in the forward for an upstream gradient of 1 (the surrogate losses'
 ``surrogate_logits_op``, distillation's ``distill_loss_op``): that buffer rescaled in place by
-the upstream gradient, read on the device (``kernels.scale_rows``: no host sync, and no pass
+the upstream gradient, read on the device (``kernels.rows.scale_rows``: no host sync, and no pass
 over it when the gradient is 1), and handed out once."""
 from __future__ import annotations
 
 from torch import Tensor
 
-from ..kernels.scale_rows import scale_rows
-from ._op import custom_op, register_autograd
+from ...kernels.rows.scale_rows import scale_rows
+from .._op import custom_op, register_autograd
 
 
 @custom_op("scale_rows_", mutates_args=("x",))

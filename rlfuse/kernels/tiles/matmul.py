@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import INTERPRET, tl_compute_dtype
+from ..lib.utils import INTERPRET, tl_compute_dtype
 
 # One tile configuration for every shape (the invariance: a row's order of operations may not
 # depend on how many rows there are).

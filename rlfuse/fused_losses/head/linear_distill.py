@@ -1,13 +1,14 @@
 """Distillation from a ``LinearHead`` student (and a ``LinearHead`` or ``Logits`` teacher), chunk
 by chunk: ``rlfuse::linear_distill``, each chunk of tokens' logits formed in fp32 by one matmul
 per model (never rounded to a bf16 head's dtype) and reduced by the divergence kernels
-(``kernels.distill``); its backward forms both chunks once more, writes the student's gradient
+(``kernels.rows.distill``); its backward forms both chunks once more, writes the student's gradient
 in place into its chunk and turns it, in the head's dtype, into the gradients of the hidden
 states, weight and bias at once. No ``[N, V]`` tensor of either model exists. Over a split
 vocabulary (``group_name``) the chunks are formed once more for the statistics first. A
 batch-invariant student head forms no chunk at all beside a batch-invariant teacher head or the
 teacher's logits, over a split vocabulary too: each chunk's logits exist only as tiles on the
-chip (``kernels.head_blocks`` for the statistics, ``kernels.distill_blocks`` for the divergence
+chip (``kernels.tiles.head_tiles`` for the statistics, ``kernels.tiles.distill_tiles`` for the
+divergence
 and the student's gradients), the sums over a split's ranks added in rank order.
 
 ``rlfuse::linear_distill_loss``, the single pass of ``distill_loss``: each position's upstream
@@ -23,17 +24,17 @@ import functools
 import torch
 from torch import Tensor
 
-from .._types import compute_dtype
-from ..kernels.distill import DISTILL_STATS, distill_bwd, distill_fwd
-from ..kernels.distill_blocks import TwoHeads, distill_blocks, distill_head_backward
-from ..kernels.head import HeadParams
-from ..kernels.logprobs import token_logprobs_fwd
-from ..scaleout.vocab import group_sum
-from ._op import custom_op
+from ..._types import compute_dtype
+from ...kernels.rows.distill import DISTILL_STATS, distill_bwd, distill_fwd
+from ...kernels.tiles.distill_tiles import TwoHeads, distill_blocks, distill_head_backward
+from ...kernels.lib.head_functions import HeadParams
+from ...kernels.rows.logprobs import token_logprobs_fwd
+from ...scaleout.vocab import group_sum
+from .._op import custom_op
 from .head_matmuls import HeadChunks, chunk_logits
 from .linear_head import head_gradients_fake, register_head_autograd, register_single_pass_autograd
-from .top_k import whole_rows
-from .vocab_blocks import head_block_row_stats
+from ..top_k import whole_rows
+from .invariant_stats import head_block_row_stats
 
 
 def distill_stats_fake(student: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

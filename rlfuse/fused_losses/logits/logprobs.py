@@ -7,12 +7,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._types import compute_dtype
-from ..kernels.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
-from ..kernels.head import HeadParams
-from ..kernels.utils import empty
-from ._op import custom_op, register_autograd
-from .vocab_blocks import window_block_logprobs
+from ..._types import compute_dtype
+from ...kernels.rows.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
+from ...kernels.lib.head_functions import HeadParams
+from ...kernels.lib.utils import empty
+from .._op import custom_op, register_autograd
+from ..head.invariant_stats import window_block_logprobs
 
 
 def batched_rows(logits: Tensor, targets: Tensor, mask: Optional[Tensor]):
@@ -34,7 +34,7 @@ def token_logprobs_op(logits: Tensor, targets: Tensor, mask: Optional[Tensor], t
     empty without ``with_entropy``) and the per-row statistics the backward needs. The rows
     ``[offset, offset + T)`` of ``logits [B, S, V]`` predict ``targets [B, T]``; the gradient
     is that of the whole ``logits``. ``batch_invariant``: the statistics from fixed vocabulary
-    blocks (``vocab_blocks``), a batch-invariant ``LinearHead``'s bits."""
+    blocks (``invariant_stats``), a batch-invariant ``LinearHead``'s bits."""
     logits3, targets3, mask3 = batched_rows(logits, targets, mask)
     head = HeadParams(temperature)
     if batch_invariant:

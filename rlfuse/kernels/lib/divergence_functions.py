@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._names import FunctionsByName
+from ..._names import FunctionsByName
 from .utils import LOG2E_HI, LOG2E_LO, fp64_args
 
 # The per-position functions by name: each is registered where it is defined

@@ -1,11 +1,11 @@
 """Distillation from a batch-invariant student head, from tiles that never leave the chip: each
 program forms the logits of ``BLOCK_M`` rows and one vocabulary block of the student's head and
-of the teacher's (``head_blocks.head_tile``, in the compute dtype, as ``linear_distill`` forms a
+of the teacher's (``head_tiles.head_tile``, in the compute dtype, as ``linear_distill`` forms a
 chunk's; a teacher given as logits: its rows' block read in place), turns them into log-probs
 with the rows' statistics (the heads' from ``head_blocks`` reduced by
-``vocab_blocks.combine_blocks``) and sums the divergence's terms over the block
-(``divergence_functions``, ``vocab_blocks.tree_sum``): ``[C, V / VOCAB_BLOCK, 2]`` sums, added
-over the blocks in order by ``vocab_blocks.sum_blocks``. The backward forms both tiles again,
+``tile_stats.combine_blocks``) and sums the divergence's terms over the block
+(``divergence_functions``, ``tile_stats.tree_sum``): ``[C, V / VOCAB_BLOCK, 2]`` sums, added
+over the blocks in order by ``tile_stats.sum_blocks``. The backward forms both tiles again,
 turns them into the student's gradient (rounded to the weight's dtype as ``linear_distill``
 rounds its chunk's) and adds it into the gradients of the student's hidden states (each row's
 over the vocabulary blocks in order) and weight and bias (over the rows in order, no atomics):
@@ -19,17 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .._types import compute_dtype
-from .distill import log_probs_of
-from .divergence_functions import divergence_args
-from .head import HeadParams
-from .head_blocks import BLOCK_H, LOGITS_DTYPE, add_tile_product, head_tile, kept_rows
+from ..._types import compute_dtype
+from ..rows.distill import log_probs_of
+from ..lib.divergence_functions import divergence_args
+from ..lib.head_functions import HeadParams
+from .head_tiles import BLOCK_H, LOGITS_DTYPE, add_tile_product, head_tile, kept_rows
 from .matmul import BLOCK_K, BLOCK_M, NUM_WARPS, dot_modes
-from .utils import Flags, empty, fp64_values, tl_compute_dtype
-from .vocab_blocks import BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, sum_blocks, tree_sum
+from ..lib.utils import Flags, empty, fp64_values, tl_compute_dtype
+from .tile_stats import BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, sum_blocks, tree_sum
 
 # Columns of the per-row statistics the kernels read: each model's max and log-sum (the
-# ``DISTILL_STATS`` of ``kernels.distill``, aux last)
+# ``DISTILL_STATS`` of ``kernels.rows.distill``, aux last)
 _N_STATS = tl.constexpr(5)
 _HALF_STEPS = tl.constexpr(6)      # log2(HALF_BLOCK)
 # The kernels' FLAGS: each head's bias and softcap, the teacher given as logits, each model's
@@ -275,7 +275,7 @@ class TwoHeads:
 
 
 def distill_blocks(heads: TwoHeads, stats: torch.Tensor) -> torch.Tensor:
-    """``[C, 2]``: each row's divergence and aux sum (``kernels.distill``'s) between the two
+    """``[C, 2]``: each row's divergence and aux sum (``kernels.rows.distill``'s) between the two
     heads of ``heads`` for the rows' ``stats [C, DISTILL_STATS]`` (each model's max and
     log-sum as ``combine_blocks`` gives them), from tiles formed on the chip, summed over each
     block then over the blocks in order; rows not kept: unspecified."""

@@ -2,10 +2,10 @@
 program forms the logits of ``BLOCK_M`` rows and one vocabulary block of ``VOCAB_BLOCK`` ids
 (two tiles of the fixed-order matmul, ``matmul.fixed_tile``, rounded to the logits' dtype as
 ``matmul.fixed_matmul`` stores them), reduces them to the block's statistics
-(``vocab_blocks.block_statistics``) and keeps the target's logit where the block holds it. The
+(``tile_stats.block_statistics``) and keeps the target's logit where the block holds it. The
 tiles never leave the chip: no ``[C, V]`` tensor, only ``[C, V / VOCAB_BLOCK, 3]`` statistics,
-which ``vocab_blocks.combine_blocks`` combines in order. The same bits as the statistics of
-``fixed_matmul``'s logits (``vocab_blocks.block_stats``), by construction: the same tiles, the
+which ``tile_stats.combine_blocks`` combines in order. The same bits as the statistics of
+``fixed_matmul``'s logits (``tile_stats.block_stats``), by construction: the same tiles, the
 same rounding, the same reduction. The backward (``head_backward``) forms the tiles again,
 turns each into its gradient and adds it, in fixed orders, into the gradients of the hidden
 states and of the weight.
@@ -18,12 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .head import softcap
-from .rows import dlogits_coefficients, dlogits_of
+from ..lib.head_functions import softcap
+from ..lib.row_functions import dlogits_coefficients, dlogits_of
 from .matmul import BLOCK_K, BLOCK_M, BLOCK_N, NUM_WARPS, dot_modes, fixed_dot, fixed_tile
-from .utils import Flags, empty, fp64_values, tl_compute_dtype
-from .vocab_blocks import (BLOCK_COLUMNS, BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, block_statistics,
-                           half_statistics, store_block)
+from ..lib.utils import Flags, empty, fp64_values, tl_compute_dtype
+from .tile_stats import (BLOCK_COLUMNS, BLOCK_IDS, HALF_BLOCK, VOCAB_BLOCK, block_statistics,
+                         half_statistics, store_block)
 
 # a vocabulary block is two of the matmul's column tiles
 assert VOCAB_BLOCK == 2 * BLOCK_N
@@ -141,7 +141,7 @@ def kept_rows(rows, C, keep_ptr):
 @triton.jit
 def _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head,
                       SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
-    """Each row's ``(m, c, log2 s, a, b, g_y)`` of ``rows.row_write_dlogits``' formula."""
+    """Each row's ``(m, c, log2 s, a, b, g_y)`` of ``row_functions.row_write_dlogits``' formula."""
     m = tl.load(stats_ptr + rows * 2, mask=live, other=0.0).to(ACC)
     log_s = tl.load(stats_ptr + rows * 2 + 1, mask=live, other=0.0).to(ACC)
     g = tl.load(g_ptr + rows, mask=live, other=0.0).to(ACC)
@@ -164,7 +164,7 @@ def _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm,
     """The gradient of the logits of ``rows`` and the ``HALF_BLOCK`` columns from ``start``
     (0 past ``V`` and at rows not ``live``, whatever their hidden states), rounded to
     ``LOGITS`` as the stored one is: the tile formed again as the
-    forward formed it, then ``rows.row_write_dlogits``' formula with each row's coefficients
+    forward formed it, then ``row_functions.row_write_dlogits``' formula with each row's coefficients
     ``row`` (``_row_coefficients``)."""
     cols = start + tl.arange(0, HALF_BLOCK)
     x = head_tile(h_ptr, w_ptr, bias_ptr, rows, cols, C, V, H, stride_hm, stride_hk, stride_wv,
@@ -271,7 +271,7 @@ def head_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     ``dentropy``) ``[C]``, the forward's ``stats [C, 2]`` (max, log-sum) and ``entropy [C]``,
     added into ``dhidden [C, H]``, ``dweight [V, H]`` and ``dbias [V]`` (contiguous, in the
     compute dtype; None: not wanted) from the logits' tiles formed again on the chip, their
-    gradient rounded to the weight's dtype as a stored one would be (``rows.row_write_dlogits``'
+    gradient rounded to the weight's dtype as a stored one would be (``row_functions.row_write_dlogits``'
     formula); rows not ``keep`` (and their targets outside ``[0, V)``) count for nothing,
     whatever their hidden states. ``dhidden``: each row's over the vocabulary blocks in order
     (its bits its own); ``dweight``, ``dbias``: over the rows in order (no atomics)."""

@@ -1,5 +1,5 @@
 """Per-token log-probs (and entropy) from logits: the forward and backward kernels of
-``token_logprobs``, over the row helpers of ``rows``.
+``token_logprobs``, over the row helpers of ``row_functions``.
 
 One program handles one row of ``[B, S, V]`` logits. The forward reads an actor row once (online
 logsumexp) and saves the fp32 row max ``m`` and ``log s`` (``lse = m + log s``); the backward
@@ -14,13 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .._types import compute_dtype
-from .head import HeadParams
-from .rows import (COMPILER_STAGES, ORDER_BACKWARD, at, load_target_logit,
-                   program_row, row_logsumexp, row_write_dlogits, row_write_zeros,
-                   target_column, target_logprob)
-from .utils import (constexpr_codes, empty, fp64_values, mask_args, tl_compute_dtype,
-                    vocab_launch_config)
+from ..._types import compute_dtype
+from ..lib.head_functions import HeadParams
+from ..lib.row_functions import (COMPILER_STAGES, ORDER_BACKWARD, at, load_target_logit,
+                                 program_row, row_logsumexp, row_write_dlogits, row_write_zeros,
+                                 target_column, target_logprob)
+from ..lib.utils import (constexpr_codes, empty, fp64_values, mask_args, tl_compute_dtype,
+                         vocab_launch_config)
 
 # Columns of the per-row statistics the forward saves for the backward (lse = m + log s).
 STAT_COLUMNS = ("max", "log_sum")

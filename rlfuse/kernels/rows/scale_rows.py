@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import at, program_token
-from .utils import mask_args, tl_compute_dtype, vocab_launch_config
+from ..lib.row_functions import at, program_token
+from ..lib.utils import mask_args, tl_compute_dtype, vocab_launch_config
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .head import softcap
+from .head_functions import softcap
 from .utils import LN2, LOG2E, constexpr_codes
 
 # Below this (in the base-2 exponents of the row helpers), 2^x is 0 in fp32 and fp64 alike.
@@ -152,7 +152,7 @@ def row_logsumexp(row_ptr, V, inv_temp, cap, cap_in, BLOCK_V: tl.constexpr,
     so that logits up to the dtype's largest take any temperature without overflow.
 
     x is the row's logit, or with ``SOFTCAP`` its softcap ``cap tanh(logit cap_in)``
-    (``head.HeadParams``), formed as each block is read.
+    (``head_functions.HeadParams``), formed as each block is read.
 
     Full blocks are read without a mask, the partial last block after them. A line's ``m``
     starts at the lowest finite value, so logits of any size count and a line that has seen only

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._names import KL_ESTIMATORS
-from .._types import compute_dtype
-from .utils import constexpr_codes, empty, exp_accurate, tl_compute_dtype
+from ..._names import KL_ESTIMATORS
+from ..._types import compute_dtype
+from ..lib.utils import constexpr_codes, empty, exp_accurate, tl_compute_dtype
 
 K1, ABS, K2, K3 = constexpr_codes(KL_ESTIMATORS, "k1", "abs", "k2", "k3")
 NO_KL = tl.constexpr(-1)    # the code of no KL term

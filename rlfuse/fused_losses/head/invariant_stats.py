@@ -1,8 +1,8 @@
 """The row statistics of a batch-invariant head (``LinearHead(..., batch_invariant=True)``): each
 block of ``VOCAB_BLOCK`` ids of a chunk's logits reduced on its own
-(``kernels.vocab_blocks.block_stats``, or from the head's tiles on the chip:
-``kernels.head_blocks``), the blocks combined first to last over the global block index
-(``kernels.vocab_blocks``). On one rank and over a split vocabulary of any number of ranks (one
+(``kernels.tiles.tile_stats.block_stats``, or from the head's tiles on the chip:
+``kernels.tiles.head_tiles``), the blocks combined first to last over the global block index
+(``kernels.tiles.tile_stats``). On one rank and over a split vocabulary of any number of ranks (one
 all-gather of the chunk's block statistics) a row's log-prob, max, log-sum and entropy are the
 same bits, whatever else the batch holds.
 """
@@ -13,12 +13,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._types import compute_dtype
-from ..kernels.head import HeadParams
-from ..kernels.head_blocks import head_blocks
-from ..kernels.vocab_blocks import BLOCK_COLUMNS, VOCAB_BLOCK, block_stats, combine_blocks
-from ..scaleout import vocab
-from ..shared.head import scaled_logits
+from ..._types import compute_dtype
+from ...kernels.lib.head_functions import HeadParams
+from ...kernels.tiles.head_tiles import head_blocks
+from ...kernels.tiles.tile_stats import BLOCK_COLUMNS, VOCAB_BLOCK, block_stats, combine_blocks
+from ...scaleout import vocab
+from ...shared.head import scaled_logits
 
 
 def in_stat_units(x_y: Tensor, head: HeadParams) -> Tensor:
@@ -59,7 +59,7 @@ def head_block_row_stats(h_rows: Tensor, weight: Tensor, bias: Optional[Tensor],
     """``block_row_stats`` of the logits ``h_rows [C, H] @ weight.T (+ bias)`` as
     ``head_matmuls.chunk_logits(..., batch_invariant=True, fp32=fp32)`` forms them
     (``targets``, ``mask``: ``[C, 1]``), the same bits, from tiles that never leave the chip
-    (``kernels.head_blocks``): no ``[C, V]`` tensor."""
+    (``kernels.tiles.head_tiles``): no ``[C, V]`` tensor."""
     logits_dtype = compute_dtype(weight.dtype) if fp32 else weight.dtype
 
     def blocks_and_targets(local):
