@@ -140,8 +140,11 @@ def kept_rows(rows, C, keep_ptr):
 
 @triton.jit
 def _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head,
-                      SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
-    """Each row's ``(m, c, log2 s, a, b, g_y)`` of ``row_functions.row_write_dlogits``' formula."""
+                      FLAGS: tl.constexpr, ACC: tl.constexpr):
+    """Each row's ``(m, c, log2 s, a, b, g_y)`` of ``row_functions.row_write_dlogits``' formula
+    (``FLAGS``: ``HEAD_GRAD_FLAGS``)."""
+    SOFTCAP: tl.constexpr = (_SOFTCAP & FLAGS) != 0
+    WITH_ENTROPY: tl.constexpr = (_WITH_ENTROPY & FLAGS) != 0
     m = tl.load(stats_ptr + rows * 2, mask=live, other=0.0).to(ACC)
     log_s = tl.load(stats_ptr + rows * 2 + 1, mask=live, other=0.0).to(ACC)
     g = tl.load(g_ptr + rows, mask=live, other=0.0).to(ACC)
@@ -157,15 +160,18 @@ def _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head,
 
 @triton.jit
 def _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm, stride_hk,
-                  stride_wv, stride_wk, y, row, head, HAS_BIAS: tl.constexpr,
-                  SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr,
-                  UPCAST: tl.constexpr, ACC: tl.constexpr, LOGITS: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  stride_wv, stride_wk, y, row, head, FLAGS: tl.constexpr, ACC: tl.constexpr,
+                  LOGITS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The gradient of the logits of ``rows`` and the ``HALF_BLOCK`` columns from ``start``
     (0 past ``V`` and at rows not ``live``, whatever their hidden states), rounded to
     ``LOGITS`` as the stored one is: the tile formed again as the
     forward formed it, then ``row_functions.row_write_dlogits``' formula with each row's coefficients
     ``row`` (``_row_coefficients``)."""
+    HAS_BIAS: tl.constexpr = (_HAS_BIAS & FLAGS) != 0
+    SOFTCAP: tl.constexpr = (_SOFTCAP & FLAGS) != 0
+    WITH_ENTROPY: tl.constexpr = (_WITH_ENTROPY & FLAGS) != 0
+    IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
+    UPCAST: tl.constexpr = (_UPCAST & FLAGS) != 0
     cols = start + tl.arange(0, HALF_BLOCK)
     x = head_tile(h_ptr, w_ptr, bias_ptr, rows, cols, C, V, H, stride_hm, stride_hk, stride_wv,
                   stride_wk, HAS_BIAS, IEEE, UPCAST, ACC, LOGITS, BLOCK_K).to(ACC)
@@ -203,23 +209,20 @@ def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
                          BLOCK_H: tl.constexpr):
     # one program per BLOCK_M rows: dh [C, H] (fp32, zeros) += their gradient's tiles times the
     # weight, the vocabulary blocks in order
-    HAS_BIAS: tl.constexpr = (_HAS_BIAS & FLAGS) != 0
-    SOFTCAP: tl.constexpr = (_SOFTCAP & FLAGS) != 0
-    WITH_ENTROPY: tl.constexpr = (_WITH_ENTROPY & FLAGS) != 0
     IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
     UPCAST: tl.constexpr = (_UPCAST & FLAGS) != 0
     head = fp64_values(head_args, ACC)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = kept_rows(rows, C, keep_ptr)
     y = tl.load(y_ptr + rows, mask=live, other=-1)
-    row = _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head, SOFTCAP,
-                            WITH_ENTROPY, ACC)
+    row = _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head, FLAGS,
+                            ACC)
     for block in range(NB):
         for half in tl.static_range(2):
             d, cols = _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, block * BLOCK_IDS +
                                     half * HALF_BLOCK, C, V, H, stride_hm, stride_hk,
-                                    stride_wv, stride_wk, y, row, head, HAS_BIAS, SOFTCAP,
-                                    WITH_ENTROPY, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
+                                    stride_wv, stride_wk, y, row, head, FLAGS, ACC, LOGITS,
+                                    BLOCK_K)
             add_tile_product(dh_ptr, H, rows, live, d, w_ptr, cols, cols < V, stride_wv,
                          stride_wk, H, IEEE, UPCAST, BLOCK_H)
 
@@ -232,9 +235,6 @@ def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
                          BLOCK_H: tl.constexpr):
     # one program per half block of HALF_BLOCK ids: dw [V, H] (fp32) += the gradient's tiles
     # transposed times the hidden rows, the rows in order (no atomics); db [V] += their sums
-    HAS_BIAS: tl.constexpr = (_HAS_BIAS & FLAGS) != 0
-    SOFTCAP: tl.constexpr = (_SOFTCAP & FLAGS) != 0
-    WITH_ENTROPY: tl.constexpr = (_WITH_ENTROPY & FLAGS) != 0
     IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
     UPCAST: tl.constexpr = (_UPCAST & FLAGS) != 0
     NEED_BIAS: tl.constexpr = (_NEED_BIAS & FLAGS) != 0
@@ -247,10 +247,10 @@ def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
         live = kept_rows(rows, C, keep_ptr)
         y = tl.load(y_ptr + rows, mask=live, other=-1)
         row = _row_coefficients(rows, live, stats_ptr, entropy_ptr, g_ptr, dent_ptr, head,
-                                SOFTCAP, WITH_ENTROPY, ACC)
+                                FLAGS, ACC)
         d, _ = _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm,
-                             stride_hk, stride_wv, stride_wk, y, row, head, HAS_BIAS, SOFTCAP,
-                             WITH_ENTROPY, IEEE, UPCAST, ACC, LOGITS, BLOCK_K)
+                             stride_hk, stride_wv, stride_wk, y, row, head, FLAGS, ACC, LOGITS,
+                             BLOCK_K)
         if _NEED_WEIGHT & FLAGS:
             add_tile_product(dw_ptr, H, cols, cols < V, tl.trans(d), h_ptr, rows, live,
                          stride_hm, stride_hk, H, IEEE, UPCAST, BLOCK_H)
