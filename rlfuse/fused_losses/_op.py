@@ -18,7 +18,6 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..objectives import TokenSurrogate
 from ..terms import KLTerm
 
 _INPUTS: Dict[object, type] = {}   # op -> the namedtuple of its inputs
@@ -95,32 +94,43 @@ def register_backward_op(op, backward_op, saved: Sequence[str], fields: Sequence
     register_autograd(op, backward, setup)
 
 
-def surrogate_fields(surrogate: TokenSurrogate) -> dict:
-    """A ``TokenSurrogate`` as a surrogate op's flat inputs (an op's schema takes no tuples)."""
-    function, geometry, topology, delta_low, delta_high, params, clamp = surrogate
-    return dict(function=function, geometry=geometry, topology=topology,
-                delta_low=float(delta_low), delta_high=float(delta_high),
-                params=[float(p) for p in params], clamp=float(clamp))
+def op_inputs(record, prefix: str = "", fields: Optional[Sequence[str]] = None) -> dict:
+    """A frozen record (a ``NamedTuple``: an objective's ``TokenSurrogate``, a ``KLTerm``) as
+    a custom op's flat inputs ``prefix + field`` (``fields``: those the op takes, default all).
+    An op's schema takes no tuples and no int for a float: a tuple goes in as a list of floats,
+    a number as a float; strings and bools as they are."""
+    def flat(value):
+        if isinstance(value, tuple):
+            return [float(v) for v in value]
+        return float(value) if type(value) in (int, float) else value
+
+    return {prefix + name: flat(getattr(record, name))
+            for name in (record._fields if fields is None else fields)}
 
 
-def surrogate_of(inputs) -> TokenSurrogate:
-    """The ``TokenSurrogate`` of a surrogate op's named inputs (``surrogate_fields``)."""
-    return TokenSurrogate(inputs.function, inputs.geometry, inputs.topology, inputs.delta_low,
-                          inputs.delta_high, tuple(inputs.params), inputs.clamp)
+def record_of(cls, inputs, prefix: str = "", **rest):
+    """The record ``cls`` of a custom op's flat inputs (``op_inputs``): ``inputs`` a mapping
+    (an op's arguments, ``locals()`` of its implementation) or a namedtuple of them; ``rest``:
+    the record's fields the op does not take."""
+    if hasattr(inputs, "_asdict"):
+        inputs = inputs._asdict()
+    fields = {name: inputs[prefix + name] for name in cls._fields if prefix + name in inputs}
+    return cls(**{name: tuple(v) if isinstance(v, list) else v
+                  for name, v in fields.items()}, **rest)
 
 
-def kl_fields(kl: Optional[KLTerm]) -> dict:
-    """A KL term as a single-pass op's flat inputs (``kl_estimator`` empty: none; its
-    coefficient goes in with the row weights)."""
-    kl = kl or KLTerm("", 0.0)
-    return dict(kl_estimator=kl.estimator, kl_straight=kl.straight, kl_weighted=kl.weighted,
-                kl_clamp=kl.clamp)
+# A single-pass op takes a KL term as its estimator ("": none) and switches; its coefficient
+# goes in with the row weights.
+KL_INPUTS = ("estimator", "straight", "weighted", "clamp")
+NO_KL = KLTerm("", 0.0)
 
 
-def kl_of(kl_estimator: str, kl_straight: bool, kl_weighted: bool,
-          kl_clamp: bool) -> Optional[KLTerm]:
-    """The KL term of a single-pass op's flat inputs (``kl_fields``; its coefficient is in the
-    row weights), None for none."""
-    if not kl_estimator:
-        return None
-    return KLTerm(kl_estimator, 1.0, kl_straight, kl_weighted, kl_clamp)
+def kl_inputs(kl: Optional[KLTerm]) -> dict:
+    """A KL term (None: none) as a single-pass op's flat inputs ``kl_*``."""
+    return op_inputs(kl or NO_KL, "kl_", KL_INPUTS)
+
+
+def kl_of(inputs) -> Optional[KLTerm]:
+    """The KL term of a single-pass op's flat inputs (``kl_inputs``), None for none."""
+    kl = record_of(KLTerm, inputs, "kl_", coef=1.0)
+    return kl if kl.estimator else None

@@ -25,7 +25,7 @@ from ..scaleout import context
 from ..scaleout.layout import as_one_token_rows
 from ..shared.aggregation import aggregation_weights, sequence_shares
 from ..shared.masks import apply_masks, entropy_weights, kl_weights, term_ratio
-from ._op import kl_fields, surrogate_fields
+from ._op import kl_inputs, op_inputs
 from .form_ops import learner_logprobs, of
 from .kl import kl_penalty_op
 from .surrogate import surrogate_op
@@ -170,7 +170,7 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
     included). The single pass carries the terms
     in its kernel; otherwise they are ops over the ``[B, T]`` log-probs. With ``validate`` (and
     ``raise_overflow``) an overflowing objective raises (one host sync)."""
-    flat, ratio = surrogate_fields(objective.surrogate()), objective.ratio
+    flat, ratio = op_inputs(objective.surrogate()), objective.ratio
     single = _in_one_pass(policy, ratio) and (entropy_scale is None or entropy_scale.dim() == 1)
     blocks = getattr(policy, "row_blocks", 0)   # the rows of sequence parallelism
     packed = policy.index if single and policy.index is not None else None
@@ -185,7 +185,7 @@ def surrogate_loss(policy, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor,
         adv = adv[:, 0]
     tokens = dict(mask=mask, old_lp=old_lp, adv=adv, weights=weights, row_scale=row_scale)
     terms_in = dict(ref_lp=ref_lp, kl_scale=kl_scale,
-                    entropy_scale=entropy_scale, **kl_fields(kl))
+                    entropy_scale=entropy_scale, **kl_inputs(kl))
     if single:
         loss, sums = of(policy).single_pass_call(policy, mask, tokens, terms_in, flat,
                                                  validate, blocks)()[:2]

@@ -18,7 +18,7 @@ chunk of logits). A ``LinearHead`` over a split vocabulary runs the single pass 
 chunk, each chunk's statistics gathered before its gradient is written. Packed rows run the
 single pass as N sequences of one token each (``scaleout.layout.as_one_token_rows``).
 
-Every op takes the objective's ``TokenSurrogate`` flat (``_op.surrogate_fields``): its per-token
+Every op takes the objective's ``TokenSurrogate`` flat (``_op.op_inputs``): its per-token
 function, the region's geometry and topology, the sizes of the region's two sides, the
 function's parameters and the clamp of the log-ratio.
 """
@@ -32,7 +32,8 @@ from torch import Tensor
 from ..kernels.lib.token_functions import SUM_COLUMNS
 from ..kernels.lib.head_functions import HeadParams
 from ..kernels.rows.surrogate import surrogate_bwd, surrogate_fwd, surrogate_logits_fwd
-from ._op import custom_op, kl_of, register_autograd, surrogate_of
+from ..objectives import TokenSurrogate
+from ._op import custom_op, kl_of, record_of, register_autograd
 from .logits.scale_rows import hand_out, register_single_pass_autograd
 
 
@@ -53,7 +54,7 @@ def surrogate_op(lp: Tensor, old_lp: Optional[Tensor], adv: Tensor, mask: Tensor
     (``old_lp`` None: on policy); ``row_scale``: the aggregation weight of each row's tokens;
     ``ratio``: a name of ``_names.RATIO_MODES``, whose per-row state ``seq [B]`` the backward
     needs (empty for the token's own ratio)."""
-    spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
+    spec = record_of(TokenSurrogate, locals())
     sums, seq = surrogate_fwd(lp, old_lp, adv, mask, weights, row_scale, spec, ratio=ratio)
     return _loss(sums), sums, row_scale.new_empty(0) if seq is None else seq
 
@@ -72,7 +73,7 @@ def surrogate_backward_op(lp: Tensor, old_lp: Optional[Tensor], adv: Tensor, mas
                           delta_low: float, delta_high: float, params: List[float],
                           clamp: float, ratio: str) -> Tensor:
     """``dlp [B, T]`` for the upstream gradient ``grad`` (0-dim, read on the device)."""
-    spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
+    spec = record_of(TokenSurrogate, locals())
     return surrogate_bwd(lp, old_lp, adv, mask, weights, row_scale, seq, grad, spec,
                          ratio=ratio)
 
@@ -87,7 +88,7 @@ def _surrogate_setup(ctx, inputs, output):
     _, sums, seq = output
     ctx.save_for_backward(inputs.lp, inputs.old_lp, inputs.adv, inputs.mask, inputs.weights,
                           inputs.row_scale, seq if inputs.ratio != "token" else None)
-    ctx.surrogate, ctx.ratio = surrogate_of(inputs), inputs.ratio
+    ctx.surrogate, ctx.ratio = record_of(TokenSurrogate, inputs), inputs.ratio
     ctx.mark_non_differentiable(sums, seq)
 
 
@@ -111,12 +112,12 @@ def _single_pass(logits, targets, mask, old_lp, adv, weights, row_scale, ref_lp,
                  write_dlogits, dlogits, offset) -> dict:
     """The arguments of ``surrogate_logits_fwd`` for the single pass (``surrogate_logits_op``),
     the gradient written into ``dlogits`` when given."""
-    spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
+    spec, kl = record_of(TokenSurrogate, locals()), kl_of(locals())
     return dict(logits=logits, targets=targets, mask=mask, old_lp=old_lp, adv=adv,
                 weights=weights, row_scale=row_scale, objective=spec,
                 head=HeadParams(temperature), write_dlogits=write_dlogits, dlogits=dlogits,
                 offset=offset, ref_lp=ref_lp,
-                kl=kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp), kl_scale=kl_scale,
+                kl=kl, kl_scale=kl_scale,
                 entropy_scale=entropy_scale)
 
 

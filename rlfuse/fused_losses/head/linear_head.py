@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..._types import compute_dtype
+from ...objectives import TokenSurrogate
 from ...kernels.rows.logprobs import STAT_COLUMNS, token_logprobs_bwd, token_logprobs_fwd
 from ...kernels.rows.scale_rows import scale_cast
 from ...kernels.lib.token_functions import SUM_COLUMNS
@@ -32,7 +33,7 @@ from ...kernels.lib.head_functions import HeadParams
 from ...kernels.tiles.head_tiles import head_backward
 from ...kernels.rows.surrogate import surrogate_logits_fwd
 from ...scaleout import vocab
-from .._op import custom_op, kl_of, register_autograd, register_backward_op
+from .._op import custom_op, kl_of, record_of, register_autograd, register_backward_op
 from .head_matmuls import HeadChunks
 from .invariant_stats import head_block_row_stats, logit_at_targets
 
@@ -281,8 +282,7 @@ def linear_surrogate_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     ``[C, 4]`` per chunk), and the hidden states' gradient is summed over the group at the end
     (one all-reduce; with ``row_blocks``, sequence-parallel rows, one reduce-scatter: see
     ``HeadGradients``)."""
-    spec = (function, geometry, topology, delta_low, delta_high, params, clamp)
-    kl = kl_of(kl_estimator, kl_straight, kl_weighted, kl_clamp)
+    spec, kl = record_of(TokenSurrogate, locals()), kl_of(locals())
     head = HeadParams(temperature, logit_scale, softcap)
     chunks = HeadChunks(hidden, weight, bias, targets, mask, offset, chunk_tokens, gather,
                         needs=needs, group_name=group_name, row_blocks=row_blocks)
