@@ -103,11 +103,15 @@ def _row_stats(stats_ptr, rows, live, ACC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["C"])   # one binary for any row count
-def _distill_blocks_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
-                           out_ptr, C, V, H_s, H_t, NB, s_wv, s_wk, t_wv, t_wk,
-                           s_head_args, t_head_args, hyper,
-                           DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _distill_blocks_kernel(
+    sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr,         # pointers: both heads (TwoHeads)
+    keep_ptr, stats_ptr, out_ptr,                           # the rows; their statistics; out
+    C, V, H_s, H_t, NB,                                     # sizes
+    s_wv, s_wk, t_wv, t_wk,                                 # strides of the weights
+    s_head_args, t_head_args, hyper,                        # scalars: heads, divergence
+    DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,   # HEAD_PAIR_FLAGS
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     # one program per BLOCK_M rows and vocabulary block: out [C, NB, 2] (the divergence's terms
     # and aux terms summed over the block)
     s_head, t_head, params = _scalars(s_head_args, t_head_args, hyper, ACC)
@@ -161,12 +165,15 @@ def _backward_rows(rows, C, keep_ptr, stats_ptr, dvalue_ptr, s_head, S_SOFTCAP: 
 
 
 @triton.jit(do_not_specialize=["C"])   # one binary for any row count
-def _distill_dhidden_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
-                            dvalue_ptr, dh_ptr, C, V, H_s, H_t, NB, s_wv, s_wk, t_wv, t_wk,
-                            s_head_args, t_head_args, hyper,
-                            DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,
-                            GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_H: tl.constexpr):
+def _distill_dhidden_kernel(
+    sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr,         # pointers: both heads (TwoHeads)
+    keep_ptr, stats_ptr, dvalue_ptr, dh_ptr,                # rows; statistics; upstream; out
+    C, V, H_s, H_t, NB,                                     # sizes
+    s_wv, s_wk, t_wv, t_wk,                                 # strides of the weights
+    s_head_args, t_head_args, hyper,                        # scalars: heads, divergence
+    DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,   # HEAD_PAIR_FLAGS
+    GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
     # one program per BLOCK_M rows: dh [C, H_s] (fp32, zeros) += the student's gradient's tiles
     # times its weight, the vocabulary blocks in order
     IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
@@ -187,12 +194,15 @@ def _distill_dhidden_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep
 
 
 @triton.jit(do_not_specialize=["C"])   # one binary for any row count
-def _distill_dweight_kernel(sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr, keep_ptr, stats_ptr,
-                            dvalue_ptr, dw_ptr, db_ptr, C, V, H_s, H_t, s_wv, s_wk, t_wv, t_wk,
-                            s_head_args, t_head_args, hyper,
-                            DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,
-                            GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_H: tl.constexpr):
+def _distill_dweight_kernel(
+    sh_ptr, sw_ptr, sb_ptr, th_ptr, tw_ptr, tb_ptr,         # pointers: both heads (TwoHeads)
+    keep_ptr, stats_ptr, dvalue_ptr, dw_ptr, db_ptr,        # rows; statistics; upstream; out
+    C, V, H_s, H_t,                                         # sizes
+    s_wv, s_wk, t_wv, t_wk,                                 # strides of the weights
+    s_head_args, t_head_args, hyper,                        # scalars: heads, divergence
+    DIVERGENCE: tl.constexpr, FLAGS: tl.constexpr, ACC: tl.constexpr,   # HEAD_PAIR_FLAGS
+    GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
     # one program per HALF_BLOCK ids: dw [V, H_s] (fp32) += the student's gradient's tiles
     # transposed times its hidden rows, the rows in order (no atomics); db [V] += their sums
     IEEE: tl.constexpr = (_IEEE & FLAGS) != 0

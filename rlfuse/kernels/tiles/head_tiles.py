@@ -75,12 +75,15 @@ def _half(h_ptr, w_ptr, bias_ptr, rows, start, C, V, H, stride_hm, stride_hk, st
 
 
 @triton.jit(do_not_specialize=["C"])   # one binary for any row count
-def _head_blocks_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, blocks_ptr, xy_ptr, C, V, H, NB,
-                        stride_hm, stride_hk, stride_wv, stride_wk, head_args,
-                        HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-                        WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                        ACC: tl.constexpr, LOGITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+def _head_blocks_kernel(
+    h_ptr, w_ptr, bias_ptr, y_ptr, blocks_ptr, xy_ptr,     # pointers: the head; out
+    C, V, H, NB,                                            # sizes
+    stride_hm, stride_hk, stride_wv, stride_wk,             # strides
+    head_args,                                              # scalars (HeadParams)
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, LOGITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     # one program per BLOCK_M rows and vocabulary block; blocks [C, NB, 3], xy [C]
     head = fp64_values(head_args, ACC)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,9 +167,9 @@ def _dlogits_half(h_ptr, w_ptr, bias_ptr, rows, live, start, C, V, H, stride_hm,
                   LOGITS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The gradient of the logits of ``rows`` and the ``HALF_BLOCK`` columns from ``start``
     (0 past ``V`` and at rows not ``live``, whatever their hidden states), rounded to
-    ``LOGITS`` as the stored one is: the tile formed again as the
-    forward formed it, then ``row_functions.row_write_dlogits``' formula with each row's coefficients
-    ``row`` (``_row_coefficients``)."""
+    ``LOGITS`` as the stored one is: the tile formed again as the forward formed it, then
+    ``row_functions.row_write_dlogits``' formula with each row's coefficients ``row``
+    (``_row_coefficients``)."""
     HAS_BIAS: tl.constexpr = (_HAS_BIAS & FLAGS) != 0
     SOFTCAP: tl.constexpr = (_SOFTCAP & FLAGS) != 0
     WITH_ENTROPY: tl.constexpr = (_WITH_ENTROPY & FLAGS) != 0
@@ -202,11 +205,15 @@ def add_tile_product(acc_ptr, stride_acc, out_rows, live, d, b_ptr, b_rows, b_li
 
 
 @triton.jit(do_not_specialize=["C"])   # one binary for any row count
-def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, entropy_ptr,
-                         g_ptr, dent_ptr, dh_ptr, C, V, H, NB, stride_hm, stride_hk, stride_wv,
-                         stride_wk, head_args, FLAGS: tl.constexpr, ACC: tl.constexpr,
-                         LOGITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+def _head_dhidden_kernel(
+    h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr,                # pointers: the head, its rows
+    stats_ptr, entropy_ptr, g_ptr, dent_ptr, dh_ptr,        # the forward's; upstream; out
+    C, V, H, NB,                                            # sizes
+    stride_hm, stride_hk, stride_wv, stride_wk,             # strides
+    head_args,                                              # scalars (HeadParams)
+    FLAGS: tl.constexpr, ACC: tl.constexpr, LOGITS: tl.constexpr,    # HEAD_GRAD_FLAGS
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
     # one program per BLOCK_M rows: dh [C, H] (fp32, zeros) += their gradient's tiles times the
     # weight, the vocabulary blocks in order
     IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
@@ -228,11 +235,15 @@ def _head_dhidden_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, ent
 
 
 @triton.jit(do_not_specialize=["C"])   # one binary for any row count
-def _head_dweight_kernel(h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr, stats_ptr, entropy_ptr,
-                         g_ptr, dent_ptr, dw_ptr, db_ptr, C, V, H, stride_hm, stride_hk, stride_wv,
-                         stride_wk, head_args, FLAGS: tl.constexpr, ACC: tl.constexpr,
-                         LOGITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+def _head_dweight_kernel(
+    h_ptr, w_ptr, bias_ptr, y_ptr, keep_ptr,                # pointers: the head, its rows
+    stats_ptr, entropy_ptr, g_ptr, dent_ptr, dw_ptr, db_ptr,   # the forward's; upstream; out
+    C, V, H,                                                # sizes
+    stride_hm, stride_hk, stride_wv, stride_wk,             # strides
+    head_args,                                              # scalars (HeadParams)
+    FLAGS: tl.constexpr, ACC: tl.constexpr, LOGITS: tl.constexpr,    # HEAD_GRAD_FLAGS
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
     # one program per half block of HALF_BLOCK ids: dw [V, H] (fp32) += the gradient's tiles
     # transposed times the hidden rows, the rows in order (no atomics); db [V] += their sums
     IEEE: tl.constexpr = (_IEEE & FLAGS) != 0
@@ -271,10 +282,11 @@ def head_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     ``dentropy``) ``[C]``, the forward's ``stats [C, 2]`` (max, log-sum) and ``entropy [C]``,
     added into ``dhidden [C, H]``, ``dweight [V, H]`` and ``dbias [V]`` (contiguous, in the
     compute dtype; None: not wanted) from the logits' tiles formed again on the chip, their
-    gradient rounded to the weight's dtype as a stored one would be (``row_functions.row_write_dlogits``'
-    formula); rows not ``keep`` (and their targets outside ``[0, V)``) count for nothing,
-    whatever their hidden states. ``dhidden``: each row's over the vocabulary blocks in order
-    (its bits its own); ``dweight``, ``dbias``: over the rows in order (no atomics)."""
+    gradient rounded to the weight's dtype as a stored one would be
+    (``row_functions.row_write_dlogits``' formula); rows not ``keep`` (and their targets outside
+    ``[0, V)``) count for nothing, whatever their hidden states. ``dhidden``: each row's over
+    the vocabulary blocks in order (its bits its own); ``dweight``, ``dbias``: over the rows in
+    order (no atomics)."""
     C, H = hidden.shape
     V = weight.shape[0]
     with_entropy = dentropy is not None

@@ -64,9 +64,9 @@ def fixed_dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "K"])   # one binary for any row count
 def _matmul_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    a_ptr, b_ptr, bias_ptr, c_ptr,                                       # pointers
+    M, N, K,                                                             # sizes
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,    # strides
     HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

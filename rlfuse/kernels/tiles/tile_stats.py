@@ -48,9 +48,10 @@ def tree_sum(v, STEPS: tl.constexpr):
 @triton.jit
 def half_statistics(x, inv_temp, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr):
     """``(m, s, w)`` of each row of half a block ``x [R, HALF_BLOCK]`` (logits in the compute
-    dtype, -inf past the row's end) in the row kernels' units (``row_functions.row_logsumexp``: ``m``
-    the max before the temperature): with ``u = (x - m) log2(e) / tau``, ``s = sum 2^u`` and
-    ``w = sum 2^u u`` (0 without ``WITH_ENTROPY``), each by ``tree_sum``. A row of -inf gets
+    dtype, -inf past the row's end) in the row kernels' units
+    (``row_functions.row_logsumexp``: ``m`` the max before the temperature): with
+    ``u = (x - m) log2(e) / tau``, ``s = sum 2^u`` and ``w = sum 2^u u`` (0 without
+    ``WITH_ENTROPY``), each by ``tree_sum``. A row of -inf gets
     the lowest finite ``m`` and ``s = 0``."""
     if ACC == tl.float64:
         lowest = -1.7976931348623157e308

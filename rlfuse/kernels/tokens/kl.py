@@ -76,8 +76,12 @@ def kl_codes(kl):
 
 
 @triton.jit
-def _kl_penalty_fwd_kernel(lp_ptr, ref_ptr, out_ptr, n, BLOCK: tl.constexpr, ACC: tl.constexpr,
-                           KL: tl.constexpr, STRAIGHT: tl.constexpr, CLAMP: tl.constexpr):
+def _kl_penalty_fwd_kernel(
+    lp_ptr, ref_ptr, out_ptr,                           # pointers: [B, T] contiguous
+    n,                                                  # size
+    BLOCK: tl.constexpr, ACC: tl.constexpr,             # constexprs: the estimator's codes
+    KL: tl.constexpr, STRAIGHT: tl.constexpr, CLAMP: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     lp = tl.load(lp_ptr + offs, mask=inside, other=0.0).to(ACC)
@@ -87,9 +91,12 @@ def _kl_penalty_fwd_kernel(lp_ptr, ref_ptr, out_ptr, n, BLOCK: tl.constexpr, ACC
 
 
 @triton.jit
-def _kl_penalty_bwd_kernel(lp_ptr, ref_ptr, grad_ptr, dlp_ptr, n, BLOCK: tl.constexpr,
-                           ACC: tl.constexpr, KL: tl.constexpr, STRAIGHT: tl.constexpr,
-                           CLAMP: tl.constexpr):
+def _kl_penalty_bwd_kernel(
+    lp_ptr, ref_ptr, grad_ptr, dlp_ptr,                 # pointers: [B, T] contiguous
+    n,                                                  # size
+    BLOCK: tl.constexpr, ACC: tl.constexpr,             # constexprs: the estimator's codes
+    KL: tl.constexpr, STRAIGHT: tl.constexpr, CLAMP: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     lp = tl.load(lp_ptr + offs, mask=inside, other=0.0).to(ACC)
