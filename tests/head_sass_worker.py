@@ -15,8 +15,8 @@ from tools import compile_only, sass
 compile_only.install(90)
 
 from rlfuse.divergences import JSD  # noqa: E402
-from rlfuse.kernels.tiles.distill_tiles import (TwoHeads, distill_blocks,  # noqa: E402
-                                               distill_head_backward)
+from rlfuse.kernels.tiles.distill_tiles import (HEAD_PAIR_FLAGS, TwoHeads,  # noqa: E402
+                                               distill_blocks, distill_head_backward)
 from rlfuse.kernels.lib.head_functions import HeadParams  # noqa: E402
 from rlfuse.kernels.tiles.head_tiles import head_backward, head_blocks  # noqa: E402
 
@@ -49,6 +49,7 @@ for dtype in (torch.bfloat16, torch.float32):
             counts = Counter(re.findall(r"\b(HGMMA|HMMA|LDL|STL)\b", text))
             print(json.dumps({"kernel": key[0], "dtype": str(dtype).split(".")[1],
                               "softcap": bool(head.softcap),
-                              "teacher_logits": constexprs.get("T_LOGITS") == "True", **counts,
+                              "teacher_logits": key[0].startswith("_distill") and
+                              HEAD_PAIR_FLAGS.reads(constexprs["FLAGS"], "T_LOGITS"), **counts,
                               **compile_only.resources(kernel)}))
 sys.exit(1 if compile_only.FAILED else 0)

@@ -21,6 +21,7 @@ from conftest import nvidia_backend, process_env
 
 from rlfuse._names import GEOMETRIES, TOPOLOGIES
 from rlfuse.kernels.lib.regions import ROOT_FOUND
+from rlfuse.kernels.rows.surrogate import SINGLE_PASS_FLAGS
 from tools import sass
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,17 +141,17 @@ FIXED_LOOP = """
 
 
 def test_a_fixed_loop_counts_once_per_iteration():
+    flags = str(SINGLE_PASS_FLAGS.word(**{n: n == "WRITE_DLOGITS"
+                                          for n in SINGLE_PASS_FLAGS.names}))
     row = sass.analyse("fixed, bf16", "bf16", "_surrogate_logits_kernel",
-                       {"BLOCK_V": "1024", "WRITE_DLOGITS": "True"}, 4, {"reg": 40}, 0, 90,
-                       FIXED_LOOP)
+                       {"BLOCK_V": "1024", "FLAGS": flags}, 4, {"reg": 40}, 0, 90, FIXED_LOOP)
     assert [lp["trips"] for lp in row["loops"]] == [48]
     assert row["per_row"] == 5 + 48 * 4
     # no counter set to an immediate before the loop: the count fails rather than leave it out
     unreadable = FIXED_LOOP.replace("UMOV UR5, 0x30", "UMOV UR5, UR7")
     with pytest.raises(ValueError, match="trip count"):
         sass.analyse("fixed, bf16", "bf16", "_surrogate_logits_kernel",
-                     {"BLOCK_V": "1024", "WRITE_DLOGITS": "True"}, 4, {"reg": 40}, 0, 90,
-                     unreadable)
+                     {"BLOCK_V": "1024", "FLAGS": flags}, 4, {"reg": 40}, 0, 90, unreadable)
 
 
 def test_pins_fail_a_rise_only():

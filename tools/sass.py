@@ -368,7 +368,10 @@ def floor_of(kernel: str, constexprs: Dict[str, str]):
     if kernel == "_surrogate_logits_kernel":
         # the single pass: one read and one write of dlogits (its second read of a row is an L2
         # hit at best); without dlogits one read
-        return (1, 1) if constexprs.get("WRITE_DLOGITS") == "True" else (1, 0)
+        from rlfuse.kernels.rows.surrogate import SINGLE_PASS_FLAGS
+
+        writes = SINGLE_PASS_FLAGS.reads(constexprs["FLAGS"], "WRITE_DLOGITS")
+        return (1, 1) if writes else (1, 0)
     if kernel == "_scale_rows_kernel":
         return 1, 1
     # distillation, per logit of the vocabulary: the student's and the teacher's rows read

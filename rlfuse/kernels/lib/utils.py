@@ -87,6 +87,11 @@ class Flags:
             raise TypeError(f"flags: expected {self.names}, got {tuple(values)}")
         return sum(1 << i for i, name in enumerate(self.names) if values[name])
 
+    def reads(self, word, name: str) -> bool:
+        """Whether a launch's ``FLAGS`` (an int, or its text in a compiled kernel's
+        constexprs) has ``name`` set."""
+        return bool(int(word) >> self.names.index(name) & 1)
+
 
 def vocab_launch_config(vocab_size: int, element_size: int, block_v=None, num_warps=None):
     """(BLOCK_V, num_warps) for a kernel that streams one row of ``vocab_size`` logits: from the
